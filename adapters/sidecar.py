@@ -1,0 +1,388 @@
+"""The sidecar: one per agent instance. It registers the instance, heartbeats, consumes the
+instance's stream and walks each message through RECEIVED -> PROCESSING -> outcome.
+
+PROCESSING is written before the request leaves for the agent (write-ahead), so a crash
+between RECEIVED and PROCESSING is always safe to redeliver, and a crash after PROCESSING is
+resolved only where that is safe: an idempotent agent is called again with the same
+idempotency key, any other parks as NEEDS_CONFIRMATION for an operator. A stream entry whose
+attempt or instance is no longer the record's current one is dropped, never executed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup, TaskStatus
+
+from broker import failpoints
+from broker.connection import Connection, ensure_group
+from broker.envelope import Envelope, load_envelope
+from broker.errors import RedisUnavailable
+from broker.keyspace import SIDECAR_GROUP
+from broker.records import InstanceCard, InstanceState, Moved
+from broker.registry import Registry
+from broker.stages import TERMINAL, Stage
+from broker.store import MessageStore, Move, trim_acknowledged
+from broker.streams import GroupReader, StreamEntry
+
+from .outcome import Ambiguous, Failed, NotReached, Outcome, Succeeded
+from .transport import Transport
+
+log = logging.getLogger("agent_reach.sidecar")
+
+READ_BLOCK_MS = 1000
+
+
+class Sidecar:
+    def __init__(
+        self,
+        conn: Connection,
+        card: InstanceCard,
+        transport: Transport,
+        *,
+        grace_s: float = 40.0,
+    ) -> None:
+        self.conn = conn
+        self.card = card
+        self.transport = transport
+        self.grace_s = grace_s
+        self.store = MessageStore(conn)
+        self.registry = Registry(conn)
+        self.instance_id = card.instance_id
+        self.queue = conn.keys.queue(card.instance_id)
+        self._slots = anyio.Semaphore(card.max_inflight)
+        self._stopping = anyio.Event()
+        self._active = 0
+        self._idle = anyio.Event()
+        self._finished: list[Finished] = []
+        self.stopped = anyio.Event()
+        self._finished_ready = anyio.Event()
+
+    def stop(self) -> None:
+        """Begin a graceful stop: no new reads, finish in-flight work, then deregister."""
+        self._stopping.set()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        await ensure_group(self.conn, self.queue, SIDECAR_GROUP)
+        await self.registry.register(self.card, credits=self.card.max_inflight)
+        log.info(
+            "instance %s registered for %s", self.instance_id, ",".join(self.card.capabilities)
+        )
+        async with self.conn.reader() as reader, anyio.create_task_group() as outer:
+            outer.start_soon(self._heartbeat_loop)
+            outer.start_soon(self._finish_loop)
+            task_status.started()
+            async with anyio.create_task_group() as work:
+                await self._take(work, await self._read(reader, pending=True))
+                await self._consume(reader, work)
+                await self._wait_idle(work)
+            await self._finish_now()
+            outer.cancel_scope.cancel()
+        await self.registry.deregister(self.instance_id)
+        log.info("instance %s deregistered", self.instance_id)
+        self.stopped.set()
+
+    # -- the loops -------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        trim_every = 12
+        beats = 0
+        while True:
+            await anyio.sleep(self.conn.settings.heartbeat_s)
+            try:
+                await self.registry.heartbeat(self.instance_id)
+                beats += 1
+                if beats % trim_every == 0:
+                    await trim_acknowledged(self.conn, self.queue)
+            except RedisUnavailable as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    async def _read(self, reader: GroupReader, *, pending: bool = False) -> list[StreamEntry]:
+        """New entries, or (at start) this instance's own pending list: a restart after a crash
+        first finishes what it had taken."""
+        entries = await reader.read(
+            self.queue,
+            SIDECAR_GROUP,
+            self.instance_id,
+            count=100_000 if pending else self.conn.settings.sidecar_batch,
+            block_ms=None if pending else READ_BLOCK_MS,
+            pending=pending,
+        )
+        if pending and entries:
+            log.info("resuming %d pending entries", len(entries))
+        return entries
+
+    async def _consume(self, reader: GroupReader, work: TaskGroup) -> None:
+        backoff = 0.1
+        while not self._stopping.is_set():
+            try:
+                entries = await self._read(reader)
+                await self._take(work, entries)
+            except RedisUnavailable as exc:
+                log.warning("read failed, retrying in %.1fs: %s", backoff, exc)
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+
+    async def _take(self, work: TaskGroup, entries: list[StreamEntry]) -> None:
+        """RECEIVED for a whole batch in one round trip, PROCESSING (write-ahead) for those
+        received in a second, then one task per message to call the agent."""
+        if not entries:
+            return
+        taken = [Taken(entry_id, f["id"].decode(), int(f["attempt"])) for entry_id, f in entries]
+        received = await self.store.move_many(
+            [self._fenced(t, Stage.RECEIVED, Stage.ROUTED, return_field="envelope") for t in taken]
+        )
+        failpoints.hit("sidecar.after_received")
+        fresh = [(t, m.value) for t, m in zip(taken, received, strict=True) if m.ok and m.value]
+        processing = (
+            await self.store.move_many(
+                [self._fenced(t, Stage.PROCESSING, Stage.RECEIVED) for t, _ in fresh]
+            )
+            if fresh
+            else []
+        )
+        failpoints.hit("sidecar.after_processing")
+        ready = {
+            t.entry_id: (load_envelope(v), p.ok)
+            for (t, v), p in zip(fresh, processing, strict=True)
+        }
+        for t, m in zip(taken, received, strict=True):
+            if t.entry_id not in ready:
+                await self._start(work, self._resume(t, m), t)
+            elif ready[t.entry_id][1]:
+                await self._start(work, self._call_agent(t, ready[t.entry_id][0]), t)
+            else:
+                self._done(t)  # lost the PROCESSING race: someone else owns the record now
+
+    async def _start(self, work: TaskGroup, step: Coroutine[Any, Any, None], taken: Taken) -> None:
+        await self._slots.acquire()
+        self._active += 1
+        self._idle = anyio.Event()
+        work.start_soon(self._guarded, taken, step)
+
+    async def _wait_idle(self, work: TaskGroup) -> None:
+        """Give in-flight work the grace period, then cancel what is left (it stays pending)."""
+        await self.registry.set_state(self.instance_id, InstanceState.DRAINING)
+        with anyio.move_on_after(self.grace_s):
+            while self._active:
+                await self._idle.wait()
+        work.cancel_scope.cancel()
+
+    async def _finish_loop(self) -> None:
+        while True:
+            await self._finished_ready.wait()
+            self._finished_ready = anyio.Event()
+            try:
+                await self._finish_now()
+            except RedisUnavailable as exc:
+                log.warning("release failed, retrying: %s", exc)
+                await anyio.sleep(0.5)
+                self._finished_ready.set()
+
+    async def _finish_now(self) -> None:
+        """Settle every finished entry in three round trips: record the outcomes, deliver the
+        replies of those recorded, then return the credits and acknowledge. Replies go before
+        the acknowledgement, so a crash in between re-sends a reply, never skips one."""
+        batch, self._finished = self._finished, []
+        if not batch:
+            return
+        try:
+            settles = [item for item in batch if item.settle is not None]
+            moved = await self.store.move_many([item.settle for item in settles])  # type: ignore[misc]
+            recorded = {
+                id(item) for item, m in zip(settles, moved, strict=True) if self._recorded(item, m)
+            }
+            commands = [
+                item.reply
+                for item in batch
+                if item.reply is not None and (item.settle is None or id(item) in recorded)
+            ]
+            commands.append(
+                self.store.release_command(
+                    self.instance_id,
+                    SIDECAR_GROUP,
+                    [(f"{i.taken.message_id}:{i.taken.attempt}", i.taken.entry_id) for i in batch],
+                )
+            )
+            for reply in await self.conn.call_many(commands):
+                if isinstance(reply, Exception):
+                    raise reply
+        except RedisUnavailable:
+            self._finished = batch + self._finished
+            raise
+
+    def _recorded(self, item: Finished, moved: Moved) -> bool:
+        """The outcome is on the record: written now, or by an earlier try of this batch."""
+        assert item.settle is not None
+        return moved.ok or (
+            moved.stage is item.settle.target
+            and moved.attempt == item.taken.attempt
+            and moved.instance == self.instance_id
+        )
+
+    # -- one message -----------------------------------------------------------------------
+
+    async def _guarded(self, taken: Taken, step: Awaitable[None]) -> None:
+        try:
+            await step
+        except RedisUnavailable as exc:
+            # The entry stays pending; the record's stage says where to resume.
+            log.warning("message %s: redis unavailable, left pending: %s", taken.message_id, exc)
+        finally:
+            self._finished_ready.set()
+            self._slots.release()
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
+
+    async def _resume(self, taken: Taken, moved: Moved) -> None:
+        """The entry did not find its record ROUTED here: a restart, or a stale delivery."""
+        if moved.missing or moved.attempt != taken.attempt or moved.instance != self.instance_id:
+            log.info(
+                "message %s attempt %d is stale here: dropped, not executed",
+                taken.message_id,
+                taken.attempt,
+            )
+            self._done(taken)
+            return
+        record = await self.store.get_record(taken.message_id)
+        if record is None:
+            self._done(taken)
+            return
+        envelope = load_envelope(record.envelope)
+        if moved.stage is Stage.RECEIVED:
+            await self._execute(taken, envelope, Stage.RECEIVED, "resumed after restart")
+        elif moved.stage is Stage.PROCESSING and self.card.idempotent:
+            await self._execute(
+                taken,
+                envelope,
+                Stage.PROCESSING,
+                "resumed after restart; agent is idempotent, same idempotency key",
+            )
+        elif moved.stage is Stage.PROCESSING:
+            await self._settle(
+                taken,
+                envelope,
+                Stage.NEEDS_CONFIRMATION,
+                "sidecar restarted while the agent was processing; agent is not idempotent",
+            )
+        elif moved.stage in TERMINAL:
+            self._done(taken, self._reply(envelope, moved.stage, record.result, record.error))
+        else:
+            self._done(taken)
+
+    async def _execute(self, taken: Taken, envelope: Envelope, source: Stage, reason: str) -> None:
+        processing = await self.store.apply(
+            self._fenced(taken, Stage.PROCESSING, source, reason=reason)
+        )
+        if not processing.ok:
+            self._done(taken)
+            return
+        await self._call_agent(taken, envelope)
+
+    async def _call_agent(self, taken: Taken, envelope: Envelope) -> None:
+        outcome = await self.transport.deliver(envelope, taken.attempt)
+        await self._record(taken, envelope, outcome)
+
+    async def _record(self, taken: Taken, envelope: Envelope, outcome: Outcome) -> None:
+        retries_left = taken.attempt < envelope.max_attempts
+        match outcome:
+            case Succeeded(result=result):
+                await self._settle(taken, envelope, Stage.SUCCEEDED, "", result=result)
+            case Failed(reason=reason):
+                await self._settle(taken, envelope, Stage.FAILED, reason, error=reason)
+            case NotReached(reason=reason) if retries_left:
+                await self._requeue(taken, envelope, reason)
+            case Ambiguous(reason=reason) if retries_left and self.card.idempotent:
+                await self._requeue(taken, envelope, reason)
+            case Ambiguous(reason=reason) if not self.card.idempotent:
+                await self._settle(taken, envelope, Stage.NEEDS_CONFIRMATION, reason)
+            case NotReached(reason=reason) | Ambiguous(reason=reason):
+                error = f"gave up after {taken.attempt} attempts: {reason}"
+                await self._settle(taken, envelope, Stage.FAILED, error, error=error)
+
+    async def _settle(
+        self,
+        taken: Taken,
+        envelope: Envelope,
+        stage: Stage,
+        reason: str,
+        *,
+        result: bytes | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Queue the outcome for the next finishing round trip (see :meth:`_finish_now`)."""
+        fields: dict[str, str | bytes] = {}
+        if result is not None:
+            fields["result"] = result
+        if error is not None:
+            fields["error"] = error
+        settle = self._fenced(taken, stage, Stage.PROCESSING, reason=reason, fields=fields)
+        reply = self._reply(envelope, stage, result, error) if stage in TERMINAL else None
+        self._finished.append(Finished(taken, reply, settle))
+
+    async def _requeue(self, taken: Taken, envelope: Envelope, reason: str) -> None:
+        """The agent was provably not reached (or is idempotent): back to WAITING for a retry."""
+        moved = await self.store.apply(
+            self._fenced(taken, Stage.WAITING, Stage.PROCESSING, reason=reason)
+        )
+        if moved.ok:
+            accepted_ms = int((envelope.created_at or 0) * 1000)
+            await self.store.park(
+                envelope.capability, envelope.message_id, envelope.priority, accepted_ms
+            )
+        self._done(taken)
+
+    def _fenced(self, taken: Taken, target: Stage, source: Stage, **options: Any) -> Move:
+        """A move allowed only from ``source``, at this entry's attempt, on this instance:
+        the fence that keeps a stale delivery from ever acting on the record."""
+        return Move(
+            taken.message_id,
+            target,
+            only_from={source},
+            expect_attempt=taken.attempt,
+            expect_instance=self.instance_id,
+            **options,
+        )
+
+    def _done(self, taken: Taken, reply: tuple[Any, ...] | None = None) -> None:
+        """Queue the entry for the next release round trip (credit, ack, reply)."""
+        self._finished.append(Finished(taken, reply))
+
+    def _reply(
+        self, envelope: Envelope, stage: Stage, result: bytes | None, error: str | None
+    ) -> tuple[Any, ...] | None:
+        """The ``XADD`` of the result to ``reply_to`` (fields ``id``, ``stage``, ``result`` or
+        ``error``), or ``None`` when the producer asked for no reply."""
+        if not envelope.reply_to:
+            return None
+        fields: list[str | bytes] = ["id", envelope.message_id, "stage", stage.value]
+        if result is not None:
+            fields += ["result", result]
+        if error is not None:
+            fields += ["error", error]
+        return ("XADD", envelope.reply_to, "*", *fields)
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """One entry read from the instance's stream."""
+
+    entry_id: str
+    message_id: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """An entry done with the agent: its outcome to record, reply to send, credit to return."""
+
+    taken: Taken
+    reply: tuple[Any, ...] | None
+    settle: Move | None = None

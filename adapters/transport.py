@@ -1,0 +1,31 @@
+"""A transport reaches one agent: one async method and a close."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from broker.envelope import Envelope
+
+from .outcome import Outcome
+
+
+class Transport(Protocol):
+    async def deliver(self, envelope: Envelope, attempt: int) -> Outcome:
+        """Send one attempt of ``envelope`` to the agent and say what is known of the outcome."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+def reach_headers(envelope: Envelope, attempt: int) -> dict[str, str]:
+    """The headers every adapter passes to its agent (DESIGN §7)."""
+    headers = {
+        **envelope.headers,
+        "X-Reach-Message-Id": envelope.message_id,
+        "X-Reach-Idempotency-Key": envelope.idempotency_key or envelope.message_id,
+        "X-Reach-Attempt": str(attempt),
+        "X-Reach-Capability": envelope.capability,
+    }
+    if envelope.traceparent:
+        headers["traceparent"] = envelope.traceparent
+    return headers

@@ -1,0 +1,108 @@
+"""Validated settings: defaults, then a TOML file, then ``AGENT_REACH_*`` environment variables,
+then explicit overrides (command-line flags). Unknown keys and out-of-range values fail with the
+key's name and the allowed range.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+from .errors import ConfigError
+
+ENV_PREFIX = "AGENT_REACH_"
+# Variables under the prefix that are read elsewhere, not settings.
+NON_SETTING_ENV = frozenset({"CONFIG", "FAILPOINTS", "CHAOS", "STATE_DIR"})
+
+Positive = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+
+
+class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Every tunable of the broker, with its default (DESIGN §5, §8)."""
+
+    redis_url: str | None = None
+    prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "reach"
+    redis_pool_size: Annotated[int, msgspec.Meta(ge=4, le=10_000)] = 64
+    heartbeat_s: Positive = 5.0
+    down_after_s: Positive = 15.0
+    dispatch_batch: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 256
+    sidecar_batch: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 256
+    sweep_interval_s: Positive = 1.0
+    registry_refresh_s: Positive = 1.0
+    max_envelope_bytes: Annotated[int, msgspec.Meta(ge=256, le=64 * 1024 * 1024)] = 1024 * 1024
+    sync_call_timeout_s: Positive = 5.0
+    record_ttl_s: Annotated[int, msgspec.Meta(ge=60, le=365 * 86400)] = 7 * 86400
+    timeline_max: Annotated[int, msgspec.Meta(ge=10, le=10_000)] = 200
+
+
+FIELDS: tuple[str, ...] = Settings.__struct_fields__
+
+
+def build_settings(layers: list[Mapping[str, Any]]) -> Settings:
+    """Merge layers (later wins) and validate; raise :class:`ConfigError` naming the key."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if key not in FIELDS:
+                raise ConfigError(key, f"unknown key; known keys: {', '.join(FIELDS)}")
+            merged[key] = value
+    try:
+        return msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_key_of(str(exc)), str(exc)) from exc
+
+
+def _key_of(message: str) -> str:
+    marker = "at `$."
+    if marker in message:
+        return message.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0]
+    return "?"
+
+
+def env_layer(environ: Mapping[str, str]) -> dict[str, str]:
+    """Settings from ``AGENT_REACH_<KEY>`` variables; an unknown one is a :class:`ConfigError`."""
+    layer = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name[len(ENV_PREFIX) :] in NON_SETTING_ENV:
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key not in FIELDS:
+            raise ConfigError(
+                name, f"unknown environment variable; known keys: {', '.join(FIELDS)}"
+            )
+        layer[key] = value
+    return layer
+
+
+def file_layer(path: Path) -> dict[str, Any]:
+    """Settings from a TOML file; a missing or malformed file is a :class:`ConfigError`."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(str(path), "config file not found") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), f"invalid TOML: {exc}") from exc
+    return data
+
+
+def load_settings(
+    config_file: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Defaults < config file (``--config`` or ``AGENT_REACH_CONFIG``) < environment < flags."""
+    environ = os.environ if environ is None else environ
+    layers: list[Mapping[str, Any]] = []
+    path = config_file
+    if path is None and environ.get("AGENT_REACH_CONFIG"):
+        path = Path(environ["AGENT_REACH_CONFIG"])
+    if path is not None:
+        layers.append(file_layer(path))
+    layers.append(env_layer(environ))
+    layers.append({k: v for k, v in (overrides or {}).items() if v is not None})
+    return build_settings(layers)

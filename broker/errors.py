@@ -1,0 +1,74 @@
+"""The one exception tree of Agent-Reach.
+
+::
+
+    ReachError
+    ├── ConfigError              a configuration key is unknown or its value is out of range
+    ├── InvalidEnvelope          an envelope cannot be decoded or fails validation
+    ├── IllegalTransition        a stage change the lifecycle table does not allow
+    ├── UnknownMessage           no record exists for a message id
+    ├── RedisUnavailable         Redis cannot be reached or answered with a server error
+    ├── EmbeddedRedisError       the embedded redis-server could not be found or started
+    └── DeliveryError            an adapter could not deliver a message to its agent
+
+Redis errors are translated into these in :mod:`broker.redis_store`, with the original
+exception kept in ``__cause__``.
+"""
+
+from __future__ import annotations
+
+
+class ReachError(Exception):
+    """Root of every error raised by Agent-Reach."""
+
+
+class ConfigError(ReachError):
+    """Raised when a configuration key is unknown or its value is out of range."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"config key {key!r}: {problem}")
+        self.key = key
+        self.problem = problem
+
+
+class InvalidEnvelope(ReachError):
+    """Raised when raw bytes cannot become an envelope; carries the bytes and the reason."""
+
+    def __init__(self, reason: str, raw: bytes) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.raw = raw
+
+
+class IllegalTransition(ReachError):
+    """Raised when a stage change is not in the lifecycle table."""
+
+    def __init__(self, current: str, target: str) -> None:
+        super().__init__(f"illegal transition {current} -> {target}")
+        self.current = current
+        self.target = target
+
+
+class UnknownMessage(ReachError):
+    """Raised when no record exists for a message id."""
+
+    def __init__(self, message_id: str) -> None:
+        super().__init__(f"unknown message id {message_id!r}")
+        self.message_id = message_id
+
+
+class RedisUnavailable(ReachError):
+    """Raised when Redis cannot be reached or answers with a server error."""
+
+
+class EmbeddedRedisError(ReachError):
+    """Raised when the embedded redis-server cannot be found or started."""
+
+
+class DeliveryError(ReachError):
+    """Raised when an adapter cannot deliver a message; says whether a retry is safe."""
+
+    def __init__(self, reason: str, *, retry_safe: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_safe = retry_safe

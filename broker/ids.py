@@ -1,0 +1,30 @@
+"""Time-sortable message ids (ULID layout: 48-bit milliseconds, 80 random bits, Crockford base32).
+
+Pure: the caller passes the time and the random bits, so tests can pin both.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def encode_ulid(timestamp_ms: int, randomness: bytes) -> str:
+    """Encode a ULID from a millisecond timestamp and 10 random bytes (26 characters)."""
+    if not 0 <= timestamp_ms < 1 << 48:
+        raise ValueError("timestamp_ms must fit in 48 bits")
+    if len(randomness) != 10:
+        raise ValueError("randomness must be 10 bytes")
+    value = (timestamp_ms << 80) | int.from_bytes(randomness, "big")
+    chars = []
+    for _ in range(26):
+        chars.append(_ALPHABET[value & 31])
+        value >>= 5
+    return "".join(reversed(chars))
+
+
+def new_message_id() -> str:
+    """A fresh ULID for the current time."""
+    return encode_ulid(time.time_ns() // 1_000_000, os.urandom(10))

@@ -1,0 +1,84 @@
+"""Every Redis key name Agent-Reach uses, built in one place.
+
+========================  ======  ==========================================================
+key                       type    holds
+========================  ======  ==========================================================
+``P:in``                  stream  ingress envelopes; consumer group ``dispatch``
+``P:m:{<id>}``            hash    message record: envelope, stage, attempt, instance, ...
+``P:t:{<id>}``            stream  the message's timeline (capped)
+``P:a:{<inst>}``          hash    instance card, live stats and state
+``P:q:{<inst>}``          stream  work for one instance; consumer group ``sidecar``
+``P:f:{<inst>}``          set     in-flight ``id:attempt`` members = credits in use
+``P:agents``              zset    instance -> last heartbeat (ms); the registry index
+``P:w:{<capability>}``    zset    WAITING message ids, by priority then age
+``P:waiting``             set     capabilities that have had waiting work
+``P:dlq``                 stream  dead letters with their reason
+``P:reply:<name>``        stream  results for one producer
+``P:credit``              pubsub  instance ids whose credits were just released
+``P:registry``            pubsub  instance ids whose card just changed
+========================  ======  ==========================================================
+
+Record and timeline share the ``{<id>}`` hash tag; card, work stream and in-flight set share
+``{<inst>}``, so each Lua script touches a single cluster slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DISPATCH_GROUP = "dispatch"
+SIDECAR_GROUP = "sidecar"
+
+
+@dataclass(frozen=True, slots=True)
+class Keyspace:
+    prefix: str = "reach"
+
+    @property
+    def ingress(self) -> str:
+        return f"{self.prefix}:in"
+
+    def record(self, message_id: str) -> str:
+        return f"{self.prefix}:m:{{{message_id}}}"
+
+    def timeline(self, message_id: str) -> str:
+        return f"{self.prefix}:t:{{{message_id}}}"
+
+    def card(self, instance_id: str) -> str:
+        return f"{self.prefix}:a:{{{instance_id}}}"
+
+    def queue(self, instance_id: str) -> str:
+        return f"{self.prefix}:q:{{{instance_id}}}"
+
+    def inflight(self, instance_id: str) -> str:
+        return f"{self.prefix}:f:{{{instance_id}}}"
+
+    @property
+    def agents(self) -> str:
+        return f"{self.prefix}:agents"
+
+    def waiting(self, capability: str) -> str:
+        return f"{self.prefix}:w:{{{capability}}}"
+
+    @property
+    def waiting_index(self) -> str:
+        return f"{self.prefix}:waiting"
+
+    @property
+    def dlq(self) -> str:
+        return f"{self.prefix}:dlq"
+
+    @property
+    def reply_prefix(self) -> str:
+        return f"{self.prefix}:reply:"
+
+    def reply(self, name: str) -> str:
+        return f"{self.reply_prefix}{name}"
+
+    @property
+    def credit_channel(self) -> str:
+        return f"{self.prefix}:credit"
+
+    @property
+    def registry_channel(self) -> str:
+        return f"{self.prefix}:registry"

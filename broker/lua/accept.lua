@@ -1,0 +1,38 @@
+-- accept.lua: create a message record once per id, and take its first routing step.
+--
+-- KEYS[1]  record    P:m:{id}   (hash)
+-- KEYS[2]  timeline  P:t:{id}   (stream)
+-- ARGV[1]  envelope JSON (completed: id, idempotency_key, created_at filled)
+-- ARGV[2]  capability
+-- ARGV[3]  now (ms)
+-- ARGV[4]  deadline (ms)
+-- ARGV[5]  reply_to, or ""
+-- ARGV[6]  priority
+-- ARGV[7]  timeline cap (entries)
+-- ARGV[8]  next stage: "ROUTED", "WAITING" or "REJECTED" (ACCEPTED -> next, broker/stages.py)
+-- ARGV[9]  instance, when next is ROUTED
+-- ARGV[10] reason for the next step (for REJECTED also stored as the record's error)
+-- ARGV[11] seconds to keep record and timeline when next is terminal, or ""
+--
+-- Returns {1, stage, attempt} for a new record, {0, stage, attempt} when the id exists
+-- (a producer retry: the first acceptance wins and nothing else is written).
+local rec = KEYS[1]
+local existing = redis.call('HMGET', rec, 'stage', 'attempt')
+if existing[1] then
+  return {0, existing[1], existing[2] or '0'}
+end
+local attempt = ARGV[8] == 'ROUTED' and '1' or '0'
+local error = ARGV[8] == 'REJECTED' and ARGV[10] or ''
+redis.call('HSET', rec, 'envelope', ARGV[1], 'capability', ARGV[2], 'accepted_ms', ARGV[3],
+           'deadline_ms', ARGV[4], 'reply_to', ARGV[5], 'priority', ARGV[6],
+           'stage', ARGV[8], 'attempt', attempt, 'instance', ARGV[9], 'updated_ms', ARGV[3],
+           'error', error)
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'ts', ARGV[3], 'stage', 'ACCEPTED',
+           'instance', '', 'attempt', '0', 'reason', '')
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'ts', ARGV[3], 'stage', ARGV[8],
+           'instance', ARGV[9], 'attempt', attempt, 'reason', ARGV[10])
+if ARGV[11] ~= '' then
+  redis.call('EXPIRE', rec, ARGV[11])
+  redis.call('EXPIRE', KEYS[2], ARGV[11])
+end
+return {1, ARGV[8], attempt}

@@ -1,0 +1,19 @@
+-- release.lua: return the credits of finished entries, acknowledge them, and announce it.
+--
+-- KEYS[1]  inflight  P:f:{inst}  (set of "id:attempt")
+-- KEYS[2]  queue     P:q:{inst}  (stream; group ARGV[1])
+-- ARGV[1]  consumer group of the queue
+-- ARGV[2]  channel to announce freed credits on
+-- ARGV[3]  instance id; the announcement is "<instance id> <credits now in use>"
+-- ARGV[4..] member, entry id pairs
+--
+-- Returns the number of credits freed.
+local freed = 0
+for i = 4, #ARGV, 2 do
+  freed = freed + redis.call('SREM', KEYS[1], ARGV[i])
+  redis.call('XACK', KEYS[2], ARGV[1], ARGV[i + 1])
+end
+if freed > 0 then
+  redis.call('PUBLISH', ARGV[2], ARGV[3] .. ' ' .. redis.call('SCARD', KEYS[1]))
+end
+return freed

@@ -1,0 +1,127 @@
+"""Coalesce commands issued by concurrent tasks into one pipelined round trip.
+
+Each task awaits its own commands as if it had the connection to itself; while one pipeline
+is in flight, the commands issued meanwhile queue up and leave together in the next. Under
+load batches grow on their own; when idle a command leaves at once. This is what lets a
+sidecar handle each message as a short, readable sequence of awaits and still pay one round
+trip per batch rather than per message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+from redis.exceptions import NoScriptError
+
+from .errors import RedisUnavailable
+from .resp import Command, RespConnection
+from .scripts import Script
+
+_Group = tuple[list[Command], asyncio.Future[list[Any]]]
+
+
+class Pipeliner:
+    def __init__(self, url: str, scripts: list[Script], *, max_commands: int = 4096) -> None:
+        self._url = url
+        self._scripts = scripts
+        self._max_commands = max_commands
+        self._pending: list[_Group] = []
+        self._wake = asyncio.Event()
+        self._running = False
+        self._conn: RespConnection | None = None
+
+    async def call(self, *command: Any) -> Any:
+        """Queue one command and await its reply; an error reply is raised."""
+        reply = (await self.call_many([command]))[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def call_many(self, commands: list[Command]) -> list[Any]:
+        """Queue commands that leave together, in order; error replies are returned in place."""
+        if not self._running:
+            raise RuntimeError("Pipeliner.run() is not running")
+        if not commands:
+            return []
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self._pending.append((commands, future))
+        self._wake.set()
+        return await future
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Flush queued commands until cancelled."""
+        self._running = True
+        task_status.started()
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._pending:
+                    await self._flush(self._take())
+        finally:
+            self._running = False
+            for _, future in self._pending:
+                future.cancel()
+            self._pending.clear()
+            if self._conn is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._conn.close()
+
+    def _take(self) -> list[_Group]:
+        taken, size = 0, 0
+        for commands, _ in self._pending:
+            if taken and size + len(commands) > self._max_commands:
+                break
+            taken += 1
+            size += len(commands)
+        groups = self._pending[:taken]
+        del self._pending[:taken]
+        return groups
+
+    async def _flush(self, groups: list[_Group]) -> None:
+        commands = [command for group, _ in groups for command in group]
+        try:
+            results = await self._execute(commands)
+            if any(isinstance(r, NoScriptError) for r in results):
+                results = await self._retry_noscript(commands, results)
+        except (RedisUnavailable, ConnectionError, OSError) as exc:
+            self._conn = None
+            error = (
+                exc
+                if isinstance(exc, RedisUnavailable)
+                else RedisUnavailable(f"redis unavailable: {exc}")
+            )
+            for _, future in groups:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        start = 0
+        for group, future in groups:
+            if not future.done():
+                future.set_result(results[start : start + len(group)])
+            start += len(group)
+
+    async def _execute(self, commands: list[Command]) -> list[Any]:
+        if self._conn is None:
+            self._conn = await RespConnection.open(self._url)
+        try:
+            return await self._conn.execute(commands)
+        except BaseException:
+            # A half-read pipeline leaves the connection out of step: never reuse it.
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                with anyio.CancelScope(shield=True):
+                    await conn.close()
+            raise
+
+    async def _retry_noscript(self, commands: list[Command], results: list[Any]) -> list[Any]:
+        """Redis lost its script cache (a restart): load the scripts, rerun only those calls."""
+        await self._execute([("SCRIPT", "LOAD", script.source) for script in self._scripts])
+        again = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        retried = await self._execute([commands[i] for i in again])
+        for i, result in zip(again, retried, strict=True):
+            results[i] = result
+        return results

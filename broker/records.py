@@ -1,0 +1,107 @@
+"""Typed views of what Redis holds: message records, timeline entries, instance cards.
+
+Redis hands back ``bytes``; these are the only shapes the rest of the code sees.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum, StrEnum
+
+import msgspec
+
+from .stages import Stage
+
+
+class InstanceState(StrEnum):
+    UP = "UP"
+    DEGRADED = "DEGRADED"
+    DOWN = "DOWN"
+    DRAINING = "DRAINING"
+
+
+class InstanceCard(msgspec.Struct, frozen=True, kw_only=True):
+    """What a sidecar registers for its agent instance."""
+
+    agent_id: str
+    instance_id: str
+    capabilities: tuple[str, ...]
+    endpoint: str
+    max_inflight: int
+    idempotent: bool = False
+    version: str = "0"
+    tags: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class InstanceView(msgspec.Struct, frozen=True, kw_only=True):
+    """An instance as the registry sees it now: card, state, credits and heartbeat."""
+
+    card: InstanceCard
+    state: InstanceState
+    credits: int
+    inflight: int
+    heartbeat_ms: int
+
+    @property
+    def instance_id(self) -> str:
+        return self.card.instance_id
+
+    @property
+    def free_credits(self) -> int:
+        return max(0, self.credits - self.inflight)
+
+
+class TimelineEntry(msgspec.Struct, frozen=True):
+    ts_ms: int
+    stage: Stage
+    instance: str
+    attempt: int
+    reason: str
+
+
+class MessageRecord(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    stage: Stage
+    attempt: int
+    instance: str
+    capability: str
+    envelope: bytes
+    accepted_ms: int
+    deadline_ms: int
+    updated_ms: int
+    reply_to: str
+    priority: int
+    result: bytes | None = None
+    error: str | None = None
+
+
+class AssignResult(IntEnum):
+    """The answers of ``lua/assign.lua``."""
+
+    ASSIGNED = 1
+    ALREADY_ASSIGNED = 2
+    NO_CREDIT = 0
+    UNKNOWN_INSTANCE = -1
+    NOT_ACCEPTING = -2
+    HEARTBEAT_LAPSED = -3
+
+
+class Accepted(msgspec.Struct, frozen=True):
+    """The answer of ``lua/accept.lua``: whether this call created the record, and its stage."""
+
+    created: bool
+    stage: Stage
+    attempt: int
+
+
+class Moved(msgspec.Struct, frozen=True):
+    """The answer of a compare-and-set: ``ok`` and the record's stage after the call."""
+
+    ok: bool
+    stage: Stage | None
+    attempt: int
+    instance: str
+    value: bytes | None = None
+
+    @property
+    def missing(self) -> bool:
+        return self.stage is None

@@ -1,0 +1,115 @@
+"""The instance registry in Redis: cards, heartbeats, state, and snapshots for routing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .connection import Connection
+from .records import InstanceCard, InstanceState, InstanceView
+from .store import now_ms, pairs
+
+_tags_decoder = msgspec.json.Decoder(dict[str, str])
+
+
+def card_fields(
+    card: InstanceCard, *, credits: int, state: InstanceState, hb_ms: int
+) -> dict[str, Any]:
+    return {
+        "agent_id": card.agent_id,
+        "instance_id": card.instance_id,
+        "capabilities": ",".join(card.capabilities),
+        "endpoint": card.endpoint,
+        "max_inflight": card.max_inflight,
+        "credits": credits,
+        "idempotent": int(card.idempotent),
+        "version": card.version,
+        "tags": msgspec.json.encode(card.tags),
+        "state": state.value,
+        "hb_ms": hb_ms,
+    }
+
+
+def view_from_hash(raw: dict[bytes, bytes], inflight: int) -> InstanceView:
+    def text(name: str) -> str:
+        return raw.get(name.encode(), b"").decode()
+
+    card = InstanceCard(
+        agent_id=text("agent_id"),
+        instance_id=text("instance_id"),
+        capabilities=tuple(c for c in text("capabilities").split(",") if c),
+        endpoint=text("endpoint"),
+        max_inflight=int(text("max_inflight") or 0),
+        idempotent=text("idempotent") == "1",
+        version=text("version") or "0",
+        tags=_tags_decoder.decode(raw.get(b"tags") or b"{}"),
+    )
+    return InstanceView(
+        card=card,
+        state=InstanceState(text("state") or "DOWN"),
+        credits=int(text("credits") or 0),
+        inflight=inflight,
+        heartbeat_ms=int(text("hb_ms") or 0),
+    )
+
+
+class Registry:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.keys = conn.keys
+
+    async def register(self, card: InstanceCard, *, credits: int) -> None:
+        """Write the card as UP and announce it, so dispatchers see it at once."""
+        hb = now_ms()
+        fields = card_fields(card, credits=credits, state=InstanceState.UP, hb_ms=hb)
+        inst = card.instance_id
+        flat = [item for pair in fields.items() for item in pair]
+        await self._all(
+            [
+                ("HSET", self.keys.card(inst), *flat),
+                ("ZADD", self.keys.agents, hb, inst),
+                ("PUBLISH", self.keys.registry_channel, inst),
+            ]
+        )
+
+    async def heartbeat(self, instance_id: str) -> None:
+        hb = now_ms()
+        await self.conn.call("HSET", self.keys.card(instance_id), "hb_ms", hb)
+        await self.conn.call("ZADD", self.keys.agents, hb, instance_id)
+
+    async def set_state(self, instance_id: str, state: InstanceState) -> None:
+        await self.conn.call("HSET", self.keys.card(instance_id), "state", state.value)
+        await self.conn.call("PUBLISH", self.keys.registry_channel, instance_id)
+
+    async def deregister(self, instance_id: str) -> None:
+        await self._all(
+            [
+                ("ZREM", self.keys.agents, instance_id),
+                ("DEL", self.keys.card(instance_id)),
+                ("PUBLISH", self.keys.registry_channel, instance_id),
+            ]
+        )
+
+    async def snapshot(self) -> list[InstanceView]:
+        """Every registered instance with its credits in use: two round trips in all."""
+        ids = [i.decode() for i in await self.conn.call("ZRANGE", self.keys.agents, 0, -1)]
+        if not ids:
+            return []
+        commands: list[tuple[Any, ...]] = []
+        for inst in ids:
+            commands += [("HGETALL", self.keys.card(inst)), ("SCARD", self.keys.inflight(inst))]
+        replies = await self._all(commands)
+        views = []
+        for i in range(len(ids)):
+            flat, inflight = replies[2 * i], replies[2 * i + 1]
+            if flat:
+                views.append(view_from_hash(pairs(flat), int(inflight)))
+        return views
+
+    async def _all(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        replies = await self.conn.call_many(commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies

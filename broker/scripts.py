@@ -1,0 +1,32 @@
+"""The Lua scripts, loaded as package data; one file per atomic operation."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+
+class ScriptName(StrEnum):
+    ACCEPT = "accept"
+    ASSIGN = "assign"
+    TRANSITION = "transition"
+    RELEASE = "release"
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    name: ScriptName
+    source: str
+    sha: str
+
+
+def _script(name: ScriptName, source: str) -> Script:
+    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
+
+
+def load_scripts() -> dict[ScriptName, Script]:
+    """Every script shipped in ``broker/lua``, by name."""
+    root = Path(__file__).parent / "lua"  # package data, shipped beside this module
+    return {name: _script(name, (root / f"{name}.lua").read_text()) for name in ScriptName}

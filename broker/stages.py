@@ -1,0 +1,96 @@
+"""The message lifecycle as data: every stage and every allowed move lives in this table.
+
+Everything that changes a message's stage must go through :data:`TRANSITIONS`. The Lua
+compare-and-set (``lua/transition.lua``) is not a second copy of the rules: callers pass it
+the allowed source stages computed here (:func:`sources_for`), so the table is the single
+definition. ``tests/unit/test_stages.py`` checks the table's own invariants.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from .errors import IllegalTransition
+
+
+class Stage(StrEnum):
+    ACCEPTED = "ACCEPTED"
+    WAITING = "WAITING"
+    ROUTED = "ROUTED"
+    RECEIVED = "RECEIVED"
+    PROCESSING = "PROCESSING"
+    CALLBACK_RECEIVED = "CALLBACK_RECEIVED"
+    NEEDS_CONFIRMATION = "NEEDS_CONFIRMATION"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    DEAD = "DEAD"
+    EXPIRED = "EXPIRED"
+    CANCELLED = "CANCELLED"
+    REJECTED = "REJECTED"
+
+
+TERMINAL: frozenset[Stage] = frozenset(
+    {Stage.SUCCEEDED, Stage.FAILED, Stage.DEAD, Stage.EXPIRED, Stage.CANCELLED, Stage.REJECTED}
+)
+PARKED: frozenset[Stage] = frozenset({Stage.WAITING, Stage.NEEDS_CONFIRMATION})
+# The agent has not been contacted in these stages: redelivery is always safe.
+AGENT_UNTOUCHED: frozenset[Stage] = frozenset(
+    {Stage.ACCEPTED, Stage.WAITING, Stage.ROUTED, Stage.RECEIVED}
+)
+
+_ENDINGS = frozenset({Stage.EXPIRED, Stage.CANCELLED})
+
+TRANSITIONS: dict[Stage, frozenset[Stage]] = {
+    Stage.ACCEPTED: frozenset({Stage.WAITING, Stage.ROUTED, Stage.REJECTED}) | _ENDINGS,
+    Stage.WAITING: frozenset({Stage.ROUTED}) | _ENDINGS,
+    # ROUTED -> WAITING: the credit was gone by the time the assignment ran.
+    # ROUTED -> ROUTED: rerouted to another instance under a new attempt.
+    Stage.ROUTED: frozenset({Stage.RECEIVED, Stage.WAITING, Stage.ROUTED}) | _ENDINGS,
+    # RECEIVED -> WAITING/ROUTED: the agent was never contacted, so a reroute is safe.
+    Stage.RECEIVED: frozenset({Stage.PROCESSING, Stage.WAITING, Stage.ROUTED}) | _ENDINGS,
+    # PROCESSING -> WAITING/ROUTED: a retry, only where the adapter proved the agent was not
+    # reached or the agent is idempotent; that policy lives with the caller, not here.
+    Stage.PROCESSING: frozenset(
+        {
+            Stage.SUCCEEDED,
+            Stage.FAILED,
+            Stage.CALLBACK_RECEIVED,
+            Stage.NEEDS_CONFIRMATION,
+            Stage.WAITING,
+            Stage.ROUTED,
+            Stage.DEAD,
+            # PROCESSING -> PROCESSING: resumed after a restart, or a deadline extended.
+            Stage.PROCESSING,
+        }
+    ),
+    Stage.CALLBACK_RECEIVED: frozenset({Stage.SUCCEEDED, Stage.FAILED}),
+    Stage.NEEDS_CONFIRMATION: frozenset(
+        {Stage.SUCCEEDED, Stage.FAILED, Stage.WAITING, Stage.ROUTED, Stage.CANCELLED}
+    ),
+    Stage.SUCCEEDED: frozenset(),
+    Stage.FAILED: frozenset(),
+    Stage.DEAD: frozenset(),
+    Stage.EXPIRED: frozenset(),
+    Stage.CANCELLED: frozenset(),
+    Stage.REJECTED: frozenset(),
+}
+
+
+def can_move(current: Stage, target: Stage) -> bool:
+    """Whether the table allows ``current -> target``."""
+    return target in TRANSITIONS[current]
+
+
+def check_move(current: Stage, target: Stage) -> None:
+    """Raise :class:`IllegalTransition` unless the table allows ``current -> target``."""
+    if not can_move(current, target):
+        raise IllegalTransition(current, target)
+
+
+def sources_for(target: Stage) -> frozenset[Stage]:
+    """Every stage from which ``target`` may be entered."""
+    return frozenset(stage for stage, targets in TRANSITIONS.items() if target in targets)
+
+
+def is_terminal(stage: Stage) -> bool:
+    return stage in TERMINAL

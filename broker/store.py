@@ -1,0 +1,326 @@
+"""The message store: records, timelines, waiting sets, assignments, replies, dead letters.
+
+Every stage change is one call of ``lua/transition.lua`` whose allowed sources come from
+:mod:`broker.stages`. Calls go through the connection's pipeliner, so concurrent callers
+share round trips.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from .connection import Connection
+from .records import Accepted, AssignResult, MessageRecord, Moved, TimelineEntry
+from .scripts import ScriptName
+from .stages import TERMINAL, Stage, sources_for
+
+# Higher priority first, then older first: score = (9 - priority) * _PRIORITY_SPAN + accepted_ms.
+_PRIORITY_SPAN = 10**13
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def waiting_score(priority: int, accepted_ms: int) -> float:
+    return float((9 - priority) * _PRIORITY_SPAN + accepted_ms)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _int(value: Any) -> int:
+    return int(value) if value not in (None, b"") else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Acceptance:
+    """Everything ``lua/accept.lua`` needs to create one record and take its first step."""
+
+    message_id: str
+    envelope_json: bytes
+    capability: str
+    deadline_ms: int
+    reply_to: str
+    priority: int
+    next_stage: Stage
+    accepted_ms: int
+    instance: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One compare-and-set of ``lua/transition.lua``: the record moves to ``target`` only if
+    its stage is an allowed source (narrowed by ``only_from``) and attempt/instance match."""
+
+    message_id: str
+    target: Stage
+    reason: str = ""
+    expect_attempt: int | None = None
+    expect_instance: str | None = None
+    new_attempt: int | str | None = None
+    new_instance: str | None = None
+    fields: Mapping[str, str | bytes | int] | None = None
+    return_field: str = ""
+    only_from: AbstractSet[Stage] | None = None
+
+
+class MessageStore:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.keys = conn.keys
+        self._sources = {stage: sources_for(stage) for stage in Stage}
+
+    # -- stage changes ---------------------------------------------------------------------
+
+    async def accept(self, acceptance: Acceptance) -> Accepted:
+        """Create the record (once per id) and take its first step: ROUTED, WAITING or REJECTED."""
+        return _accepted(await self.conn.call(*self._accept_command(acceptance)))
+
+    async def accept_many(self, acceptances: list[Acceptance]) -> list[Accepted]:
+        replies = await self.conn.call_many([self._accept_command(a) for a in acceptances])
+        return [_accepted(_raise(r)) for r in replies]
+
+    def _accept_command(self, a: Acceptance) -> tuple[Any, ...]:
+        assert a.next_stage in (Stage.ROUTED, Stage.WAITING, Stage.REJECTED)
+        ttl = self.conn.settings.record_ttl_s if a.next_stage in TERMINAL else ""
+        args = (
+            a.envelope_json,
+            a.capability,
+            a.accepted_ms,
+            a.deadline_ms,
+            a.reply_to,
+            a.priority,
+            self.conn.settings.timeline_max,
+            a.next_stage.value,
+            a.instance,
+            a.reason,
+            ttl,
+        )
+        keys = (self.keys.record(a.message_id), self.keys.timeline(a.message_id))
+        return self.conn.script_command(ScriptName.ACCEPT, keys, args)
+
+    async def move(self, message_id: str, target: Stage, **options: Any) -> Moved:
+        """Compare-and-set the record's stage to ``target``; see :class:`Move`."""
+        return _moved(
+            await self.conn.call(*self._move_command(Move(message_id, target, **options)))
+        )
+
+    async def apply(self, move: Move) -> Moved:
+        """One prepared :class:`Move`."""
+        return _moved(await self.conn.call(*self._move_command(move)))
+
+    async def move_many(self, moves: list[Move]) -> list[Moved]:
+        replies = await self.conn.call_many([self._move_command(m) for m in moves])
+        return [_moved(_raise(r)) for r in replies]
+
+    def _move_command(self, m: Move) -> tuple[Any, ...]:
+        sources = self._sources[m.target]
+        if m.only_from is not None:
+            sources = sources & m.only_from
+        ttl = self.conn.settings.record_ttl_s if m.target in TERMINAL else ""
+        args: list[Any] = [
+            ",".join(sources),
+            "" if m.expect_attempt is None else m.expect_attempt,
+            "" if m.expect_instance is None else m.expect_instance,
+            m.target.value,
+            "" if m.new_attempt is None else m.new_attempt,
+            "" if m.new_instance is None else m.new_instance,
+            now_ms(),
+            m.reason,
+            self.conn.settings.timeline_max,
+            ttl,
+            m.return_field,
+        ]
+        for key, value in (m.fields or {}).items():
+            args += [key, value]
+        keys = (self.keys.record(m.message_id), self.keys.timeline(m.message_id))
+        return self.conn.script_command(ScriptName.TRANSITION, keys, args)
+
+    # -- assignment and credits ------------------------------------------------------------
+
+    async def assign(self, instance_id: str, message_id: str, attempt: int) -> AssignResult:
+        """Append the attempt to the instance's stream, only against a free credit."""
+        command = self._assign_command(instance_id, message_id, attempt)
+        return AssignResult(await self.conn.call(*command))
+
+    async def assign_many(self, assignments: list[tuple[str, str, int]]) -> list[AssignResult]:
+        """``(instance_id, message_id, attempt)`` triples, in one round trip."""
+        replies = await self.conn.call_many([self._assign_command(*a) for a in assignments])
+        return [AssignResult(_raise(r)) for r in replies]
+
+    def _assign_command(self, instance_id: str, message_id: str, attempt: int) -> tuple[Any, ...]:
+        keys = (
+            self.keys.card(instance_id),
+            self.keys.inflight(instance_id),
+            self.keys.queue(instance_id),
+        )
+        down_after_ms = int(self.conn.settings.down_after_s * 1000)
+        args = (message_id, attempt, now_ms(), down_after_ms)
+        return self.conn.script_command(ScriptName.ASSIGN, keys, args)
+
+    def release_command(
+        self, instance_id: str, group: str, finished: list[tuple[str, str]]
+    ) -> tuple[Any, ...]:
+        """Free the credits of ``(member, entry_id)`` pairs, ack the entries, announce it."""
+        keys = (self.keys.inflight(instance_id), self.keys.queue(instance_id))
+        args: list[str] = [group, self.keys.credit_channel, instance_id]
+        for member, entry_id in finished:
+            args += [member, entry_id]
+        return self.conn.script_command(ScriptName.RELEASE, keys, args)
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    async def park(self, capability: str, message_id: str, priority: int, accepted_ms: int) -> None:
+        """Index a WAITING message in its capability's waiting set (idempotent)."""
+        await self.park_many([(capability, message_id, priority, accepted_ms)])
+
+    async def park_many(self, items: list[tuple[str, str, int, int]]) -> None:
+        """``(capability, message_id, priority, accepted_ms)`` tuples, in one round trip."""
+        commands: list[tuple[Any, ...]] = [
+            ("SADD", self.keys.waiting_index, capability) for capability in {i[0] for i in items}
+        ]
+        commands += [
+            ("ZADD", self.keys.waiting(capability), waiting_score(priority, accepted), message_id)
+            for capability, message_id, priority, accepted in items
+        ]
+        for reply in await self.conn.call_many(commands):
+            _raise(reply)
+
+    async def waiting_head(self, capability: str, count: int) -> list[str]:
+        ids = await self.conn.call("ZRANGE", self.keys.waiting(capability), 0, count - 1)
+        return [_text(i) for i in ids]
+
+    async def unpark_many(self, capability: str, message_ids: list[str]) -> None:
+        if message_ids:
+            await self.conn.call("ZREM", self.keys.waiting(capability), *message_ids)
+
+    async def waiting_capabilities(self) -> list[str]:
+        members = await self.conn.call("SMEMBERS", self.keys.waiting_index)
+        return sorted(_text(m) for m in members)
+
+    async def waiting_depth(self, capability: str) -> int:
+        return int(await self.conn.call("ZCARD", self.keys.waiting(capability)))
+
+    # -- results, dead letters ---------------------------------------------------------------
+
+    async def send_reply(self, reply_to: str, fields: Mapping[str, str | bytes]) -> None:
+        await self.conn.call("XADD", reply_to, "*", *_flat(fields))
+
+    async def dead_letter(self, fields: Mapping[str, str | bytes]) -> None:
+        await self.conn.call("XADD", self.keys.dlq, "*", *_flat(fields))
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def get_record(self, message_id: str) -> MessageRecord | None:
+        flat = await self.conn.call("HGETALL", self.keys.record(message_id))
+        if not flat:
+            return None
+        return record_from_hash(message_id, pairs(flat))
+
+    async def get_timeline(self, message_id: str) -> list[TimelineEntry]:
+        entries = await self.conn.call("XRANGE", self.keys.timeline(message_id), "-", "+")
+        return [timeline_entry(pairs(flat)) for _, flat in entries]
+
+
+def pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+    """A flat RESP ``[k1, v1, k2, v2, ...]`` reply as a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def _raise(reply: Any) -> Any:
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
+
+
+_STAGE_OF: dict[bytes, Stage] = {stage.value.encode(): stage for stage in Stage}
+
+
+def _accepted(reply: list[Any]) -> Accepted:
+    return Accepted(bool(reply[0]), _STAGE_OF[reply[1]], int(reply[2]))
+
+
+def _moved(reply: list[Any]) -> Moved:
+    if reply[0] == -1:
+        return Moved(False, None, 0, "")
+    value = reply[4] if reply[0] == 1 and len(reply) > 4 and reply[4] else None
+    return Moved(reply[0] == 1, _STAGE_OF[reply[1]], int(reply[2]), reply[3].decode(), value)
+
+
+def _flat(fields: Mapping[str, str | bytes]) -> list[str | bytes]:
+    return [item for pair in fields.items() for item in pair]
+
+
+def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageRecord:
+    def get(name: str) -> bytes:
+        return raw.get(name.encode(), b"")
+
+    result = raw.get(b"result")
+    error = raw.get(b"error")
+    return MessageRecord(
+        id=message_id,
+        stage=Stage(_text(get("stage"))),
+        attempt=_int(get("attempt")),
+        instance=_text(get("instance")),
+        capability=_text(get("capability")),
+        envelope=get("envelope"),
+        accepted_ms=_int(get("accepted_ms")),
+        deadline_ms=_int(get("deadline_ms")),
+        updated_ms=_int(get("updated_ms")),
+        reply_to=_text(get("reply_to")),
+        priority=_int(get("priority")),
+        result=result,
+        error=_text(error) if error is not None else None,
+    )
+
+
+def timeline_entry(fields: Mapping[bytes, bytes]) -> TimelineEntry:
+    return TimelineEntry(
+        ts_ms=_int(fields.get(b"ts")),
+        stage=Stage(_text(fields[b"stage"])),
+        instance=_text(fields.get(b"instance", b"")),
+        attempt=_int(fields.get(b"attempt")),
+        reason=_text(fields.get(b"reason", b"")),
+    )
+
+
+async def ack(conn: Connection, stream: str, group: str, entry_ids: list[str]) -> None:
+    if entry_ids:
+        await conn.call("XACK", stream, group, *entry_ids)
+
+
+async def trim_acknowledged(conn: Connection, stream: str) -> int:
+    """Trim a stream below what every consumer group has acknowledged; never unread work.
+
+    An entry may go when every group has delivered it and none holds it pending: the cut is the
+    lowest pending id, or the last delivered id, across groups (``XTRIM MINID``, Redis 6.2).
+    """
+    try:
+        groups = [pairs(flat) for flat in await conn.call("XINFO", "GROUPS", stream)]
+    except ResponseError:  # no such stream yet
+        return 0
+    if not groups:
+        return 0
+    cuts: list[str] = []
+    for group in groups:
+        summary = await conn.call("XPENDING", stream, group[b"name"])
+        pending, low = summary[0], summary[1]
+        cuts.append(_text(low) if pending else _text(group[b"last-delivered-id"]))
+    cut = min(cuts, key=_stream_id_key)
+    if cut in ("0-0", "0"):
+        return 0
+    return int(await conn.call("XTRIM", stream, "MINID", cut))
+
+
+def _stream_id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

@@ -1,0 +1,118 @@
+"""Blocking stream reads on a dedicated connection.
+
+A blocked ``XREADGROUP`` holds its connection for the whole block time, so each consuming
+loop owns one :class:`GroupReader` rather than borrowing from a shared pool. Replies are
+parsed from raw RESP into ``(entry_id, fields)`` pairs with ``str`` keys and ``bytes`` values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from .errors import RedisUnavailable
+from .resp import RespConnection
+
+StreamEntry = tuple[str, dict[str, bytes]]
+
+
+class GroupReader:
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._conn: RespConnection | None = None
+
+    async def read(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        count: int,
+        block_ms: int | None,
+        pending: bool = False,
+    ) -> list[StreamEntry]:
+        """New entries (``>``), or this consumer's own pending ones when ``pending``."""
+        command: list[Any] = ["XREADGROUP", "GROUP", group, consumer, "COUNT", count]
+        if block_ms is not None:
+            command += ["BLOCK", block_ms]
+        command += ["STREAMS", stream, "0" if pending else ">"]
+        reply = await self._execute(tuple(command))
+        return parse_read_reply(reply)
+
+    async def read_stream(
+        self, stream: str, after: str, *, count: int = 1000, block_ms: int | None = None
+    ) -> list[StreamEntry]:
+        """Entries after ``after`` (plain ``XREAD``, no group): for reply streams."""
+        command: list[Any] = ["XREAD", "COUNT", count]
+        if block_ms is not None:
+            command += ["BLOCK", block_ms]
+        command += ["STREAMS", stream, after]
+        return parse_read_reply(await self._execute(tuple(command)))
+
+    async def _execute(self, command: tuple[Any, ...]) -> Any:
+        try:
+            if self._conn is None:
+                self._conn = await RespConnection.open(self._url)
+            (reply,) = await self._conn.execute([command])
+        except BaseException as exc:
+            await self.close()
+            if isinstance(exc, ConnectionError | OSError):
+                raise RedisUnavailable(f"redis unavailable: {exc}") from exc
+            raise
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with anyio.CancelScope(shield=True):
+                await conn.close()
+
+
+def parse_read_reply(reply: Any) -> list[StreamEntry]:
+    if not reply:
+        return []
+    entries: list[StreamEntry] = []
+    for entry_id, flat in reply[0][1]:
+        if flat is None:  # trimmed or deleted while pending
+            continue
+        fields = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
+        entries.append((entry_id.decode(), fields))
+    return entries
+
+
+class Subscriber:
+    """Pub/sub notifications on a dedicated connection; reconnects after a failure.
+
+    Notifications are hints (a credit freed, a card changed): a missed one only delays work
+    until the next periodic sweep, so a reconnect need not replay anything.
+    """
+
+    def __init__(self, url: str, channels: list[str]) -> None:
+        self._url = url
+        self._channels = channels
+        self._conn: RespConnection | None = None
+
+    async def next(self, *, timeout_s: float) -> tuple[str, bytes] | None:
+        """The next ``(channel, data)`` message, or ``None`` after ``timeout_s`` of quiet."""
+        with anyio.move_on_after(timeout_s):
+            try:
+                if self._conn is None:
+                    self._conn = await RespConnection.open(self._url)
+                    await self._conn.execute([("SUBSCRIBE", *self._channels)])
+                while True:
+                    push = await self._conn.read_one()
+                    if isinstance(push, list) and push and push[0] == b"message":
+                        return push[1].decode(), push[2]
+            except (ConnectionError, OSError) as exc:
+                await self.close()
+                raise RedisUnavailable(f"redis unavailable: {exc}") from exc
+        return None
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with anyio.CancelScope(shield=True):
+                await conn.close()

@@ -1,0 +1,153 @@
+"""The command line, through click's runner and as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import anyio
+import jsonschema
+import pytest
+from click.testing import CliRunner
+
+from broker.config import Settings
+from broker.connection import Connection
+from broker.stages import Stage
+from tests.support.agents import http_agent
+from tests.support.harness import running_dispatcher, running_sidecar
+from tests.support.processes import AGENT_REACH, process_env
+from workers.cli import main
+
+
+def all_commands() -> list[list[str]]:
+    return [[]] + [[name] for name in main.commands]
+
+
+@pytest.mark.parametrize("argv", all_commands(), ids=lambda a: " ".join(a) or "agent-reach")
+def test_every_command_has_help(argv: list[str]) -> None:
+    result = CliRunner().invoke(main, [*argv, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage: " in result.output
+
+
+def test_commands_that_talk_to_redis_take_a_redis_url() -> None:
+    for name in ("up", "sidecar", "send", "trace", "agents", "demo"):
+        assert "--redis URL" in CliRunner().invoke(main, [name, "--help"]).output, name
+
+
+def test_schema_prints_the_envelope_json_schema() -> None:
+    result = CliRunner().invoke(main, ["schema"])
+    schema = json.loads(result.output)
+    good = {"capability": "text.echo", "payload": {"x": 1}}
+    validator = jsonschema.Draft202012Validator(schema)
+    assert not list(validator.iter_errors(good))
+    assert list(validator.iter_errors({"payload": 1}))  # capability is required
+
+
+def test_bad_config_fails_with_the_key_name(tmp_path: Path) -> None:
+    config = tmp_path / "reach.toml"
+    config.write_text("heartbeat_s = 0\n")
+    result = CliRunner().invoke(main, ["agents", "--config", str(config)])
+    assert result.exit_code == 2
+    assert "heartbeat_s" in result.output and "> 0" in result.output
+    result = CliRunner().invoke(main, ["agents"], env={"AGENT_REACH_HEARTBEAT": "1"})
+    assert result.exit_code == 2 and "AGENT_REACH_HEARTBEAT" in result.output
+
+
+def test_sidecar_rejects_a_malformed_capability() -> None:
+    argv = ["sidecar", "--agent-id", "a", "--capability", "Bad", "--http", "http://127.0.0.1:9/"]
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 2 and "domain.action" in result.output
+
+
+def test_sidecar_needs_exactly_one_adapter() -> None:
+    result = CliRunner().invoke(main, ["sidecar", "--agent-id", "a", "--capability", "a.b"])
+    assert result.exit_code == 2 and "exactly one of --http" in result.output
+
+
+async def cli(settings: Settings, *argv: str) -> tuple[int, str]:
+    done = await anyio.run_process([AGENT_REACH, *argv], env=process_env(settings), check=False)
+    return done.returncode, (done.stdout + done.stderr).decode()
+
+
+async def test_send_wait_trace_and_agents(conn: Connection, settings: Settings) -> None:
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url, max_inflight=3),
+        running_dispatcher(conn),
+    ):
+        code, out = await cli(settings, "send", "text.echo", "--payload", '{"x": 5}', "--wait")
+        assert code == 0, out
+        result = json.loads(out)
+        assert result["stage"] == "SUCCEEDED" and result["result"]["echo"] == {"x": 5}
+
+        code, out = await cli(settings, "trace", result["id"], "--json")
+        assert code == 0, out
+        traced = json.loads(out)
+        assert traced["stage"] == "SUCCEEDED"
+        assert [s["stage"] for s in traced["stages"]] == [
+            "ACCEPTED",
+            "ROUTED",
+            "RECEIVED",
+            "PROCESSING",
+            "SUCCEEDED",
+        ]
+
+        code, out = await cli(settings, "trace", result["id"])
+        assert code == 0 and "PROCESSING" in out and "a-1" in out
+
+        code, out = await cli(settings, "agents", "--json")
+        (listed,) = json.loads(out)
+        assert listed["instance_id"] == "a-1" and listed["credits"] == 3
+        assert listed["state"] == "UP" and listed["capabilities"] == ["text.echo"]
+
+        code, out = await cli(settings, "send", "text.echo")
+        assert code == 0 and len(out.strip()) == 26  # prints the new id
+
+
+async def test_send_wait_reports_a_failed_message_with_a_non_zero_exit(
+    conn: Connection, settings: Settings
+) -> None:
+    async def refuse(envelope: object, request: object) -> object:
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"detail": "order not found"}, status_code=404)
+
+    async with (
+        http_agent("a", behaviour=refuse) as agent,  # type: ignore[arg-type]
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        code, out = await cli(settings, "send", "text.echo", "--wait")
+    assert code == 1
+    result = json.loads(out)
+    assert result["stage"] == Stage.FAILED and "404" in result["error"]
+
+
+async def test_trace_of_an_unknown_id_says_so(settings: Settings) -> None:
+    code, out = await cli(settings, "trace", "no-such-id")
+    assert code == 1 and "unknown message id 'no-such-id'" in out
+
+
+async def test_unreachable_redis_is_a_clear_error(settings: Settings) -> None:
+    stale = settings.__class__(**{**_fields(settings), "redis_url": "redis://127.0.0.1:9/0"})
+    code, out = await cli(stale, "agents")
+    assert code == 1 and "cannot connect" in out and "Traceback" not in out
+
+
+def _fields(settings: Settings) -> dict[str, object]:
+    return {name: getattr(settings, name) for name in settings.__struct_fields__}
+
+
+@pytest.mark.timeout(240)
+async def test_demo_exits_zero_and_reports_nothing_lost(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_REACH_")}
+    env["AGENT_REACH_STATE_DIR"] = str(tmp_path)  # its own embedded Redis
+    done = await anyio.run_process([AGENT_REACH, "demo", "--messages", "300"], env=env, check=False)
+    out = done.stdout.decode()
+    assert done.returncode == 0, out + done.stderr.decode()
+    assert "submitted" in out and "300" in out
+    lost_line = next(line for line in out.splitlines() if "lost" in line)
+    assert lost_line.replace("│", " ").split() == ["lost", "0"]
+    assert (tmp_path / "redis" / "appendonly.aof").exists()  # the embedded Redis ran with AOF

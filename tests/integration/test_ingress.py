@@ -1,0 +1,145 @@
+"""What producers put on the ingress stream: raw XADDs, bad input, rejections."""
+
+from __future__ import annotations
+
+import subprocess
+
+import msgspec
+
+from broker.client import Client
+from broker.connection import Connection
+from broker.embedded import RedisServer, find_redis_server
+from broker.stages import Stage
+from broker.store import MessageStore
+from tests.support.agents import http_agent
+from tests.support.harness import (
+    collect_replies,
+    eventually,
+    running_dispatcher,
+    running_sidecar,
+)
+
+
+def redis_cli(server: RedisServer, *args: str) -> str:
+    cli = find_redis_server().with_name("redis-cli")
+    done = subprocess.run(
+        [str(cli), "-p", str(server.port), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=10,
+    )
+    return done.stdout.strip()
+
+
+async def dead_letters(conn: Connection) -> list[dict[str, bytes]]:
+    entries = await conn.call("XRANGE", conn.keys.dlq, "-", "+")
+    return [
+        {k.decode(): v for k, v in zip(flat[::2], flat[1::2], strict=True)} for _, flat in entries
+    ]
+
+
+async def test_raw_redis_cli_xadd_without_id_is_processed(
+    conn: Connection, redis_server: RedisServer
+) -> None:
+    reply_to = conn.keys.reply("cli")
+    envelope = {"capability": "text.echo", "payload": {"x": 1}, "reply_to": reply_to}
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        redis_cli(
+            redis_server,
+            "XADD",
+            conn.keys.ingress,
+            "*",
+            "envelope",
+            msgspec.json.encode(envelope).decode(),
+        )
+        results = await collect_replies(conn, reply_to, 1)
+
+    (result,) = results.values()
+    assert result.stage is Stage.SUCCEEDED
+    assert result.result == {"agent": "a", "echo": {"x": 1}}
+    assert len(result.id) == 26  # the dispatcher assigned a ULID
+    trace = await Client(conn).trace(result.id)
+    assert [e.stage for e in trace.timeline][-1] is Stage.SUCCEEDED
+
+
+BAD = [
+    (b'{"capability": "text.echo", "payload": ', "invalid JSON"),
+    (b'{"payload": {"x": 1}}', "missing required field `capability`"),
+    (b'{"capability": "TextEcho"}', "capability must be lower-case, dot-separated"),
+]
+
+
+async def test_invalid_envelopes_are_rejected_with_a_reason_and_the_next_one_runs(
+    conn: Connection, redis_server: RedisServer
+) -> None:
+    reply_to = conn.keys.reply("after")
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        for raw, _ in BAD:
+            await conn.call("XADD", conn.keys.ingress, "*", "envelope", raw)
+        await conn.call("XADD", conn.keys.ingress, "*", "nothing", "here")  # no envelope field
+        good = msgspec.json.encode({"capability": "text.echo", "reply_to": reply_to})
+        await conn.call("XADD", conn.keys.ingress, "*", "envelope", good)
+        results = await collect_replies(conn, reply_to, 1)
+
+    assert [r.stage for r in results.values()] == [Stage.SUCCEEDED]
+    letters = await dead_letters(conn)
+    assert len(letters) == 4
+    store = MessageStore(conn)
+    for (raw, reason), letter in zip(BAD, letters, strict=False):
+        assert letter["raw"] == raw  # the original bytes, untouched
+        assert letter["stage"] == b"REJECTED"
+        assert reason in letter["reason"].decode()
+        record = await store.get_record(letter["id"].decode())
+        assert record is not None and record.stage is Stage.REJECTED
+        assert reason in (record.error or "")
+    assert letters[3]["reason"] == b"stream entry has no `envelope` field"
+    assert letters[3]["raw"] == b'{"nothing":"here"}'
+    assert agent.log.total == 1
+
+
+async def test_rejection_is_reported_to_a_usable_reply_to(conn: Connection) -> None:
+    reply_to = conn.keys.reply("bad")
+    raw = msgspec.json.encode({"capability": "text.echo", "priority": 12, "reply_to": reply_to})
+    async with running_dispatcher(conn):
+        await conn.call("XADD", conn.keys.ingress, "*", "envelope", raw)
+        results = await collect_replies(conn, reply_to, 1)
+    (result,) = results.values()
+    assert result.stage is Stage.REJECTED
+    assert "priority" in (result.error or "")
+
+
+async def test_reply_to_outside_the_reply_namespace_is_rejected(conn: Connection) -> None:
+    raw = msgspec.json.encode({"capability": "text.echo", "reply_to": conn.keys.ingress})
+    async with running_dispatcher(conn):
+        await conn.call("XADD", conn.keys.ingress, "*", "envelope", raw)
+        await _until_dead_letter(conn)
+    (letter,) = await dead_letters(conn)
+    assert b"must start with" in letter["reason"]
+    # nothing was written to the stream it named
+    assert int(await conn.call("XLEN", conn.keys.ingress)) == 1
+
+
+async def test_oversize_envelope_is_rejected(conn: Connection) -> None:
+    limit = conn.settings.max_envelope_bytes
+    raw = msgspec.json.encode({"capability": "text.echo", "payload": "x" * limit})
+    async with running_dispatcher(conn):
+        await conn.call("XADD", conn.keys.ingress, "*", "envelope", raw)
+        await _until_dead_letter(conn)
+    (letter,) = await dead_letters(conn)
+    assert f"over the {limit}-byte limit".encode() in letter["reason"]
+
+
+async def _until_dead_letter(conn: Connection) -> None:
+    async def present() -> bool:
+        return bool(await dead_letters(conn))
+
+    await eventually(present, timeout_s=10)

@@ -1,0 +1,144 @@
+"""The core pipeline end to end: real redis-server, real HTTP agents on loopback."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+
+from broker.client import Client
+from broker.connection import Connection
+from broker.envelope import Envelope
+from broker.stages import Stage
+from broker.store import MessageStore
+from tests.support.agents import http_agent
+from tests.support.harness import collect_replies, running_dispatcher, running_sidecar
+
+HAPPY_PATH = [Stage.ACCEPTED, Stage.ROUTED, Stage.RECEIVED, Stage.PROCESSING, Stage.SUCCEEDED]
+
+
+def echo(n: int, reply_to: str) -> Envelope:
+    return Envelope(
+        capability="text.echo",
+        payload=msgspec.Raw(msgspec.json.encode({"n": n})),
+        reply_to=reply_to,
+    )
+
+
+async def test_thousand_envelopes_through_two_http_agents(conn: Connection) -> None:
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("a") as agent_a,
+        http_agent("b") as agent_b,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent_a.url, max_inflight=600),
+        running_sidecar(conn, "b-1", ("text.echo",), url=agent_b.url, max_inflight=600),
+        running_dispatcher(conn),
+    ):
+        ids = await client.submit_many([echo(n, reply_to) for n in range(1000)])
+        results = await collect_replies(conn, reply_to, 1000)
+
+    assert set(results) == set(ids)
+    store = MessageStore(conn)
+    for n, message_id in enumerate(ids):
+        result = results[message_id]
+        assert result.stage is Stage.SUCCEEDED, result
+        assert result.result["echo"] == {"n": n}
+        timeline = await store.get_timeline(message_id)
+        assert [e.stage for e in timeline] == HAPPY_PATH
+    # both agents served, each message exactly once
+    assert agent_a.log.total + agent_b.log.total == 1000
+    assert agent_a.log.total > 0 and agent_b.log.total > 0
+    assert max((agent_a.log.calls + agent_b.log.calls).values()) == 1
+
+
+async def _unfinished_in_stream(conn: Connection, instance_id: str) -> int:
+    """Entries of the instance's stream not yet acknowledged: pending + never delivered."""
+    queue = conn.keys.queue(instance_id)
+    groups = await conn.call("XINFO", "GROUPS", queue)
+    if not groups:
+        return int(await conn.call("XLEN", queue))
+    info = dict(zip(groups[0][::2], groups[0][1::2], strict=True))
+    undelivered = await conn.call("XRANGE", queue, b"(" + info[b"last-delivered-id"], "+")
+    return int(info[b"pending"]) + len(undelivered)
+
+
+async def test_credit_limit_holds_and_excess_waits_outside_the_stream(conn: Connection) -> None:
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    peaks = {"stream": 0, "credits": 0, "waiting": 0}
+    store = MessageStore(conn)
+
+    async def watch() -> None:
+        while True:
+            peaks["stream"] = max(peaks["stream"], await _unfinished_in_stream(conn, "slow-1"))
+            in_use = int(await conn.call("SCARD", conn.keys.inflight("slow-1")))
+            peaks["credits"] = max(peaks["credits"], in_use)
+            peaks["waiting"] = max(peaks["waiting"], await store.waiting_depth("text.echo"))
+            await anyio.sleep(0.005)
+
+    async with (
+        http_agent("slow", delay_s=0.01) as agent,
+        running_sidecar(conn, "slow-1", ("text.echo",), url=agent.url, max_inflight=2),
+        running_dispatcher(conn),
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(watch)
+        ids = await client.submit_many([echo(n, reply_to) for n in range(200)])
+        results = await collect_replies(conn, reply_to, 200)
+        tg.cancel_scope.cancel()
+
+    assert {r.stage for r in results.values()} == {Stage.SUCCEEDED}
+    assert set(results) == set(ids)
+    assert agent.log.peak_concurrent == 2  # measured at the agent: never more than its credits
+    assert agent.log.total == 200
+    assert peaks["stream"] <= 2 and peaks["credits"] <= 2
+    assert peaks["waiting"] > 100  # the backlog waited in the capability's waiting set
+    waited = [await store.get_timeline(i) for i in ids[-10:]]
+    assert all(
+        [e.stage for e in t][:3] == [Stage.ACCEPTED, Stage.WAITING, Stage.ROUTED] for t in waited
+    )
+
+
+async def test_same_id_submitted_twice_executes_once(conn: Connection) -> None:
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    first = msgspec.structs.replace(echo(1, reply_to), id="order-42")
+    second = msgspec.structs.replace(echo(2, reply_to), id="order-42")
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        await client.submit(first)
+        await client.submit(second)
+        results = await collect_replies(conn, reply_to, 1)
+        # a third, later repeat is also ignored once the first has finished
+        await client.submit(second)
+        marker = await client.submit(echo(3, reply_to))
+        results = await collect_replies(conn, reply_to, 2)
+
+    assert set(results) == {"order-42", marker}
+    assert agent.log.calls["order-42"] == 1
+    assert results["order-42"].result["echo"] == {"n": 1}  # the first acceptance won
+
+
+async def test_timeline_records_instance_attempt_and_time(conn: Connection) -> None:
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        message_id = await client.submit(echo(7, reply_to))
+        await collect_replies(conn, reply_to, 1)
+    trace = await client.trace(message_id)
+    assert trace.record.stage is Stage.SUCCEEDED
+    assert [e.instance for e in trace.timeline[1:]] == ["a-1"] * 4
+    assert [e.attempt for e in trace.timeline] == [0, 1, 1, 1, 1]
+    times = [e.ts_ms for e in trace.timeline]
+    assert times == sorted(times) and times[0] > 0
+    headers = agent.log.headers[0]
+    assert headers["x-reach-message-id"] == message_id
+    assert headers["x-reach-idempotency-key"] == message_id
+    assert headers["x-reach-attempt"] == "1"

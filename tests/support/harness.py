@@ -1,0 +1,101 @@
+"""Run broker processes inside a test's task group, and wait on conditions with deadlines."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+
+from adapters.http import HttpTransport
+from adapters.sidecar import Sidecar
+from adapters.transport import Transport
+from broker.client import Result, result_from_fields
+from broker.connection import Connection
+from broker.records import InstanceCard
+from workers.dispatcher import Dispatcher
+
+
+@asynccontextmanager
+async def running_dispatcher(conn: Connection, name: str = "d1") -> AsyncIterator[Dispatcher]:
+    dispatcher = Dispatcher(conn, consumer=name)
+    async with anyio.create_task_group() as tg:
+        await tg.start(dispatcher.run)
+        yield dispatcher
+        tg.cancel_scope.cancel()
+
+
+def card(
+    instance_id: str,
+    capabilities: tuple[str, ...],
+    *,
+    max_inflight: int = 16,
+    idempotent: bool = False,
+    endpoint: str = "",
+) -> InstanceCard:
+    return InstanceCard(
+        agent_id=instance_id.split("-")[0],
+        instance_id=instance_id,
+        capabilities=capabilities,
+        endpoint=endpoint,
+        max_inflight=max_inflight,
+        idempotent=idempotent,
+    )
+
+
+@asynccontextmanager
+async def running_sidecar(
+    conn: Connection,
+    instance_id: str,
+    capabilities: tuple[str, ...],
+    *,
+    url: str | None = None,
+    transport: Transport | None = None,
+    max_inflight: int = 16,
+    idempotent: bool = False,
+) -> AsyncIterator[Sidecar]:
+    if transport is None:
+        assert url is not None
+        transport = HttpTransport(url, timeout_s=5.0, max_connections=max_inflight)
+    sidecar = Sidecar(
+        conn,
+        card(
+            instance_id,
+            capabilities,
+            max_inflight=max_inflight,
+            idempotent=idempotent,
+            endpoint=url or "python",
+        ),
+        transport,
+        grace_s=5.0,
+    )
+    async with anyio.create_task_group() as tg:
+        await tg.start(sidecar.run)
+        yield sidecar
+        tg.cancel_scope.cancel()
+    await transport.aclose()
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]], *, timeout_s: float = 30.0, interval_s: float = 0.02
+) -> None:
+    """Poll ``check`` until it is true; fail after ``timeout_s``."""
+    with anyio.fail_after(timeout_s):
+        while not await check():  # noqa: ASYNC110 - polling a condition, with a deadline
+            await anyio.sleep(interval_s)
+
+
+async def collect_replies(
+    conn: Connection, reply_to: str, count: int, *, timeout_s: float = 60.0
+) -> dict[str, Result]:
+    """Read a reply stream until ``count`` distinct message ids have answered."""
+    results: dict[str, Result] = {}
+    last = "0"
+    async with conn.reader() as reader:
+        with anyio.fail_after(timeout_s):
+            while len(results) < count:
+                for entry_id, fields in await reader.read_stream(reply_to, last, block_ms=500):
+                    last = entry_id
+                    result = result_from_fields(fields)
+                    results[result.id] = result
+    return results

@@ -1,0 +1,227 @@
+"""Settings: defaults < TOML file < AGENT_REACH_* environment < explicit overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from broker.config import (
+    FIELDS,
+    NON_SETTING_ENV,
+    Settings,
+    build_settings,
+    env_layer,
+    file_layer,
+    load_settings,
+)
+from broker.errors import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "reach.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def config_error(**kwargs: Any) -> ConfigError:
+    kwargs.setdefault("environ", {})
+    with pytest.raises(ConfigError) as info:
+        load_settings(**kwargs)
+    return info.value
+
+
+def test_defaults() -> None:
+    settings = load_settings(environ={})
+
+    assert settings == Settings()
+    assert settings.redis_url is None
+    assert settings.prefix == "reach"
+    assert settings.heartbeat_s == 5.0
+    assert settings.down_after_s == 15.0
+    assert settings.dispatch_batch == 256
+    assert settings.max_envelope_bytes == 1024 * 1024
+    assert settings.record_ttl_s == 7 * 86400
+    assert settings.timeline_max == 200
+
+
+def test_every_default_is_itself_valid() -> None:
+    defaults = msgspec.structs.asdict(Settings())
+    assert build_settings([defaults]) == Settings()
+    assert set(defaults) == set(FIELDS)
+
+
+def test_settings_are_frozen() -> None:
+    settings = Settings()
+    with pytest.raises(AttributeError):
+        settings.prefix = "other"  # type: ignore[misc]
+
+
+def test_file_overrides_defaults(tmp_path: Path) -> None:
+    path = write(tmp_path, 'prefix = "file"\nheartbeat_s = 2.5\ndispatch_batch = 10\n')
+    settings = load_settings(config_file=path, environ={})
+
+    assert settings.prefix == "file"
+    assert settings.heartbeat_s == 2.5
+    assert settings.dispatch_batch == 10
+    assert settings.sidecar_batch == 256
+
+
+def test_env_overrides_file_and_overrides_win(tmp_path: Path) -> None:
+    path = write(tmp_path, 'prefix = "file"\nheartbeat_s = 2.5\ndispatch_batch = 10\n')
+    environ = {"AGENT_REACH_PREFIX": "env", "AGENT_REACH_HEARTBEAT_S": "3", "PATH": "/bin"}
+    settings = load_settings(config_file=path, environ=environ, overrides={"prefix": "flag"})
+
+    assert settings.prefix == "flag"
+    assert settings.heartbeat_s == 3.0
+    assert settings.dispatch_batch == 10
+
+
+def test_none_override_does_not_mask_lower_layers(tmp_path: Path) -> None:
+    path = write(tmp_path, 'prefix = "file"\n')
+    settings = load_settings(config_file=path, environ={}, overrides={"prefix": None})
+    assert settings.prefix == "file"
+
+
+def test_env_strings_are_converted() -> None:
+    environ = {
+        "AGENT_REACH_DISPATCH_BATCH": "32",
+        "AGENT_REACH_SWEEP_INTERVAL_S": "0.25",
+        "AGENT_REACH_REDIS_URL": "redis://h:1/0",
+    }
+    settings = load_settings(environ=environ)
+
+    assert settings.dispatch_batch == 32
+    assert settings.sweep_interval_s == 0.25
+    assert settings.redis_url == "redis://h:1/0"
+
+
+def test_config_file_from_environment(tmp_path: Path) -> None:
+    path = write(tmp_path, "timeline_max = 50\n")
+    settings = load_settings(environ={"AGENT_REACH_CONFIG": str(path)})
+    assert settings.timeline_max == 50
+
+
+def test_explicit_config_file_wins_over_environment(tmp_path: Path) -> None:
+    explicit = write(tmp_path, "timeline_max = 50\n")
+    settings = load_settings(
+        config_file=explicit, environ={"AGENT_REACH_CONFIG": str(tmp_path / "absent.toml")}
+    )
+    assert settings.timeline_max == 50
+
+
+@pytest.mark.parametrize("name", sorted(NON_SETTING_ENV))
+def test_non_setting_variables_are_ignored(name: str) -> None:
+    assert env_layer({f"AGENT_REACH_{name}": "anything"}) == {}
+
+
+def test_config_and_failpoints_are_not_settings(tmp_path: Path) -> None:
+    path = write(tmp_path, "")
+    environ = {"AGENT_REACH_CONFIG": str(path), "AGENT_REACH_FAILPOINTS": "a=kill"}
+    assert load_settings(environ=environ) == Settings()
+
+
+def test_unrelated_variables_are_ignored() -> None:
+    assert env_layer({"HOME": "/root", "REACH_PREFIX": "x", "agent_reach_prefix": "y"}) == {}
+
+
+def test_unknown_key_in_file_is_named(tmp_path: Path) -> None:
+    path = write(tmp_path, 'prefix = "ok"\nhartbeat_s = 2\n')
+    error = config_error(config_file=path)
+    assert error.key == "hartbeat_s"
+    assert "hartbeat_s" in str(error)
+    assert "unknown key" in error.problem
+
+
+def test_table_in_file_is_an_unknown_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "[broker]\nprefix = 'x'\n")
+    assert config_error(config_file=path).key == "broker"
+
+
+def test_unknown_environment_variable_is_named() -> None:
+    error = config_error(environ={"AGENT_REACH_HEARTBEAT": "1"})
+    assert error.key == "AGENT_REACH_HEARTBEAT"
+    assert "AGENT_REACH_HEARTBEAT" in str(error)
+    assert "unknown environment variable" in error.problem
+
+
+def test_unknown_override_is_named() -> None:
+    assert config_error(overrides={"bogus": 1}).key == "bogus"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("heartbeat_s", 0),
+        ("heartbeat_s", -1.0),
+        ("heartbeat_s", 86401),
+        ("dispatch_batch", 0),
+        ("dispatch_batch", 10_001),
+        ("redis_pool_size", 3),
+        ("max_envelope_bytes", 255),
+        ("record_ttl_s", 59),
+        ("timeline_max", 9),
+        ("prefix", "has space"),
+        ("prefix", ""),
+        ("prefix", "x" * 65),
+        ("prefix", "a{b}"),
+        ("dispatch_batch", "many"),
+        ("dispatch_batch", True),
+    ],
+)
+def test_out_of_range_values_name_the_key(key: str, value: Any) -> None:
+    error = config_error(overrides={key: value})
+    assert error.key == key
+    assert key in str(error)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "key"),
+    [
+        ("AGENT_REACH_HEARTBEAT_S", "0", "heartbeat_s"),
+        ("AGENT_REACH_DISPATCH_BATCH", "0", "dispatch_batch"),
+        ("AGENT_REACH_PREFIX", "two words", "prefix"),
+        ("AGENT_REACH_HEARTBEAT_S", "nan", "heartbeat_s"),
+    ],
+)
+def test_out_of_range_environment_values_name_the_key(name: str, value: str, key: str) -> None:
+    assert config_error(environ={name: value}).key == key
+
+
+def test_out_of_range_file_value_names_the_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "dispatch_batch = 0\n")
+    assert config_error(config_file=path).key == "dispatch_batch"
+
+
+@pytest.mark.parametrize(("key", "value"), [("heartbeat_s", 86400), ("dispatch_batch", 1)])
+def test_range_bounds_are_inclusive(key: str, value: Any) -> None:
+    assert getattr(load_settings(environ={}, overrides={key: value}), key) == value
+
+
+def test_invalid_toml_is_a_config_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "prefix = \n")
+    error = config_error(config_file=path)
+    assert error.key == str(path)
+    assert "invalid TOML" in error.problem
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "absent.toml"
+    error = config_error(config_file=path)
+    assert error.key == str(path)
+    assert "not found" in error.problem
+
+
+def test_missing_file_named_by_environment_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "absent.toml"
+    assert config_error(environ={"AGENT_REACH_CONFIG": str(path)}).key == str(path)
+
+
+def test_file_layer_returns_the_table(tmp_path: Path) -> None:
+    assert file_layer(write(tmp_path, "a = 1\nb = 'x'\n")) == {"a": 1, "b": "x"}
+
+
+def test_later_layers_win() -> None:
+    assert build_settings([{"prefix": "a"}, {"prefix": "b"}, {}]).prefix == "b"
