@@ -26,7 +26,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     """Every tunable of the broker, with its default (DESIGN §5, §8)."""
 
     redis_url: str | None = None
-    prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "reach"
+    prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}(?!\n)$")] = "reach"
     redis_pool_size: Annotated[int, msgspec.Meta(ge=4, le=10_000)] = 64
     heartbeat_s: Positive = 5.0
     down_after_s: Positive = 15.0
@@ -82,9 +82,11 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, str]:
 def file_layer(path: Path) -> dict[str, Any]:
     """Settings from a TOML file; a missing or malformed file is a :class:`ConfigError`."""
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise ConfigError(str(path), "config file not found") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(path), f"cannot read config file: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(path), f"invalid TOML: {exc}") from exc
     return data

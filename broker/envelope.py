@@ -15,9 +15,10 @@ import msgspec
 from .errors import InvalidEnvelope
 from .ids import new_message_id
 
-CAPABILITY_PATTERN = r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)+$"
+# `(?!\n)$`: Python's `$` also matches before a final newline; ECMA's (the schema's) does not.
+CAPABILITY_PATTERN = r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)+(?!\n)$"
 # Braces would break Redis Cluster hash tags in `reach:m:{<id>}`.
-MESSAGE_ID_PATTERN = r"^[0-9A-Za-z_.:-]{1,128}$"
+MESSAGE_ID_PATTERN = r"^[0-9A-Za-z_.:-]{1,128}(?!\n)$"
 
 Capability = Annotated[str, msgspec.Meta(pattern=CAPABILITY_PATTERN, max_length=128)]
 MessageId = Annotated[str, msgspec.Meta(pattern=MESSAGE_ID_PATTERN)]
@@ -90,6 +91,8 @@ def decode_envelope(raw: bytes, *, max_bytes: int, reply_prefix: str) -> Envelop
         envelope = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise InvalidEnvelope(_describe_decode_error(str(exc)), raw) from exc
+    except RecursionError as exc:  # msgspec gives up on very deep nesting, even in a Raw
+        raise InvalidEnvelope("invalid JSON: nested too deeply", raw) from exc
     if envelope.reply_to is not None and not envelope.reply_to.startswith(reply_prefix):
         raise InvalidEnvelope(
             f"reply_to {envelope.reply_to!r} must start with {reply_prefix!r}", raw
@@ -154,6 +157,6 @@ def salvage_id(raw: bytes) -> str | None:
 def _salvage_field(raw: bytes, name: str) -> Any:
     try:
         data = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     return data.get(name) if isinstance(data, dict) else None

@@ -6,9 +6,11 @@ Redis hands back ``bytes``; these are the only shapes the rest of the code sees.
 from __future__ import annotations
 
 from enum import IntEnum, StrEnum
+from typing import Annotated
 
 import msgspec
 
+from .envelope import MESSAGE_ID_PATTERN
 from .stages import Stage
 
 
@@ -19,11 +21,15 @@ class InstanceState(StrEnum):
     DRAINING = "DRAINING"
 
 
+# Instance ids sit inside `{...}` hash tags: the message-id alphabet keeps braces out.
+InstanceId = Annotated[str, msgspec.Meta(pattern=MESSAGE_ID_PATTERN)]
+
+
 class InstanceCard(msgspec.Struct, frozen=True, kw_only=True):
     """What a sidecar registers for its agent instance."""
 
-    agent_id: str
-    instance_id: str
+    agent_id: InstanceId
+    instance_id: InstanceId
     capabilities: tuple[str, ...]
     endpoint: str
     max_inflight: int

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -22,7 +23,12 @@ from adapters.transport import Transport
 from broker.client import Client
 from broker.config import Settings, load_settings
 from broker.embedded import running_embedded_url
-from broker.envelope import Envelope, capability_problem, envelope_schema
+from broker.envelope import (
+    MESSAGE_ID_PATTERN,
+    Envelope,
+    capability_problem,
+    envelope_schema,
+)
 from broker.errors import ConfigError, ReachError, UnknownMessage
 from broker.ids import new_message_id
 from broker.records import InstanceCard
@@ -188,6 +194,11 @@ def sidecar(
         )
     else:
         transport = load_python_agent(python_spec or "")
+    for name, value in (("--agent-id", agent_id), ("--instance-id", instance_id)):
+        if value is not None and not re.match(MESSAGE_ID_PATTERN, value):
+            raise click.BadParameter(
+                f"{value!r}: use 1-128 of letters, digits and _ . : -", param_hint=name
+            )
     card = InstanceCard(
         agent_id=agent_id,
         instance_id=instance_id or f"{agent_id}-{new_message_id()[-8:]}",

@@ -151,3 +151,11 @@ async def test_demo_exits_zero_and_reports_nothing_lost(tmp_path: Path) -> None:
     lost_line = next(line for line in out.splitlines() if "lost" in line)
     assert lost_line.replace("│", " ").split() == ["lost", "0"]
     assert (tmp_path / "redis" / "appendonly.aof").exists()  # the embedded Redis ran with AOF
+
+
+@pytest.mark.parametrize("flag", ["--agent-id", "--instance-id"])
+def test_sidecar_refuses_ids_that_would_break_hash_tags(flag: str) -> None:
+    argv = ["sidecar", "--agent-id", "a", "--capability", "a.b", "--http", "http://127.0.0.1:9/"]
+    argv += [flag, "bad}{id"]
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 2 and flag in result.output

@@ -225,3 +225,18 @@ def test_file_layer_returns_the_table(tmp_path: Path) -> None:
 
 def test_later_layers_win() -> None:
     assert build_settings([{"prefix": "a"}, {"prefix": "b"}, {}]).prefix == "b"
+
+
+def test_an_unreadable_config_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_settings(tmp_path, environ={})  # a directory
+    binary = tmp_path / "bad.toml"
+    binary.write_bytes(b"\xff\xfe prefix = 1")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_settings(binary, environ={})
+
+
+def test_a_prefix_with_a_trailing_newline_is_refused() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_settings(environ={"AGENT_REACH_PREFIX": "reach\n"})
+    assert excinfo.value.key == "prefix"

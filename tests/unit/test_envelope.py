@@ -473,3 +473,18 @@ def test_salvage_never_raises(raw: bytes) -> None:
     message_id = salvage_id(raw)
     # Braces in an id would break the `{id}` hash tag of its keys.
     assert message_id is None or not {"{", "}", " "} & set(message_id)
+
+
+def test_deeply_nested_json_is_rejected_not_a_crash() -> None:
+    raw = b'{"capability":"a.b","payload":' + b"[" * 1000 + b"]" * 1000 + b"}"
+    with pytest.raises(InvalidEnvelope, match="nested too deeply"):
+        decode_envelope(raw, max_bytes=1 << 20, reply_prefix="reach:reply:")
+    assert salvage_id(b'{"id":' + b"[" * 5000 + b"]" * 5000 + b"}") is None
+
+
+@pytest.mark.parametrize(
+    "fields", [{"capability": "text.echo\n"}, {"capability": "text.echo", "id": "abc\n"}]
+)
+def test_a_trailing_newline_does_not_slip_through_the_patterns(fields: dict[str, str]) -> None:
+    with pytest.raises(InvalidEnvelope):
+        decode_envelope(msgspec.json.encode(fields), max_bytes=1 << 20, reply_prefix="r:")
