@@ -11,8 +11,9 @@ attempt or instance is no longer the record's current one is dropped, never exec
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import anyio
@@ -31,6 +32,7 @@ from broker.streams import GroupReader, StreamEntry
 
 from .outcome import Ambiguous, Failed, NotReached, Outcome, Succeeded
 from .transport import Transport
+from .workpool import WorkPool
 
 log = logging.getLogger("agent_reach.sidecar")
 
@@ -54,10 +56,7 @@ class Sidecar:
         self.registry = Registry(conn)
         self.instance_id = card.instance_id
         self.queue = conn.keys.queue(card.instance_id)
-        self._slots = anyio.Semaphore(card.max_inflight)
         self._stopping = anyio.Event()
-        self._active = 0
-        self._idle = anyio.Event()
         self._finished: list[Finished] = []
         self.stopped = anyio.Event()
         self._finished_ready = anyio.Event()
@@ -77,9 +76,10 @@ class Sidecar:
             outer.start_soon(self._finish_loop)
             task_status.started()
             async with anyio.create_task_group() as work:
-                await self._take(work, await self._read(reader, pending=True))
-                await self._consume(reader, work)
-                await self._wait_idle(work)
+                pool = WorkPool(work, self.card.max_inflight)
+                await self._take(pool, await self._read(reader, pending=True))
+                await self._consume(reader, pool)
+                await self._wait_idle(pool, work)
             await self._finish_now()
             outer.cancel_scope.cancel()
         await self.registry.deregister(self.instance_id)
@@ -116,12 +116,12 @@ class Sidecar:
             log.info("resuming %d pending entries", len(entries))
         return entries
 
-    async def _consume(self, reader: GroupReader, work: TaskGroup) -> None:
+    async def _consume(self, reader: GroupReader, pool: WorkPool) -> None:
         backoff = 0.1
         while not self._stopping.is_set():
             try:
                 entries = await self._read(reader)
-                await self._take(work, entries)
+                await self._take(pool, entries)
             except RedisUnavailable as exc:
                 log.warning("read failed, retrying in %.1fs: %s", backoff, exc)
                 await anyio.sleep(backoff)
@@ -129,7 +129,7 @@ class Sidecar:
                 continue
             backoff = 0.1
 
-    async def _take(self, work: TaskGroup, entries: list[StreamEntry]) -> None:
+    async def _take(self, pool: WorkPool, entries: list[StreamEntry]) -> None:
         """RECEIVED for a whole batch in one round trip, PROCESSING (write-ahead) for those
         received in a second, then one task per message to call the agent."""
         if not entries:
@@ -154,24 +154,19 @@ class Sidecar:
         }
         for t, m in zip(taken, received, strict=True):
             if t.entry_id not in ready:
-                await self._start(work, self._resume(t, m), t)
+                pool.submit(partial(self._guarded, t, partial(self._resume, t, m)))
             elif ready[t.entry_id][1]:
-                await self._start(work, self._call_agent(t, ready[t.entry_id][0]), t)
+                envelope = ready[t.entry_id][0]
+                pool.submit(partial(self._guarded, t, partial(self._call_agent, t, envelope)))
             else:
                 self._done(t)  # lost the PROCESSING race: someone else owns the record now
 
-    async def _start(self, work: TaskGroup, step: Coroutine[Any, Any, None], taken: Taken) -> None:
-        await self._slots.acquire()
-        self._active += 1
-        self._idle = anyio.Event()
-        work.start_soon(self._guarded, taken, step)
-
-    async def _wait_idle(self, work: TaskGroup) -> None:
+    async def _wait_idle(self, pool: WorkPool, work: TaskGroup) -> None:
         """Give in-flight work the grace period, then cancel what is left (it stays pending)."""
         await self.registry.set_state(self.instance_id, InstanceState.DRAINING)
+        pool.close()
         with anyio.move_on_after(self.grace_s):
-            while self._active:
-                await self._idle.wait()
+            await pool.join()
         work.cancel_scope.cancel()
 
     async def _finish_loop(self) -> None:
@@ -228,18 +223,14 @@ class Sidecar:
 
     # -- one message -----------------------------------------------------------------------
 
-    async def _guarded(self, taken: Taken, step: Awaitable[None]) -> None:
+    async def _guarded(self, taken: Taken, step: Callable[[], Awaitable[None]]) -> None:
         try:
-            await step
+            await step()
         except RedisUnavailable as exc:
             # The entry stays pending; the record's stage says where to resume.
             log.warning("message %s: redis unavailable, left pending: %s", taken.message_id, exc)
         finally:
             self._finished_ready.set()
-            self._slots.release()
-            self._active -= 1
-            if not self._active:
-                self._idle.set()
 
     async def _resume(self, taken: Taken, moved: Moved) -> None:
         """The entry did not find its record ROUTED here: a restart, or a stale delivery."""
@@ -345,7 +336,7 @@ class Sidecar:
         return Move(
             taken.message_id,
             target,
-            only_from={source},
+            only_from=source,
             expect_attempt=taken.attempt,
             expect_instance=self.instance_id,
             **options,

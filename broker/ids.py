@@ -9,6 +9,10 @@ import os
 import time
 
 _ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+# Two characters per 10 bits: 13 table lookups per id instead of 26 shifts (ids are minted per
+# message on the dispatch path).
+_PAIRS = [a + b for a in _ALPHABET for b in _ALPHABET]
+_SHIFTS = tuple(range(120, -1, -10))
 
 
 def encode_ulid(timestamp_ms: int, randomness: bytes) -> str:
@@ -18,11 +22,7 @@ def encode_ulid(timestamp_ms: int, randomness: bytes) -> str:
     if len(randomness) != 10:
         raise ValueError("randomness must be 10 bytes")
     value = (timestamp_ms << 80) | int.from_bytes(randomness, "big")
-    chars = []
-    for _ in range(26):
-        chars.append(_ALPHABET[value & 31])
-        value >>= 5
-    return "".join(reversed(chars))
+    return "".join([_PAIRS[(value >> shift) & 1023] for shift in _SHIFTS])
 
 
 def new_message_id() -> str:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from redis.exceptions import ResponseError
 
 from .connection import Connection
@@ -56,10 +56,10 @@ class Acceptance:
     reason: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Move:
+class Move(msgspec.Struct):
     """One compare-and-set of ``lua/transition.lua``: the record moves to ``target`` only if
-    its stage is an allowed source (narrowed by ``only_from``) and attempt/instance match."""
+    its stage is an allowed source (narrowed to ``only_from`` when given) and the attempt and
+    instance match."""
 
     message_id: str
     target: Stage
@@ -70,7 +70,7 @@ class Move:
     new_instance: str | None = None
     fields: Mapping[str, str | bytes | int] | None = None
     return_field: str = ""
-    only_from: AbstractSet[Stage] | None = None
+    only_from: Stage | None = None
 
 
 class MessageStore:
@@ -78,6 +78,7 @@ class MessageStore:
         self.conn = conn
         self.keys = conn.keys
         self._sources = {stage: sources_for(stage) for stage in Stage}
+        self._joined: dict[tuple[Stage, Stage | None], str] = {}
 
     # -- stage changes ---------------------------------------------------------------------
 
@@ -123,12 +124,15 @@ class MessageStore:
         return [_moved(_raise(r)) for r in replies]
 
     def _move_command(self, m: Move) -> tuple[Any, ...]:
-        sources = self._sources[m.target]
-        if m.only_from is not None:
-            sources = sources & m.only_from
+        sources = self._joined.get((m.target, m.only_from))
+        if sources is None:
+            allowed = self._sources[m.target]
+            if m.only_from is not None:
+                allowed = allowed & {m.only_from}
+            sources = self._joined[(m.target, m.only_from)] = ",".join(sorted(allowed))
         ttl = self.conn.settings.record_ttl_s if m.target in TERMINAL else ""
         args: list[Any] = [
-            ",".join(sources),
+            sources,
             "" if m.expect_attempt is None else m.expect_attempt,
             "" if m.expect_instance is None else m.expect_instance,
             m.target.value,

@@ -313,7 +313,7 @@ class Dispatcher:
                 Move(
                     message_id,
                     Stage.ROUTED,
-                    only_from={Stage.WAITING},
+                    only_from=Stage.WAITING,
                     new_attempt="+",
                     new_instance=instance_id,
                     reason="credit freed",
@@ -354,7 +354,7 @@ class Dispatcher:
                 Move(
                     r.message_id,
                     Stage.WAITING,
-                    only_from={Stage.ROUTED},
+                    only_from=Stage.ROUTED,
                     expect_attempt=r.attempt,
                     expect_instance=r.instance_id,
                     reason=f"assignment to {r.instance_id} refused: {res.name.lower()}",

@@ -1,0 +1,80 @@
+"""An elastic pool of worker tasks: at most ``limit`` jobs run at once, workers are reused.
+
+Spawning a task per message cost more than handling a fast message itself. Here a worker is
+spawned only when a job would otherwise wait for one (queued jobs outnumber idle workers and
+the pool is below its limit); otherwise an idle worker takes it. A fast agent is served by a
+handful of workers; a slow one grows the pool up to its credits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import anyio
+from anyio.abc import TaskGroup
+
+Job = Callable[[], Awaitable[None]]
+
+
+class WorkPool:
+    def __init__(self, tg: TaskGroup, limit: int) -> None:
+        self._tg = tg
+        self._limit = limit
+        self._queue: deque[Job] = deque()
+        self._workers = 0
+        self._idle = 0
+        self._unfinished = 0
+        self._closed = False
+        self._wake = anyio.Event()
+        self._drained: anyio.Event | None = None
+
+    @property
+    def unfinished(self) -> int:
+        """Jobs submitted and not yet finished."""
+        return self._unfinished
+
+    def submit(self, job: Job) -> None:
+        if self._closed:
+            raise RuntimeError("the pool is closed")
+        self._queue.append(job)
+        self._unfinished += 1
+        if len(self._queue) > self._idle and self._workers < self._limit:
+            self._workers += 1
+            self._tg.start_soon(self._work)
+        elif self._idle:
+            self._wake.set()
+
+    def close(self) -> None:
+        """No more jobs: workers leave once the queue is empty."""
+        self._closed = True
+        self._wake.set()
+
+    async def join(self) -> None:
+        """Wait until every submitted job has finished."""
+        while self._unfinished:
+            self._drained = anyio.Event()
+            await self._drained.wait()
+
+    async def _work(self) -> None:
+        try:
+            while True:
+                while not self._queue:
+                    if self._closed:
+                        return
+                    self._idle += 1
+                    try:
+                        await self._wake.wait()
+                    finally:
+                        self._idle -= 1
+                    if self._wake.is_set() and not self._closed:
+                        self._wake = anyio.Event()
+                job = self._queue.popleft()
+                try:
+                    await job()
+                finally:
+                    self._unfinished -= 1
+                    if not self._unfinished and self._drained is not None:
+                        self._drained.set()
+        finally:
+            self._workers -= 1
