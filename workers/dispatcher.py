@@ -272,18 +272,18 @@ class Dispatcher:
     # -- waiting -----------------------------------------------------------------------------
 
     async def _drain_loop(self) -> None:
-        """Drain the capabilities whose instances just freed credits, at once; every sweep
-        interval, refresh the registry and drain every capability with waiting work."""
+        """Drain the capabilities whose instances just freed credits, at once; and every sweep
+        interval — however busy the notifications keep this loop — refresh the registry and
+        drain every capability with waiting work."""
+        next_sweep = anyio.current_time()
         while True:
-            swept = False
-            with anyio.move_on_after(self.settings.sweep_interval_s):
+            with anyio.move_on_after(max(0.0, next_sweep - anyio.current_time())):
                 await self._credit_freed.wait()
-            if not self._credit_freed.is_set():
-                swept = True
             self._credit_freed = anyio.Event()
             capabilities, self._to_drain = self._to_drain, set()
             try:
-                if swept:
+                if anyio.current_time() >= next_sweep:
+                    next_sweep = anyio.current_time() + self.settings.sweep_interval_s
                     await self.refresh()
                     capabilities |= set(await self.store.waiting_capabilities())
                 for capability in sorted(capabilities):

@@ -6,7 +6,8 @@ import anyio
 import msgspec
 
 from broker.client import Client
-from broker.connection import Connection
+from broker.config import Settings
+from broker.connection import Connection, open_connection
 from broker.envelope import Envelope
 from broker.stages import Stage
 from broker.store import MessageStore
@@ -142,3 +143,28 @@ async def test_timeline_records_instance_attempt_and_time(conn: Connection) -> N
     assert headers["x-reach-message-id"] == message_id
     assert headers["x-reach-idempotency-key"] == message_id
     assert headers["x-reach-attempt"] == "1"
+
+
+async def test_instances_stay_routable_under_steady_traffic(settings: Settings) -> None:
+    """Regression: under continuous credit notifications the periodic registry refresh never
+    ran, so after down_after_s every instance looked dead and messages waited a sweep."""
+    quick = msgspec.structs.replace(settings, down_after_s=1.5, sweep_interval_s=0.5)
+    assert quick.redis_url is not None
+    async with open_connection(quick, quick.redis_url) as conn:
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        async with (
+            http_agent("a") as agent,
+            running_sidecar(conn, "a-1", ("text.echo",), url=agent.url, max_inflight=64),
+            running_dispatcher(conn),
+        ):
+            ids = []
+            with anyio.move_on_after(3 * quick.down_after_s):
+                while True:  # a steady stream, so credit notifications never pause
+                    ids.append(await client.submit(echo(len(ids), reply_to)))
+                    await anyio.sleep(0.005)
+            await collect_replies(conn, reply_to, len(ids))
+        store = MessageStore(conn)
+        waited = [i for i in ids if Stage.WAITING in {e.stage for e in await store.get_timeline(i)}]
+    assert len(ids) > 300
+    assert waited == []
