@@ -357,6 +357,9 @@ class Dispatcher:
                     only_from=Stage.ROUTED,
                     expect_attempt=r.attempt,
                     expect_instance=r.instance_id,
+                    # No stream entry exists for a refused attempt: give the number back, so
+                    # `attempt` counts deliveries, not lost races for a credit.
+                    new_attempt=r.attempt - 1,
                     reason=f"assignment to {r.instance_id} refused: {res.name.lower()}",
                 )
                 for r, res in refused

@@ -94,6 +94,8 @@ async def test_credit_limit_holds_and_excess_waits_outside_the_stream(conn: Conn
     assert agent.log.total == 200
     assert peaks["stream"] <= 2 and peaks["credits"] <= 2
     assert peaks["waiting"] > 100  # the backlog waited in the capability's waiting set
+    # a lost race for a credit does not count as a delivery attempt
+    assert {(await store.get_record(i)).attempt for i in ids} == {1}  # type: ignore[union-attr]
     waited = [await store.get_timeline(i) for i in ids[-10:]]
     assert all(
         [e.stage for e in t][:3] == [Stage.ACCEPTED, Stage.WAITING, Stage.ROUTED] for t in waited
