@@ -55,4 +55,5 @@ def _from_response(response: httpx.Response) -> Outcome:
             return Failed(f"agent answered {status} with a body that is not JSON")
         return Succeeded(body)
     snippet = response.text[:200]
-    return Failed(f"agent answered {status}: {snippet}" if snippet else f"agent answered {status}")
+    reason = f"agent answered {status}: {snippet}" if snippet else f"agent answered {status}"
+    return Failed(reason, fault=status >= 500)

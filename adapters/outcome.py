@@ -16,6 +16,7 @@ class Succeeded(msgspec.Struct, frozen=True, tag=True):
 
 class Failed(msgspec.Struct, frozen=True, tag=True):
     reason: str
+    fault: bool = True  # the agent's own failure (5xx, an exception), not a refused request
 
 
 class NotReached(msgspec.Struct, frozen=True, tag=True):

@@ -27,11 +27,12 @@ from broker.keyspace import SIDECAR_GROUP
 from broker.records import InstanceCard, InstanceState, Moved
 from broker.registry import Registry
 from broker.stages import TERMINAL, Stage
-from broker.store import MessageStore, Move, trim_acknowledged
+from broker.store import MessageStore, Move, now_ms, trim_acknowledged
 from broker.streams import GroupReader, StreamEntry
 
 from .outcome import Ambiguous, Failed, NotReached, Outcome, Succeeded
 from .transport import Transport
+from .vitals import Vitals
 from .workpool import WorkPool
 
 log = logging.getLogger("agent_reach.sidecar")
@@ -60,6 +61,9 @@ class Sidecar:
         self._finished: list[Finished] = []
         self.stopped = anyio.Event()
         self._finished_ready = anyio.Event()
+        self._beat_now = anyio.Event()
+        self._pool: WorkPool | None = None
+        self.vitals = Vitals(conn.settings, credits=card.max_inflight, now_ms=now_ms())
 
     def stop(self) -> None:
         """Begin a graceful stop: no new reads, finish in-flight work, then deregister."""
@@ -76,7 +80,7 @@ class Sidecar:
             outer.start_soon(self._finish_loop)
             task_status.started()
             async with anyio.create_task_group() as work:
-                pool = WorkPool(work, self.card.max_inflight)
+                pool = self._pool = WorkPool(work, self.card.max_inflight)
                 await self._take(pool, await self._read(reader, pending=True))
                 await self._consume(reader, pool)
                 await self._wait_idle(pool, work)
@@ -89,17 +93,39 @@ class Sidecar:
     # -- the loops -------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
+        """Heartbeat every interval, or at once when the circuit or cooldown changed; follow
+        an operator's DRAINING; re-register if the card vanished."""
         trim_every = 12
         beats = 0
         while True:
-            await anyio.sleep(self.conn.settings.heartbeat_s)
+            with anyio.move_on_after(self.conn.settings.heartbeat_s):
+                await self._beat_now.wait()
+            self._beat_now = anyio.Event()
             try:
-                await self.registry.heartbeat(self.instance_id)
+                await self._beat()
                 beats += 1
                 if beats % trim_every == 0:
                     await trim_acknowledged(self.conn, self.queue)
             except RedisUnavailable as exc:
                 log.warning("heartbeat failed: %s", exc)
+
+    async def _beat(self) -> None:
+        active = self._pool.unfinished if self._pool is not None else 0
+        beat_ms = now_ms()
+        state, stats, announce = self.vitals.beat(beat_ms, active=active)
+        if self._stopping.is_set():
+            state = InstanceState.DRAINING
+        on_card = await self.registry.heartbeat(
+            self.instance_id, state, stats, announce=announce, hb_ms=beat_ms
+        )
+        # The very time written on the card, which is what observers compare against.
+        self.vitals.beat_delivered(beat_ms)
+        if on_card is None and not self._stopping.is_set():
+            log.warning("instance %s was not registered: registering again", self.instance_id)
+            await self.registry.register(self.card, credits=self.card.max_inflight)
+        elif on_card is InstanceState.DRAINING and not self._stopping.is_set():
+            log.info("instance %s set DRAINING: finishing in-flight work", self.instance_id)
+            self.stop()
 
     async def _read(self, reader: GroupReader, *, pending: bool = False) -> list[StreamEntry]:
         """New entries, or (at start) this instance's own pending list: a restart after a crash
@@ -162,12 +188,40 @@ class Sidecar:
                 self._done(t)  # lost the PROCESSING race: someone else owns the record now
 
     async def _wait_idle(self, pool: WorkPool, work: TaskGroup) -> None:
-        """Give in-flight work the grace period, then cancel what is left (it stays pending)."""
+        """DRAINING: no new assignments; reroute what was assigned but never read; give
+        in-flight work the grace period, then cancel what is left (it stays pending)."""
         await self.registry.set_state(self.instance_id, InstanceState.DRAINING)
+        await self._reroute_unread()
         pool.close()
         with anyio.move_on_after(self.grace_s):
             await pool.join()
         work.cancel_scope.cancel()
+
+    async def _reroute_unread(self) -> None:
+        """Entries assigned to this instance but never delivered to it go back to WAITING, so
+        another instance takes them; their credits here are returned."""
+        groups = await self.conn.call("XINFO", "GROUPS", self.queue)
+        info = dict(zip(groups[0][::2], groups[0][1::2], strict=True)) if groups else {}
+        after = b"(" + info.get(b"last-delivered-id", b"0-0")
+        unread = await self.conn.call("XRANGE", self.queue, after, "+")
+        returned = []
+        for entry_id, flat in unread:
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            taken = Taken(entry_id.decode(), fields[b"id"].decode(), int(fields[b"attempt"]))
+            record = await self.store.get_record(taken.message_id)
+            moved = await self.store.apply(
+                self._fenced(taken, Stage.WAITING, Stage.ROUTED, reason="instance draining")
+            )
+            if moved.ok and record is not None:
+                await self.store.park(
+                    record.capability, record.id, record.priority, record.accepted_ms
+                )
+            returned.append((f"{taken.message_id}:{taken.attempt}", taken.entry_id))
+        if returned:
+            log.info("rerouting %d unread entries", len(returned))
+            await self.conn.call(
+                *self.store.release_command(self.instance_id, SIDECAR_GROUP, returned)
+            )
 
     async def _finish_loop(self) -> None:
         while True:
@@ -278,7 +332,11 @@ class Sidecar:
         await self._call_agent(taken, envelope)
 
     async def _call_agent(self, taken: Taken, envelope: Envelope) -> None:
+        started = anyio.current_time()
         outcome = await self.transport.deliver(envelope, taken.attempt)
+        latency_ms = (anyio.current_time() - started) * 1000
+        if self.vitals.record(outcome, latency_ms=latency_ms, now_ms=now_ms()):
+            self._beat_now.set()  # the circuit or cooldown changed: tell the dispatchers now
         await self._record(taken, envelope, outcome)
 
     async def _record(self, taken: Taken, envelope: Envelope, outcome: Outcome) -> None:

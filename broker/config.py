@@ -9,10 +9,11 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from .envelope import capability_problem
 from .errors import ConfigError
 
 ENV_PREFIX = "AGENT_REACH_"
@@ -20,6 +21,8 @@ ENV_PREFIX = "AGENT_REACH_"
 NON_SETTING_ENV = frozenset({"CONFIG", "FAILPOINTS", "CHAOS", "STATE_DIR"})
 
 Positive = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+Ratio = Annotated[float, msgspec.Meta(ge=0, le=1)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]
 
 
 class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -38,6 +41,35 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     sync_call_timeout_s: Positive = 5.0
     record_ttl_s: Annotated[int, msgspec.Meta(ge=60, le=365 * 86400)] = 7 * 86400
     timeline_max: Annotated[int, msgspec.Meta(ge=10, le=10_000)] = 200
+    # routing (DESIGN §5)
+    capability_mode: Literal["strict", "loose"] = "strict"
+    capability_aliases: dict[str, str] = msgspec.field(default_factory=dict)
+    load_cut: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+    top_ratio: Ratio = 0.3
+    cold_start_successes: Count = 20
+    cold_start_confidence: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.8
+    panic_threshold: Ratio = 0.5
+    session_ttl_s: Positive = 1800.0
+    # health
+    degrade_error_rate: Ratio = 0.10
+    down_error_rate: Ratio = 0.50
+    degrade_load: Ratio = 0.80
+    sustain_heartbeats: Annotated[int, msgspec.Meta(ge=1, le=100)] = 2
+    recover_heartbeats: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
+    stats_window_s: Positive = 60.0
+    allowed_fails: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
+    cooldown_s: Positive = 30.0
+    circuit_min_requests: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 10
+    circuit_fail_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    circuit_open_s: Positive = 30.0
+    circuit_probes: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
+    drain_grace_s: Positive = 40.0
+    # retries and timeouts (used by the reaper)
+    retry_limit: Annotated[int, msgspec.Meta(ge=0, le=100)] = 2
+    retry_backoff_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 200
+    retry_jitter: Ratio = 0.2
+    delivery_timeout_s: Positive = 30.0
+    callback_timeout_s: Positive = 600.0
 
 
 FIELDS: tuple[str, ...] = Settings.__struct_fields__
@@ -52,9 +84,19 @@ def build_settings(layers: list[Mapping[str, Any]]) -> Settings:
                 raise ConfigError(key, f"unknown key; known keys: {', '.join(FIELDS)}")
             merged[key] = value
     try:
-        return msgspec.convert(merged, Settings, strict=False)
+        settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(_key_of(str(exc)), str(exc)) from exc
+    if settings.down_after_s < settings.heartbeat_s:
+        raise ConfigError(
+            "down_after_s",
+            f"must be at least heartbeat_s ({settings.heartbeat_s}), got {settings.down_after_s}",
+        )
+    for alias, canonical in settings.capability_aliases.items():
+        for name in (alias, canonical):
+            if problem := capability_problem(name):
+                raise ConfigError("capability_aliases", problem)
+    return settings
 
 
 def _key_of(message: str) -> str:
@@ -75,8 +117,18 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, str]:
             raise ConfigError(
                 name, f"unknown environment variable; known keys: {', '.join(FIELDS)}"
             )
-        layer[key] = value
+        layer[key] = _env_value(key, value)
     return layer
+
+
+def _env_value(key: str, value: str) -> Any:
+    """Maps come as JSON: ``AGENT_REACH_CAPABILITY_ALIASES='{"a.b": "c.d"}'``."""
+    if key == "capability_aliases":
+        try:
+            return msgspec.json.decode(value)
+        except msgspec.DecodeError as exc:
+            raise ConfigError(key, f"expected a JSON object: {exc}") from exc
+    return value
 
 
 def file_layer(path: Path) -> dict[str, Any]:

@@ -21,6 +21,8 @@ CAPABILITY_PATTERN = r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)+(?!\n)$"
 MESSAGE_ID_PATTERN = r"^[0-9A-Za-z_.:-]{1,128}(?!\n)$"
 
 Capability = Annotated[str, msgspec.Meta(pattern=CAPABILITY_PATTERN, max_length=128)]
+# Session ids become hash tags (`reach:s:{<session>}`): anything but braces and whitespace.
+SessionId = Annotated[str, msgspec.Meta(pattern=r"^[^{}\s]{1,256}$")]
 MessageId = Annotated[str, msgspec.Meta(pattern=MESSAGE_ID_PATTERN)]
 Priority = Annotated[int, msgspec.Meta(ge=0, le=9)]
 TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
@@ -41,7 +43,7 @@ class Envelope(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     id: MessageId | None = None
     tags: dict[str, str] = msgspec.field(default_factory=dict)
     target: str | None = None
-    session_id: str | None = None
+    session_id: SessionId | None = None
     mode: Literal["unicast", "broadcast"] = "unicast"
     priority: Priority = 0
     timeout_s: TimeoutS = 300.0

@@ -12,6 +12,8 @@ key                       type    holds
 ``P:agents``              zset    instance -> last heartbeat (ms); the registry index
 ``P:w:{<capability>}``    zset    WAITING message ids, by priority then age
 ``P:waiting``             set     capabilities that have had waiting work
+``P:due``                 zset    message id -> deadline (ms): waiting work that may expire
+``P:s:{<session>}``        string  session -> instance (affinity), with a TTL
 ``P:dlq``                 stream  dead letters with their reason
 ``P:reply:<name>``        stream  results for one producer
 ``P:credit``              pubsub  instance ids whose credits were just released
@@ -63,6 +65,13 @@ class Keyspace:
     @property
     def waiting_index(self) -> str:
         return f"{self.prefix}:waiting"
+
+    @property
+    def due(self) -> str:
+        return f"{self.prefix}:due"
+
+    def session(self, session_id: str) -> str:
+        return f"{self.prefix}:s:{{{session_id}}}"
 
     @property
     def dlq(self) -> str:

@@ -25,6 +25,12 @@ class InstanceState(StrEnum):
 InstanceId = Annotated[str, msgspec.Meta(pattern=MESSAGE_ID_PATTERN)]
 
 
+class CircuitState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
 class InstanceCard(msgspec.Struct, frozen=True, kw_only=True):
     """What a sidecar registers for its agent instance."""
 
@@ -36,16 +42,34 @@ class InstanceCard(msgspec.Struct, frozen=True, kw_only=True):
     idempotent: bool = False
     version: str = "0"
     tags: dict[str, str] = msgspec.field(default_factory=dict)
+    weight: float = 1.0
+    cost: float = 0.0
+    status_url: str = ""
+
+
+class InstanceStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Live figures a sidecar measures over its sliding window and sends with each heartbeat."""
+
+    error_rate: float = 0.0
+    p95_ms: float = 0.0
+    requests: int = 0  # in the window
+    successes: int = 0  # since start: the cold-start confidence counts these
+    cooldown_until_ms: int = 0
+    circuit: CircuitState = CircuitState.CLOSED
+    circuit_until_ms: int = 0
 
 
 class InstanceView(msgspec.Struct, frozen=True, kw_only=True):
-    """An instance as the registry sees it now: card, state, credits and heartbeat."""
+    """An instance as the registry sees it now: card, state, credits, heartbeat and stats.
+
+    ``weight`` is the card's current weight (``agent-reach weight`` changes it at run time)."""
 
     card: InstanceCard
     state: InstanceState
     credits: int
     inflight: int
     heartbeat_ms: int
+    stats: InstanceStats = msgspec.field(default_factory=InstanceStats)
 
     @property
     def instance_id(self) -> str:
@@ -78,6 +102,8 @@ class MessageRecord(msgspec.Struct, frozen=True, kw_only=True):
     priority: int
     result: bytes | None = None
     error: str | None = None
+    route_reason: str | None = None
+    route_from: bytes | None = None  # JSON: the funnel, step by step
 
 
 class AssignResult(IntEnum):

@@ -7,10 +7,23 @@ from typing import Any
 import msgspec
 
 from .connection import Connection
-from .records import InstanceCard, InstanceState, InstanceView
+from .records import CircuitState, InstanceCard, InstanceState, InstanceStats, InstanceView
+from .scripts import ScriptName
 from .store import now_ms, pairs
 
 _tags_decoder = msgspec.json.Decoder(dict[str, str])
+
+
+STAT_FIELDS = InstanceStats.__struct_fields__
+
+
+def stats_fields(stats: InstanceStats) -> list[str | int | float]:
+    """The stats as flat field/value pairs for a hash."""
+    flat: list[str | int | float] = []
+    for name in STAT_FIELDS:
+        value = getattr(stats, name)
+        flat += [name, value.value if isinstance(value, CircuitState) else value]
+    return flat
 
 
 def card_fields(
@@ -26,6 +39,9 @@ def card_fields(
         "idempotent": int(card.idempotent),
         "version": card.version,
         "tags": msgspec.json.encode(card.tags),
+        "weight": card.weight,
+        "cost": card.cost,
+        "status_url": card.status_url,
         "state": state.value,
         "hb_ms": hb_ms,
     }
@@ -44,6 +60,18 @@ def view_from_hash(raw: dict[bytes, bytes], inflight: int) -> InstanceView:
         idempotent=text("idempotent") == "1",
         version=text("version") or "0",
         tags=_tags_decoder.decode(raw.get(b"tags") or b"{}"),
+        weight=float(text("weight") or 1.0),
+        cost=float(text("cost") or 0.0),
+        status_url=text("status_url"),
+    )
+    stats = InstanceStats(
+        error_rate=float(text("error_rate") or 0.0),
+        p95_ms=float(text("p95_ms") or 0.0),
+        requests=int(text("requests") or 0),
+        successes=int(text("successes") or 0),
+        cooldown_until_ms=int(text("cooldown_until_ms") or 0),
+        circuit=CircuitState(text("circuit") or "closed"),
+        circuit_until_ms=int(text("circuit_until_ms") or 0),
     )
     return InstanceView(
         card=card,
@@ -51,6 +79,7 @@ def view_from_hash(raw: dict[bytes, bytes], inflight: int) -> InstanceView:
         credits=int(text("credits") or 0),
         inflight=inflight,
         heartbeat_ms=int(text("hb_ms") or 0),
+        stats=stats,
     )
 
 
@@ -73,10 +102,42 @@ class Registry:
             ]
         )
 
-    async def heartbeat(self, instance_id: str) -> None:
-        hb = now_ms()
-        await self.conn.call("HSET", self.keys.card(instance_id), "hb_ms", hb)
-        await self.conn.call("ZADD", self.keys.agents, hb, instance_id)
+    async def heartbeat(
+        self,
+        instance_id: str,
+        state: InstanceState,
+        stats: InstanceStats,
+        *,
+        announce: bool = False,
+        hb_ms: int | None = None,
+    ) -> InstanceState | None:
+        """Record a heartbeat at ``hb_ms`` (default now); returns the card's state (DRAINING
+        wins), or ``None`` when the card is gone."""
+        hb = now_ms() if hb_ms is None else hb_ms
+        args = [instance_id, hb, state.value, self.keys.registry_channel, int(announce)]
+        script = self.conn.script_command(
+            ScriptName.HEARTBEAT, (self.keys.card(instance_id),), [*args, *stats_fields(stats)]
+        )
+        replies = await self._all([script, ("ZADD", self.keys.agents, hb, instance_id)])
+        return InstanceState(replies[0].decode()) if replies[0] else None
+
+    async def set_weight(self, instance_id: str, weight: float) -> bool:
+        """Change an instance's routing weight at run time; false for an unknown instance."""
+        key = self.keys.card(instance_id)
+        if not await self.conn.call("EXISTS", key):
+            return False
+        await self._all(
+            [("HSET", key, "weight", weight), ("PUBLISH", self.keys.registry_channel, instance_id)]
+        )
+        return True
+
+    async def drain(self, instance_id: str) -> bool:
+        """Mark an instance DRAINING (its sidecar then finishes its work and deregisters)."""
+        key = self.keys.card(instance_id)
+        if not await self.conn.call("EXISTS", key):
+            return False
+        await self.set_state(instance_id, InstanceState.DRAINING)
+        return True
 
     async def set_state(self, instance_id: str, state: InstanceState) -> None:
         await self.conn.call("HSET", self.keys.card(instance_id), "state", state.value)

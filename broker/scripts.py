@@ -13,6 +13,7 @@ class ScriptName(StrEnum):
     ASSIGN = "assign"
     TRANSITION = "transition"
     RELEASE = "release"
+    HEARTBEAT = "heartbeat"
 
 
 @dataclass(frozen=True, slots=True)

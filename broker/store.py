@@ -54,6 +54,7 @@ class Acceptance:
     accepted_ms: int
     instance: str = ""
     reason: str = ""
+    fields: Mapping[str, str | bytes] | None = None
 
 
 class Move(msgspec.Struct):
@@ -105,6 +106,7 @@ class MessageStore:
             a.instance,
             a.reason,
             ttl,
+            *_flat(a.fields or {}),
         )
         keys = (self.keys.record(a.message_id), self.keys.timeline(a.message_id))
         return self.conn.script_command(ScriptName.ACCEPT, keys, args)
@@ -188,7 +190,9 @@ class MessageStore:
         await self.park_many([(capability, message_id, priority, accepted_ms)])
 
     async def park_many(self, items: list[tuple[str, str, int, int]]) -> None:
-        """``(capability, message_id, priority, accepted_ms)`` tuples, in one round trip."""
+        """``(capability, message_id, priority, accepted_ms)`` tuples, in one round trip.
+
+        The deadline index (``P:due``) is written by :meth:`watch_deadline` at acceptance."""
         commands: list[tuple[Any, ...]] = [
             ("SADD", self.keys.waiting_index, capability) for capability in {i[0] for i in items}
         ]
@@ -198,6 +202,23 @@ class MessageStore:
         ]
         for reply in await self.conn.call_many(commands):
             _raise(reply)
+
+    def due_command(self, message_id: str, deadline_ms: int) -> tuple[Any, ...]:
+        """Index a message's deadline, so an expired waiting message is found and ended."""
+        return ("ZADD", self.keys.due, deadline_ms, message_id)
+
+    async def due_now(self, now: int, count: int) -> list[str]:
+        ids = await self.conn.call("ZRANGEBYSCORE", self.keys.due, "-inf", now, "LIMIT", 0, count)
+        return [_text(i) for i in ids]
+
+    async def forget_due(self, message_ids: list[str]) -> None:
+        if message_ids:
+            await self.conn.call("ZREM", self.keys.due, *message_ids)
+
+    async def sessions(self, session_ids: list[str]) -> dict[str, str]:
+        """The instance each session is bound to (affinity), for the sessions that have one."""
+        replies = await self.conn.call_many([("GET", self.keys.session(s)) for s in session_ids])
+        return {s: r.decode() for s, r in zip(session_ids, replies, strict=True) if r}
 
     async def waiting_head(self, capability: str, count: int) -> list[str]:
         ids = await self.conn.call("ZRANGE", self.keys.waiting(capability), 0, count - 1)
@@ -229,6 +250,22 @@ class MessageStore:
         if not flat:
             return None
         return record_from_hash(message_id, pairs(flat))
+
+    async def get_records(self, message_ids: list[str]) -> list[MessageRecord | None]:
+        """Several records in one round trip (``None`` where there is none)."""
+        replies = await self.conn.call_many([("HGETALL", self.keys.record(i)) for i in message_ids])
+        return [
+            record_from_hash(i, pairs(_raise(flat))) if flat else None
+            for i, flat in zip(message_ids, replies, strict=True)
+        ]
+
+    async def bind_sessions(self, bindings: list[tuple[str, str]]) -> None:
+        """Session affinity: ``(session_id, instance_id)`` pairs, each with the session TTL."""
+        ttl_ms = int(self.conn.settings.session_ttl_s * 1000)
+        for reply in await self.conn.call_many(
+            [("SET", self.keys.session(s), i, "PX", ttl_ms) for s, i in bindings]
+        ):
+            _raise(reply)
 
     async def get_timeline(self, message_id: str) -> list[TimelineEntry]:
         entries = await self.conn.call("XRANGE", self.keys.timeline(message_id), "-", "+")
@@ -284,6 +321,8 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
         priority=_int(get("priority")),
         result=result,
         error=_text(error) if error is not None else None,
+        route_reason=_text(raw[b"route_reason"]) if b"route_reason" in raw else None,
+        route_from=raw.get(b"route_from"),
     )
 
 

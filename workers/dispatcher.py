@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import msgspec
@@ -37,37 +37,23 @@ from broker.envelope import (
 from broker.errors import RedisUnavailable
 from broker.ids import new_message_id
 from broker.keyspace import DISPATCH_GROUP
-from broker.records import AssignResult, Moved
 from broker.registry import Registry
 from broker.stages import Stage
-from broker.store import Acceptance, MessageStore, Move, ack, now_ms, trim_acknowledged
+from broker.store import Acceptance, MessageStore, ack, now_ms, trim_acknowledged
 from broker.streams import GroupReader, StreamEntry, Subscriber
 
-from .routing_table import RoutingTable
+from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
+from .routing_table import RoutingTable, routing_policy
+from .waiting import WaitingRoom
 
 log = logging.getLogger("agent_reach.dispatcher")
 
 READ_BLOCK_MS = 1000
 TRIM_EVERY_S = 10.0
-_OK = (AssignResult.ASSIGNED, AssignResult.ALREADY_ASSIGNED)
-# A waiting-set entry whose record is in one of these may still be needed: leave it.
-_MAY_RETURN_TO_WAITING = frozenset({Stage.ACCEPTED, Stage.WAITING, Stage.ROUTED})
 
 
 def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
-
-
-@dataclass(frozen=True, slots=True)
-class Routed:
-    """A record that is ROUTED and must now be assigned (or go back to WAITING)."""
-
-    message_id: str
-    capability: str
-    instance_id: str
-    attempt: int
-    priority: int
-    accepted_ms: int
 
 
 class Dispatcher:
@@ -78,7 +64,9 @@ class Dispatcher:
         self.store = MessageStore(conn)
         self.registry = Registry(conn)
         self.consumer = consumer or default_consumer_name()
-        self.table = RoutingTable(down_after_ms=int(self.settings.down_after_s * 1000))
+        self.table = RoutingTable(routing_policy(self.settings))
+        self.assigner = Assigner(self.store, self.table)
+        self.waiting = WaitingRoom(self.store, self.table, batch=self.settings.dispatch_batch)
         self._credit_freed = anyio.Event()
         self._to_drain: set[str] = set()
 
@@ -142,7 +130,7 @@ class Dispatcher:
             except InvalidEnvelope as exc:
                 await self._reject(exc)
         routed = await self._accept(envelopes, recovering)
-        await self._assign(routed)
+        await self.assigner.assign(routed)
         await ack(self.conn, self.keys.ingress, DISPATCH_GROUP, [e for e, _ in entries])
 
     def _decode(self, fields: dict[str, bytes]) -> Envelope:
@@ -157,72 +145,74 @@ class Dispatcher:
         return complete(envelope)
 
     async def _accept(self, envelopes: list[Envelope], recovering: bool) -> list[Routed]:
-        """Create the records, each ROUTED to a chosen instance or WAITING for a credit."""
+        """Route each envelope and create its record, ROUTED or WAITING: one round trip for
+        the records (plus one for the sessions the batch names)."""
         now = now_ms()
-        acceptances = [self._plan(envelope, now) for envelope in envelopes]
-        results = await self.store.accept_many(acceptances)
+        sessions = await self.store.sessions(
+            sorted({e.session_id for e in envelopes if e.session_id})
+        )
+        plans = [self._plan(envelope, now, sessions) for envelope in envelopes]
+        results = await self.store.accept_many([a for a, _ in plans])
         routed: list[Routed] = []
         to_park: list[tuple[str, str, int, int]] = []
-        for plan, result in zip(acceptances, results, strict=True):
+        bindings: list[tuple[str, str]] = []
+        due: list[tuple[Any, ...]] = []
+        for (plan, envelope), result in zip(plans, results, strict=True):
             if not result.created:
                 self.table.unreserve(plan.instance)
                 if recovering:
                     await self._repair(plan.message_id)
                 else:
                     log.info("message %s: duplicate submission ignored", plan.message_id)
-            elif plan.next_stage is Stage.ROUTED:
+                continue
+            due.append(self.store.due_command(plan.message_id, plan.deadline_ms))
+            if plan.next_stage is Stage.ROUTED:
                 routed.append(
                     Routed(plan.message_id, plan.capability, plan.instance, 1, plan.priority, now)
                 )
+                if envelope.session_id:
+                    bindings.append((envelope.session_id, plan.instance))
             else:
                 to_park.append((plan.capability, plan.message_id, plan.priority, now))
-        if to_park:
-            await self.store.park_many(to_park)
+        await self.conn.call_many(due)
+        await self.store.park_many(to_park)
+        await self.store.bind_sessions(bindings)
         return routed
 
-    def _plan(self, envelope: Envelope, now: int) -> Acceptance:
-        chosen = self.table.pick(envelope.capability, now_ms=now)
-        return Acceptance(
+    def _plan(
+        self, envelope: Envelope, now: int, sessions: dict[str, str]
+    ) -> tuple[Acceptance, Envelope]:
+        decision = self.table.decide(route_request(envelope, sessions), now_ms=now)
+        instance = routed_instance(decision)
+        if instance and envelope.session_id:
+            sessions[envelope.session_id] = instance  # later messages of the batch follow it
+        acceptance = Acceptance(
             message_id=envelope.message_id,
             envelope_json=encode_envelope(envelope),
             capability=envelope.capability,
             deadline_ms=now + int(envelope.timeout_s * 1000),
             reply_to=envelope.reply_to or "",
             priority=envelope.priority,
-            next_stage=Stage.ROUTED if chosen else Stage.WAITING,
+            next_stage=Stage.ROUTED if instance else Stage.WAITING,
             accepted_ms=now,
-            instance=chosen.instance_id if chosen else "",
-            reason="least loaded" if chosen else "no free credit",
+            instance=instance or "",
+            reason=decision.reason,
+            fields=decision_fields(decision),
         )
-
-    async def _assign(self, routed: list[Routed]) -> None:
-        """Assign each ROUTED attempt; without a credit, move it back to WAITING and park it."""
-        if not routed:
-            return
-        results = await self.store.assign_many(
-            [(r.instance_id, r.message_id, r.attempt) for r in routed]
-        )
-        refused = [(r, res) for r, res in zip(routed, results, strict=True) if res not in _OK]
-        moved = await self._return_to_waiting(refused)
-        await self.store.park_many(
-            [
-                (r.capability, r.message_id, r.priority, r.accepted_ms)
-                for (r, _), m in zip(refused, moved, strict=True)
-                if m.ok
-            ]
-        )
+        return acceptance, envelope
 
     async def _repair(self, message_id: str) -> None:
         """Re-apply the index writes for a record's current stage (each is idempotent)."""
         record = await self.store.get_record(message_id)
         if record is None:
             return
+        await self.conn.call(*self.store.due_command(message_id, record.deadline_ms))
         if record.stage is Stage.WAITING:
             await self.store.park(
                 record.capability, message_id, record.priority, record.accepted_ms
             )
         elif record.stage is Stage.ROUTED:
-            await self._assign(
+            await self.assigner.assign(
                 [
                     Routed(
                         message_id,
@@ -285,6 +275,7 @@ class Dispatcher:
                 if anyio.current_time() >= next_sweep:
                     next_sweep = anyio.current_time() + self.settings.sweep_interval_s
                     await self.refresh()
+                    await self.waiting.expire_due()
                     capabilities |= set(await self.store.waiting_capabilities())
                 for capability in sorted(capabilities):
                     await self.drain(capability)
@@ -292,79 +283,7 @@ class Dispatcher:
                 log.warning("drain failed: %s", exc)
 
     async def drain(self, capability: str) -> int:
-        """Assign waiting messages of ``capability`` to free credits, by priority then age.
-
-        Several dispatchers may drain the same set: the WAITING -> ROUTED compare-and-set lets
-        exactly one win each message; the waiting-set entry is removed only after assignment.
-        """
-        now = now_ms()
-        free = self.table.free_credits(capability, now_ms=now)
-        if free <= 0:
-            return 0
-        head = await self.store.waiting_head(capability, min(free, self.settings.dispatch_batch))
-        picks = []
-        for message_id in head:
-            chosen = self.table.pick(capability, now_ms=now)
-            if chosen is None:
-                break
-            picks.append((message_id, chosen.instance_id))
-        moved = await self.store.move_many(
-            [
-                Move(
-                    message_id,
-                    Stage.ROUTED,
-                    only_from=Stage.WAITING,
-                    new_attempt="+",
-                    new_instance=instance_id,
-                    reason="credit freed",
-                )
-                for message_id, instance_id in picks
-            ]
-        )
-        won: list[Routed] = []
-        stale: list[str] = []
-        for (message_id, instance_id), m in zip(picks, moved, strict=True):
-            if m.ok:
-                won.append(Routed(message_id, capability, instance_id, m.attempt, 0, 0))
-            else:
-                self.table.unreserve(instance_id)
-                if m.stage not in _MAY_RETURN_TO_WAITING:
-                    stale.append(message_id)
-        assigned = (
-            await self.store.assign_many([(r.instance_id, r.message_id, r.attempt) for r in won])
-            if won
-            else []
-        )
-        done = [r for r, res in zip(won, assigned, strict=True) if res in _OK]
-        await self.store.unpark_many(capability, [r.message_id for r in done] + stale)
-        # Still indexed: the waiting-set entry is removed only after a successful assignment.
-        await self._return_to_waiting(
-            [(r, res) for r, res in zip(won, assigned, strict=True) if res not in _OK]
-        )
-        return len(done)
-
-    async def _return_to_waiting(self, refused: list[tuple[Routed, AssignResult]]) -> list[Moved]:
-        """The credit was gone by the time the assignment ran: ROUTED -> WAITING."""
-        for r, _ in refused:
-            self.table.mark_full(r.instance_id)
-        if not refused:
-            return []
-        return await self.store.move_many(
-            [
-                Move(
-                    r.message_id,
-                    Stage.WAITING,
-                    only_from=Stage.ROUTED,
-                    expect_attempt=r.attempt,
-                    expect_instance=r.instance_id,
-                    # No stream entry exists for a refused attempt: give the number back, so
-                    # `attempt` counts deliveries, not lost races for a credit.
-                    new_attempt=r.attempt - 1,
-                    reason=f"assignment to {r.instance_id} refused: {res.name.lower()}",
-                )
-                for r, res in refused
-            ]
-        )
+        return await self.waiting.drain(capability)
 
     # -- notifications and housekeeping ------------------------------------------------------
 

@@ -13,6 +13,7 @@
 -- ARGV[9]  instance, when next is ROUTED
 -- ARGV[10] reason for the next step (for REJECTED also stored as the record's error)
 -- ARGV[11] seconds to keep record and timeline when next is terminal, or ""
+-- ARGV[12..] more field, value pairs for the record (the route decision, the wait reason)
 --
 -- Returns {1, stage, attempt} for a new record, {0, stage, attempt} when the id exists
 -- (a producer retry: the first acceptance wins and nothing else is written).
@@ -26,7 +27,7 @@ local error = ARGV[8] == 'REJECTED' and ARGV[10] or ''
 redis.call('HSET', rec, 'envelope', ARGV[1], 'capability', ARGV[2], 'accepted_ms', ARGV[3],
            'deadline_ms', ARGV[4], 'reply_to', ARGV[5], 'priority', ARGV[6],
            'stage', ARGV[8], 'attempt', attempt, 'instance', ARGV[9], 'updated_ms', ARGV[3],
-           'error', error)
+           'error', error, unpack(ARGV, 12))
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'ts', ARGV[3], 'stage', 'ACCEPTED',
            'instance', '', 'attempt', '0', 'reason', '')
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'ts', ARGV[3], 'stage', ARGV[8],

@@ -159,3 +159,61 @@ def test_sidecar_refuses_ids_that_would_break_hash_tags(flag: str) -> None:
     argv += [flag, "bad}{id"]
     result = CliRunner().invoke(main, argv)
     assert result.exit_code == 2 and flag in result.output
+
+
+async def test_weight_drain_and_agents_show_the_reach_factors(
+    conn: Connection, settings: Settings
+) -> None:
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url, max_inflight=4) as sidecar,
+    ):
+        code, out = await cli(settings, "weight", "a-1", "0.25")
+        assert code == 0, out
+        code, out = await cli(settings, "agents", "--json")
+        (listed,) = json.loads(out)
+        assert listed["weight"] == 0.25
+        assert set(listed["reach"]) == {
+            "reach",
+            "alive",
+            "health",
+            "load",
+            "latency",
+            "confidence",
+            "weight",
+        }
+        assert listed["reach"]["weight"] == 0.25 and listed["reach"]["confidence"] == 0.8
+        code, out = await cli(settings, "agents")
+        assert "alive 1.0 × health" in out and "a-1" in out
+        code, out = await cli(settings, "drain", "a-1")
+        assert code == 0 and "DRAINING" in out
+        with anyio.fail_after(10):
+            await sidecar.stopped.wait()  # it saw DRAINING on its heartbeat and stopped
+    code, out = await cli(settings, "weight", "nobody-1", "1")
+    assert code == 1 and "unknown instance 'nobody-1'" in out
+    code, out = await cli(settings, "drain", "nobody-1")
+    assert code == 1 and "unknown instance 'nobody-1'" in out
+
+
+def test_config_prints_the_effective_configuration(tmp_path: Path) -> None:
+    config_file = tmp_path / "reach.toml"
+    config_file.write_text('load_cut = 0.75\n[capability_aliases]\n"order.make" = "order.create"\n')
+    result = CliRunner().invoke(
+        main,
+        ["config", "--config", str(config_file), "--json"],
+        env={"AGENT_REACH_TOP_RATIO": "0.5"},
+    )
+    assert result.exit_code == 0, result.output
+    values = json.loads(result.output)
+    assert values["load_cut"] == 0.75 and values["top_ratio"] == 0.5
+    assert values["capability_aliases"] == {"order.make": "order.create"}
+    assert values["heartbeat_s"] == 5.0  # a default
+    text = CliRunner().invoke(main, ["config"], env={"AGENT_REACH_REDIS_URL": None}).output
+    assert "load_cut = 0.9" in text and "# redis_url is not set" in text
+
+
+def test_send_refuses_bad_selectors() -> None:
+    result = CliRunner().invoke(main, ["send", "a.b", "--tag", "novalue"])
+    assert result.exit_code == 2 and "KEY=VALUE" in result.output
+    result = CliRunner().invoke(main, ["send", "a.b", "--priority", "12"])
+    assert result.exit_code == 2 and "priority" in result.output.lower()

@@ -195,9 +195,27 @@ def test_out_of_range_file_value_names_the_key(tmp_path: Path) -> None:
     assert config_error(config_file=path).key == "dispatch_batch"
 
 
-@pytest.mark.parametrize(("key", "value"), [("heartbeat_s", 86400), ("dispatch_batch", 1)])
+@pytest.mark.parametrize(("key", "value"), [("down_after_s", 86400), ("dispatch_batch", 1)])
 def test_range_bounds_are_inclusive(key: str, value: Any) -> None:
     assert getattr(load_settings(environ={}, overrides={key: value}), key) == value
+
+
+def test_down_after_must_cover_a_heartbeat() -> None:
+    error = config_error(overrides={"heartbeat_s": 20, "down_after_s": 15})
+    assert error.key == "down_after_s" and "heartbeat_s" in str(error)
+
+
+def test_capability_aliases_from_file_and_environment(tmp_path: Path) -> None:
+    path = write(tmp_path, '[capability_aliases]\n"order.make" = "order.create"\n')
+    assert load_settings(path, environ={}).capability_aliases == {"order.make": "order.create"}
+    env = {"AGENT_REACH_CAPABILITY_ALIASES": '{"a.b": "c.d"}'}
+    assert load_settings(environ=env).capability_aliases == {"a.b": "c.d"}
+    assert config_error(environ={"AGENT_REACH_CAPABILITY_ALIASES": "{"}).key == (
+        "capability_aliases"
+    )
+    assert config_error(overrides={"capability_aliases": {"Bad": "a.b"}}).key == (
+        "capability_aliases"
+    )
 
 
 def test_invalid_toml_is_a_config_error(tmp_path: Path) -> None:

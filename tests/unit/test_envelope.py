@@ -390,7 +390,7 @@ valid_fields = st.fixed_dictionaries(
         "id": st.none() | message_ids,
         "tags": str_maps,
         "target": optional_text,
-        "session_id": optional_text,
+        "session_id": st.none() | st.from_regex(r"[^{}\s]{1,40}", fullmatch=True),
         "mode": st.sampled_from(["unicast", "broadcast"]),
         "priority": st.integers(0, 9),
         "timeout_s": st.floats(min_value=0, max_value=7 * 86400, exclude_min=True),
@@ -488,3 +488,10 @@ def test_deeply_nested_json_is_rejected_not_a_crash() -> None:
 def test_a_trailing_newline_does_not_slip_through_the_patterns(fields: dict[str, str]) -> None:
     with pytest.raises(InvalidEnvelope):
         decode_envelope(msgspec.json.encode(fields), max_bytes=1 << 20, reply_prefix="r:")
+
+
+@pytest.mark.parametrize("session", ["", "a b", "x{y}", "tab\there"])
+def test_session_ids_that_would_break_hash_tags_are_rejected(session: str) -> None:
+    raw = msgspec.json.encode({"capability": "a.b", "session_id": session})
+    with pytest.raises(InvalidEnvelope, match="session_id"):
+        decode_envelope(raw, max_bytes=1 << 20, reply_prefix="r:")

@@ -20,6 +20,7 @@ PURE = [
     "records",
     "errors",
     "failpoints",
+    "health",
 ]
 IO_LIBRARIES = {"redis", "httpx", "anyio"}
 PACKAGES = ["broker", "workers", "adapters"]

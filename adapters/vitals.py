@@ -1,0 +1,100 @@
+"""What a sidecar measures about its own agent, and what it reports with each heartbeat.
+
+Outcomes feed a sliding window (error rate, p95 latency), the cooldown / circuit breaker and
+the health state machine — all pure parts from :mod:`broker.health`; this class only keeps
+them together and turns them into the card's figures.
+"""
+
+from __future__ import annotations
+
+from broker.config import Settings
+from broker.health import (
+    Breaker,
+    BreakerPolicy,
+    HealthPolicy,
+    HealthTrack,
+    OutcomeWindow,
+    next_health,
+)
+from broker.records import CircuitState, InstanceState, InstanceStats
+
+from .outcome import Ambiguous, Failed, NotReached, Outcome
+
+
+def is_agent_fault(outcome: Outcome) -> bool:
+    """Failures that speak of the agent's health. A 4xx is the request's fault, not the
+    agent's: it does not count against the instance."""
+    match outcome:
+        case Failed(fault=fault):
+            return fault
+        case NotReached() | Ambiguous():
+            return True
+    return False
+
+
+class Vitals:
+    def __init__(self, settings: Settings, *, credits: int, now_ms: int) -> None:
+        self.credits = credits
+        self.window = OutcomeWindow(span_ms=int(settings.stats_window_s * 1000))
+        self.breaker = Breaker(
+            BreakerPolicy(
+                allowed_fails=settings.allowed_fails,
+                cooldown_ms=int(settings.cooldown_s * 1000),
+                min_requests=settings.circuit_min_requests,
+                fail_ratio=settings.circuit_fail_ratio,
+                open_ms=int(settings.circuit_open_s * 1000),
+                probes=settings.circuit_probes,
+            )
+        )
+        self.health_policy = HealthPolicy(
+            degrade_error_rate=settings.degrade_error_rate,
+            down_error_rate=settings.down_error_rate,
+            degrade_load=settings.degrade_load,
+            sustain_beats=settings.sustain_heartbeats,
+            recover_beats=settings.recover_heartbeats,
+        )
+        self.down_after_ms = int(settings.down_after_s * 1000)
+        self.track = HealthTrack()
+        self.successes = 0
+        self.last_beat_ms = now_ms
+        self._reported = (CircuitState.CLOSED, 0)
+
+    def record(self, outcome: Outcome, *, latency_ms: float, now_ms: int) -> bool:
+        """One outcome; true when the circuit or cooldown changed (worth announcing now)."""
+        failed = is_agent_fault(outcome)
+        if not failed:
+            self.successes += 1
+        self.window.add(now_ms, failed=failed, latency_ms=latency_ms)
+        self.breaker.record(now_ms, failed=failed, window=self.window)
+        return self._ejection() != self._reported
+
+    def beat(self, now_ms: int, *, active: int) -> tuple[InstanceState, InstanceStats, bool]:
+        """The state and figures for a heartbeat at ``now_ms``, and whether to announce them."""
+        self.breaker.tick(now_ms)
+        requests, error_rate, p95 = self.window.figures(now_ms)
+        before = self.track.state
+        self.track = next_health(
+            self.track,
+            error_rate=error_rate,
+            load=active / max(self.credits, 1),
+            lapsed=now_ms - self.last_beat_ms > self.down_after_ms,
+            policy=self.health_policy,
+        )
+        stats = InstanceStats(
+            error_rate=round(error_rate, 4),
+            p95_ms=round(p95, 2),
+            requests=requests,
+            successes=self.successes,
+            cooldown_until_ms=self.breaker.cooldown_until_ms,
+            circuit=self.breaker.state,
+            circuit_until_ms=self.breaker.until_ms,
+        )
+        announce = self._ejection() != self._reported or self.track.state is not before
+        self._reported = self._ejection()
+        return self.track.state, stats, announce
+
+    def beat_delivered(self, now_ms: int) -> None:
+        self.last_beat_ms = now_ms
+
+    def _ejection(self) -> tuple[CircuitState, int]:
+        return self.breaker.state, self.breaker.cooldown_until_ms

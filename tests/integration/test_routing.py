@@ -1,0 +1,263 @@
+"""Routing with real sidecars, real HTTP agents and a real Redis: decisions recorded on the
+record, session affinity, draining, no-match answers, weights at run time."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from adapters.http import HttpTransport
+from adapters.sidecar import Sidecar
+from broker.client import Client
+from broker.config import Settings
+from broker.connection import Connection, open_connection
+from broker.envelope import Envelope
+from broker.records import InstanceCard, InstanceState
+from broker.registry import Registry
+from broker.stages import Stage
+from broker.store import MessageStore
+from tests.support.agents import http_agent
+from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
+
+
+def request(capability: str, reply_to: str, n: int = 0, **fields: object) -> Envelope:
+    raw = msgspec.json.encode(
+        {"capability": capability, "reply_to": reply_to, "payload": {"n": n}, **fields}
+    )
+    return msgspec.json.decode(raw, type=Envelope)
+
+
+async def test_the_decision_is_recorded_and_traced(conn: Connection) -> None:
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("logistics") as logistics,
+        http_agent("order") as order,
+        running_sidecar(conn, "logistics-1", ("logistics.track",), url=logistics.url),
+        running_sidecar(conn, "order-1", ("order.query",), url=order.url),
+        running_dispatcher(conn),
+    ):
+        message_id = await client.submit(request("logistics.track", reply_to, tags={}))
+        await collect_replies(conn, reply_to, 1)
+    record = await MessageStore(conn).get_record(message_id)
+    assert record is not None and record.instance == "logistics-1"
+    assert record.route_reason is not None and "weighted random" in record.route_reason
+    steps = msgspec.json.decode(record.route_from or b"[]")
+    assert [s["step"] for s in steps] == [
+        "capability",
+        "selectors",
+        "state",
+        "load",
+        "score",
+        "choose",
+    ]
+    assert steps[0] == {"step": "capability", "kept": 1, "more_excluded": 1}
+
+
+async def test_no_capability_match_waits_then_expires_naming_the_nearest(
+    conn: Connection,
+) -> None:
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("order") as order,
+        running_sidecar(conn, "order-1", ("order.create",), url=order.url),
+        running_dispatcher(conn),
+    ):
+        message_id = await client.submit(request("order.creat", reply_to, timeout_s=0.5))
+        (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=15)).values()
+    assert result.id == message_id and result.stage is Stage.EXPIRED
+    assert result.error is not None
+    assert result.error.startswith("no_capability_match") and "order.create" in result.error
+    trace = await client.trace(message_id)
+    assert [e.stage for e in trace.timeline] == [Stage.ACCEPTED, Stage.WAITING, Stage.EXPIRED]
+    assert order.log.total == 0
+
+
+async def test_all_candidates_down_is_the_reason_when_every_instance_is_down(
+    conn: Connection,
+) -> None:
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    registry = Registry(conn)
+    for inst in ("order-1", "order-2"):
+        card = InstanceCard(
+            agent_id="order",
+            instance_id=inst,
+            capabilities=("order.create",),
+            endpoint="http://127.0.0.1:9/",
+            max_inflight=4,
+        )
+        await registry.register(card, credits=4)
+        await registry.set_state(inst, InstanceState.DOWN)
+    async with running_dispatcher(conn):
+        message_id = await client.submit(request("order.create", reply_to, timeout_s=0.5))
+        (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=15)).values()
+    assert result.stage is Stage.EXPIRED and result.error == "all_candidates_down"
+    record = await MessageStore(conn).get_record(message_id)
+    assert record is not None and record.route_reason == "all_candidates_down"
+
+
+async def test_a_session_keeps_its_instance_and_moves_when_it_goes_down(
+    settings: Settings,
+) -> None:
+    """100 requests of one session land on one instance; when it goes DOWN (its agent fails
+    every call, its sidecar reports DOWN and announces it), the session moves, and nothing is
+    assigned to it once the notification had a second to arrive."""
+    quick = msgspec.structs.replace(settings, heartbeat_s=0.2, down_after_s=1.0)
+    assert quick.redis_url is not None
+    failing: set[str] = set()
+
+    async def maybe_fail(envelope: dict[str, object], req: Request) -> Response | None:
+        return JSONResponse({"error": "down"}, status_code=500) if req.url.port in failing else None
+
+    async with open_connection(quick, quick.redis_url) as conn:
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        store = MessageStore(conn)
+        async with (
+            http_agent("a", behaviour=maybe_fail) as a,
+            http_agent("b", behaviour=maybe_fail) as b,
+            http_agent("c", behaviour=maybe_fail) as c,
+            running_sidecar(conn, "a-1", ("chat.reply",), url=a.url, max_inflight=64),
+            running_sidecar(conn, "b-1", ("chat.reply",), url=b.url, max_inflight=64),
+            running_sidecar(conn, "c-1", ("chat.reply",), url=c.url, max_inflight=64),
+            running_dispatcher(conn),
+        ):
+            first = [
+                await client.submit(request("chat.reply", reply_to, n, session_id="s-42"))
+                for n in range(100)
+            ]
+            await collect_replies(conn, reply_to, 100)
+            homes = {(await store.get_record(i)).instance for i in first}  # type: ignore[union-attr]
+            assert len(homes) == 1
+            (home,) = homes
+            agents = {"a-1": a, "b-1": b, "c-1": c}
+            failing.add(int(agents[home].url.rsplit(":", 1)[1].strip("/")))
+            # drive its error rate over 50 %: its sidecar reports DOWN on the next heartbeat
+            probes = await client.submit_many(
+                [request("chat.reply", reply_to, target=home) for _ in range(120)]
+            )
+            await collect_replies(conn, reply_to, 220)
+
+            async def reported_down() -> bool:
+                return await conn.call("HGET", conn.keys.card(home), "state") == b"DOWN"
+
+            await eventually(reported_down, timeout_s=10)
+            down_at = anyio.current_time()
+            await anyio.sleep(1.0)  # the notification bound under test: ≤ 1 s
+            after = [
+                await client.submit(request("chat.reply", reply_to, n, session_id="s-42"))
+                for n in range(50)
+            ]
+            results = await collect_replies(conn, reply_to, 270)
+            assert anyio.current_time() - down_at >= 1.0
+        moved = {(await store.get_record(i)).instance for i in after}  # type: ignore[union-attr]
+    assert home not in moved and len(moved) == 1  # the session moved, and stayed together
+    assert all(results[i].stage is Stage.SUCCEEDED for i in after)
+    assert all(results[i].stage is Stage.FAILED for i in probes)
+
+
+async def test_weight_zero_at_run_time_takes_an_instance_out_of_rotation(
+    conn: Connection,
+) -> None:
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("a") as a,
+        http_agent("b") as b,
+        running_sidecar(conn, "a-1", ("text.echo",), url=a.url, max_inflight=64),
+        running_sidecar(conn, "b-1", ("text.echo",), url=b.url, max_inflight=64),
+        running_dispatcher(conn),
+    ):
+        assert await Registry(conn).set_weight("b-1", 0.0)
+        await anyio.sleep(0.3)  # the registry notification reaches the dispatcher
+        for n in range(60):
+            await client.submit(request("text.echo", reply_to, n))
+        await collect_replies(conn, reply_to, 60)
+    assert a.log.total == 60 and b.log.total == 0
+    assert not await Registry(conn).set_weight("nobody-1", 1.0)
+
+
+async def test_draining_under_load_loses_nothing_and_runs_nothing_twice(
+    conn: Connection,
+) -> None:
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("a", delay_s=0.02) as a,
+        http_agent("b", delay_s=0.02) as b,
+        http_agent("c", delay_s=0.02) as c,
+        running_sidecar(conn, "a-1", ("text.echo",), url=a.url, max_inflight=32),
+        running_sidecar(conn, "b-1", ("text.echo",), url=b.url, max_inflight=32),
+        running_sidecar(conn, "c-1", ("text.echo",), url=c.url, max_inflight=32) as drained,
+        running_dispatcher(conn),
+    ):
+        ids = await client.submit_many([request("text.echo", reply_to, n) for n in range(500)])
+
+        async def busy() -> bool:
+            return c.log.concurrent > 0
+
+        await eventually(busy)
+        assert await Registry(conn).drain("c-1")  # what `agent-reach drain c-1` does
+        results = await collect_replies(conn, reply_to, 500)
+        with anyio.fail_after(20):
+            await drained.stopped.wait()
+    assert {r.stage for r in results.values()} == {Stage.SUCCEEDED}
+    assert set(results) == set(ids)
+    calls = a.log.calls + b.log.calls + c.log.calls
+    assert sum(calls.values()) == 500 and max(calls.values()) == 1  # none ran twice
+    assert c.log.total > 0  # it was serving when drained
+    assert await conn.call("EXISTS", conn.keys.card("c-1")) == 0  # deregistered
+    snapshot = json.dumps([v.instance_id for v in await Registry(conn).snapshot()])
+    assert "c-1" not in snapshot
+
+
+async def test_draining_reroutes_work_assigned_but_never_read(conn: Connection) -> None:
+    """Entries already in a draining instance's stream, never read, go back to WAITING and
+    are served elsewhere; their credits are returned."""
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    registry = Registry(conn)
+    card = InstanceCard(
+        agent_id="idle",
+        instance_id="idle-1",
+        capabilities=("text.echo",),
+        endpoint="http://127.0.0.1:9/",
+        max_inflight=5,
+    )
+    await registry.register(card, credits=5)
+    async with http_agent("live") as live:
+        async with running_dispatcher(conn):
+            ids = await client.submit_many([request("text.echo", reply_to, n) for n in range(5)])
+
+            async def assigned() -> bool:
+                return int(await conn.call("XLEN", conn.keys.queue("idle-1"))) == 5
+
+            await eventually(assigned)
+            transport = HttpTransport(live.url, timeout_s=5, max_connections=5)
+            sidecar = Sidecar(conn, card, transport, grace_s=5)
+            sidecar.stop()  # drained before it reads anything
+            await sidecar.run()
+            await transport.aclose()
+            async with running_sidecar(conn, "live-1", ("text.echo",), url=live.url):
+                results = await collect_replies(conn, reply_to, 5)
+    assert {r.stage for r in results.values()} == {Stage.SUCCEEDED}
+    store = MessageStore(conn)
+    for message_id in ids:
+        trace = [e.stage for e in await store.get_timeline(message_id)]
+        assert trace == [
+            Stage.ACCEPTED,
+            Stage.ROUTED,
+            Stage.WAITING,
+            Stage.ROUTED,
+            Stage.RECEIVED,
+            Stage.PROCESSING,
+            Stage.SUCCEEDED,
+        ]
+    assert live.log.total == 5
+    assert int(await conn.call("SCARD", conn.keys.inflight("idle-1"))) == 0

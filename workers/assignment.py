@@ -1,0 +1,107 @@
+"""Turning routing decisions into assignments: the shared last step of dispatch and drain.
+
+A decision becomes a record write (the record moves first, ROUTED to the
+instance at an attempt) and then an assignment (``assign.lua``: the entry on the instance's
+stream, only against a free credit). A refused assignment moves the record back to WAITING
+and gives the attempt number back: no stream entry exists for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from broker.envelope import Envelope
+from broker.records import AssignResult, Moved
+from broker.routing import Decision, Outcome, RouteRequest
+from broker.stages import Stage
+from broker.store import MessageStore, Move
+
+from .routing_table import RoutingTable
+
+OK = (AssignResult.ASSIGNED, AssignResult.ALREADY_ASSIGNED)
+_json = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """A record that is ROUTED and must now be assigned (or go back to WAITING)."""
+
+    message_id: str
+    capability: str
+    instance_id: str
+    attempt: int
+    priority: int
+    accepted_ms: int
+
+
+def route_request(envelope: Envelope, sessions: dict[str, str]) -> RouteRequest:
+    return RouteRequest(
+        capability=envelope.capability,
+        tags=envelope.tags,
+        target=envelope.target,
+        session_instance=sessions.get(envelope.session_id) if envelope.session_id else None,
+        budget=envelope.budget,
+    )
+
+
+def decision_fields(decision: Decision) -> dict[str, Any]:
+    """What the record keeps of a decision: ``route_from`` (the funnel, step by step) and
+    ``route_reason`` (why the winner won, or why nothing could)."""
+    return {"route_from": _json.encode(decision.route_from()), "route_reason": decision.reason}
+
+
+def routed_instance(decision: Decision) -> str | None:
+    if decision.outcome is Outcome.ROUTED and decision.instance is not None:
+        return decision.instance.instance_id
+    return None
+
+
+class Assigner:
+    def __init__(self, store: MessageStore, table: RoutingTable) -> None:
+        self.store = store
+        self.table = table
+
+    async def assign(self, routed: list[Routed]) -> list[Routed]:
+        """Assign each ROUTED attempt; the refused go back to WAITING (and are parked).
+        Returns the assigned ones."""
+        if not routed:
+            return []
+        results = await self.store.assign_many(
+            [(r.instance_id, r.message_id, r.attempt) for r in routed]
+        )
+        refused = [(r, res) for r, res in zip(routed, results, strict=True) if res not in OK]
+        moved = await self.return_to_waiting(refused)
+        await self.store.park_many(
+            [
+                (r.capability, r.message_id, r.priority, r.accepted_ms)
+                for (r, _), m in zip(refused, moved, strict=True)
+                if m.ok
+            ]
+        )
+        return [r for r, res in zip(routed, results, strict=True) if res in OK]
+
+    async def return_to_waiting(self, refused: list[tuple[Routed, AssignResult]]) -> list[Moved]:
+        """The credit was gone by the time the assignment ran: ROUTED -> WAITING."""
+        for r, _ in refused:
+            self.table.mark_full(r.instance_id)
+        if not refused:
+            return []
+        return await self.store.move_many(
+            [
+                Move(
+                    r.message_id,
+                    Stage.WAITING,
+                    only_from=Stage.ROUTED,
+                    expect_attempt=r.attempt,
+                    expect_instance=r.instance_id,
+                    # No stream entry exists for a refused attempt: give the number back, so
+                    # `attempt` counts deliveries, not lost races for a credit.
+                    new_attempt=r.attempt - 1,
+                    reason=f"assignment to {r.instance_id} refused: {res.name.lower()}",
+                )
+                for r, res in refused
+            ]
+        )

@@ -1,0 +1,37 @@
+"""The ``agent-reach`` command line: run the broker and sidecars, send, trace, inspect."""
+
+from __future__ import annotations
+
+import click
+
+from ..runtime import configure_logging
+from .inspect import agents, config, drain, redis_url_command, schema, trace, weight
+from .processes import demo, demo_agent, sidecar, up
+from .send import send
+
+__all__ = ["main"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+@click.version_option(package_name="agent-reach")
+def main(verbose: int) -> None:
+    """Agent-Reach: an asynchronous dispatch broker for multi-agent systems, on Redis Streams."""
+    configure_logging(verbose)
+
+
+for command in (
+    up,
+    sidecar,
+    demo,
+    demo_agent,
+    send,
+    trace,
+    agents,
+    weight,
+    drain,
+    config,
+    schema,
+    redis_url_command,
+):
+    main.add_command(command)

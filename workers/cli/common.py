@@ -1,0 +1,78 @@
+"""What every command shares: running a coroutine, the Redis options, parameter parsing."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from functools import wraps
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+import anyio
+import click
+
+from broker.config import load_settings
+from broker.envelope import MESSAGE_ID_PATTERN
+from broker.errors import ConfigError, ReachError
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def run(main: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run a coroutine on asyncio; our errors become one clear line and a non-zero exit."""
+    try:
+        return anyio.run(lambda: main(*args, **kwargs), backend="asyncio")
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    except ReachError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def redis_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--redis``, ``--config`` and ``--prefix`` for every command that talks to Redis."""
+
+    @click.option(
+        "--redis",
+        "redis_url",
+        envvar="AGENT_REACH_REDIS_URL",
+        metavar="URL",
+        help="Redis URL; without one an embedded redis-server is started.",
+    )
+    @click.option(
+        "--config",
+        "config_file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        envvar="AGENT_REACH_CONFIG",
+        help="TOML configuration file.",
+    )
+    @click.option("--prefix", default=None, help="Key prefix (default: reach).")
+    @wraps(command)
+    def wrapper(
+        redis_url: str | None, config_file: Path | None, prefix: str | None, **kwargs: Any
+    ) -> Any:
+        try:
+            settings = load_settings(config_file, {"redis_url": redis_url, "prefix": prefix})
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from exc
+        return command(settings=settings, **kwargs)
+
+    return wrapper
+
+
+def parse_tags(values: tuple[str, ...], hint: str = "--tag") -> dict[str, str]:
+    """``KEY=VALUE`` pairs (repeatable option) as a dict."""
+    tags = {}
+    for value in values:
+        key, sep, val = value.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{value!r}: expected KEY=VALUE", param_hint=hint)
+        tags[key] = val
+    return tags
+
+
+def check_id(value: str | None, hint: str) -> None:
+    if value is not None and not re.match(MESSAGE_ID_PATTERN, value):
+        raise click.BadParameter(
+            f"{value!r}: use 1-128 of letters, digits and _ . : -", param_hint=hint
+        )

@@ -1,0 +1,209 @@
+"""Commands that show and steer: ``trace``, ``agents``, ``weight``, ``drain``, ``config``,
+``schema``, ``redis-url``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+import msgspec
+
+from broker.client import Client, Trace
+from broker.config import Settings
+from broker.embedded import running_embedded_url
+from broker.envelope import envelope_schema
+from broker.errors import UnknownMessage
+from broker.health import observed_state
+from broker.records import InstanceView
+from broker.registry import Registry
+from broker.routing import factors
+from broker.store import now_ms
+
+from ..routing_table import routing_policy
+from ..runtime import connected
+from .common import redis_options, run
+
+
+@click.command()
+def schema() -> None:
+    """Print the envelope's JSON Schema."""
+    click.echo(json.dumps(envelope_schema(), indent=2))
+
+
+@click.command(name="redis-url")
+def redis_url_command() -> None:
+    """Print the URL of the running embedded Redis (for redis-cli and other tools)."""
+    url = running_embedded_url()
+    if url is None:
+        raise click.ClickException(
+            "no embedded redis is running; it starts with the first command that needs it "
+            "(e.g. agent-reach up)"
+        )
+    click.echo(url)
+
+
+@click.command()
+@redis_options
+@click.option("--json", "as_json", is_flag=True, help="The effective configuration as JSON.")
+def config(settings: Settings, as_json: bool) -> None:
+    """Print the effective configuration (defaults < file < environment < flags)."""
+    values = msgspec.to_builtins(settings)
+    if as_json:
+        click.echo(json.dumps(values, indent=2))
+        return
+    for key, value in values.items():
+        if value is None:
+            click.echo(f"# {key} is not set")
+        elif isinstance(value, dict):
+            inline = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items())
+            click.echo(f"{key} = {{ {inline} }}")
+        else:
+            click.echo(f"{key} = {json.dumps(value)}")
+
+
+def trace_document(found: Trace) -> dict[str, Any]:
+    record = found.record
+    return {
+        "id": record.id,
+        "stage": record.stage.value,
+        "attempt": record.attempt,
+        "instance": record.instance,
+        "capability": record.capability,
+        "error": record.error,
+        "result": msgspec.json.decode(record.result) if record.result else None,
+        "route_reason": record.route_reason,
+        "route_from": msgspec.json.decode(record.route_from) if record.route_from else None,
+        "stages": [msgspec.to_builtins(e) for e in found.timeline],
+    }
+
+
+@click.command()
+@redis_options
+@click.argument("message_id")
+@click.option("--json", "as_json", is_flag=True, help="JSON with a `stages` list and `stage`.")
+def trace(settings: Settings, message_id: str, as_json: bool) -> None:
+    """Show one message's stage timeline and its route decision."""
+
+    async def show() -> None:
+        async with connected(settings) as conn:
+            try:
+                found = await Client(conn).trace(message_id)
+            except UnknownMessage as exc:
+                raise click.ClickException(str(exc)) from exc
+        if as_json:
+            click.echo(json.dumps(trace_document(found)))
+        else:
+            print_trace(found)
+
+    run(show)
+
+
+def print_trace(found: Trace) -> None:
+    record = found.record
+    click.echo(f"{record.id}  {record.capability}  stage {record.stage}  attempt {record.attempt}")
+    start = found.timeline[0].ts_ms if found.timeline else 0
+    for e in found.timeline:
+        click.echo(
+            f"  +{e.ts_ms - start:>7} ms  {e.stage:<18} {e.instance or '-':<24} "
+            f"attempt {e.attempt}  {e.reason}"
+        )
+    if record.route_from:
+        click.echo(f"  route: {record.route_reason}")
+        for step in msgspec.json.decode(record.route_from):
+            excluded = step.get("excluded", {})
+            listed = "; ".join(f"{inst}: {why}" for inst, why in excluded.items())
+            more = f" (+{step['more_excluded']} more)" if step.get("more_excluded") else ""
+            click.echo(f"    {step['step']:<10} kept {step['kept']:<4} {listed}{more}")
+    if record.error:
+        click.echo(f"  error: {record.error}")
+
+
+def agent_document(view: InstanceView, settings: Settings, now: int) -> dict[str, Any]:
+    policy = routing_policy(settings)
+    state = observed_state(view, now_ms=now, down_after_ms=policy.down_after_ms)
+    return {
+        **msgspec.to_builtins(view.card),
+        "state": state.value,
+        "reach": factors(view, state, view.inflight, policy).to_builtins(),
+        "credits": view.credits,
+        "inflight": view.inflight,
+        "error_rate": view.stats.error_rate,
+        "p95_ms": view.stats.p95_ms,
+        "circuit": view.stats.circuit.value,
+        "cooldown_s": max(0.0, (view.stats.cooldown_until_ms - now) / 1000),
+        "heartbeat_age_s": round((now - view.heartbeat_ms) / 1000, 3),
+    }
+
+
+@click.command()
+@redis_options
+@click.option("--json", "as_json", is_flag=True, help="A JSON list, one object per instance.")
+def agents(settings: Settings, as_json: bool) -> None:
+    """Registered instances: state, reach score and factors, credits, error rate, p95,
+    version, weight, heartbeat age."""
+
+    async def show() -> None:
+        async with connected(settings) as conn:
+            views = await Registry(conn).snapshot()
+        now = now_ms()
+        documents = [agent_document(v, settings, now) for v in views]
+        if as_json:
+            click.echo(json.dumps(documents))
+        elif not documents:
+            click.echo("no instances registered")
+        else:
+            print_agents(documents)
+
+    run(show)
+
+
+def print_agents(documents: list[dict[str, Any]]) -> None:
+    click.echo(
+        f"{'INSTANCE':<24} {'STATE':<9} {'REACH':>6} {'CREDITS':>9} {'ERR':>5} {'P95':>7} "
+        f"{'VERSION':<8} {'WEIGHT':>6} {'HB AGE':>7}  CAPABILITIES"
+    )
+    for d in documents:
+        reach = d["reach"]
+        click.echo(
+            f"{d['instance_id']:<24} {d['state']:<9} {reach['reach']:>6.3f} "
+            f"{d['inflight']:>4}/{d['credits']:<4} {d['error_rate']:>5.0%} "
+            f"{d['p95_ms']:>5.0f}ms {d['version']:<8} {d['weight']:>6.2f} "
+            f"{d['heartbeat_age_s']:>6.1f}s  {','.join(d['capabilities'])}"
+        )
+        click.echo(
+            f"{'':<24} alive {reach['alive']} × health {reach['health']} × load {reach['load']}"
+            f" × latency {reach['latency']} × confidence {reach['confidence']}"
+            f" × weight {reach['weight']}"
+        )
+
+
+@click.command()
+@redis_options
+@click.argument("instance_id")
+@click.argument("weight", type=click.FloatRange(0, 1000))
+def weight(settings: Settings, instance_id: str, weight: float) -> None:
+    """Set an instance's routing weight now (canary share: 0.11 beside 1.0 is about 10 %)."""
+
+    async def apply() -> None:
+        async with connected(settings) as conn:
+            if not await Registry(conn).set_weight(instance_id, weight):
+                raise click.ClickException(f"unknown instance {instance_id!r}")
+        click.echo(f"{instance_id}: weight {weight}")
+
+    run(apply)
+
+
+@click.command()
+@redis_options
+@click.argument("instance_id")
+def drain(settings: Settings, instance_id: str) -> None:
+    """Drain an instance: no new work; it finishes in-flight work, then deregisters."""
+
+    async def apply() -> None:
+        async with connected(settings) as conn:
+            if not await Registry(conn).drain(instance_id):
+                raise click.ClickException(f"unknown instance {instance_id!r}")
+        click.echo(f"{instance_id}: DRAINING")
+
+    run(apply)

@@ -1,0 +1,193 @@
+"""Commands that run processes: ``up``, ``sidecar``, ``demo``, ``demo-agent``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+
+import anyio
+import click
+import msgspec
+
+from adapters.http import HttpTransport
+from adapters.python import Agent
+from adapters.sidecar import Sidecar
+from adapters.transport import Transport
+from broker.config import Settings
+from broker.envelope import capability_problem
+from broker.ids import new_message_id
+from broker.records import InstanceCard
+
+from ..dispatcher import Dispatcher
+from ..runtime import connected, stop_on_signals
+from .common import check_id, parse_tags, redis_options, run
+
+
+@click.command()
+@redis_options
+@click.option("--consumer", default=None, help="Consumer name (default: host-pid).")
+def up(settings: Settings, consumer: str | None) -> None:
+    """Run the broker: dispatcher (and, as they arrive, reaper and notifier) in one process."""
+
+    async def serve() -> None:
+        async with connected(settings) as conn, anyio.create_task_group() as tg:
+            tg.start_soon(stop_on_signals, tg.cancel_scope.cancel, tg.cancel_scope)
+            await tg.start(Dispatcher(conn, consumer=consumer).run)
+            click.echo(f"agent-reach up: dispatching from {conn.keys.ingress}", err=True)
+
+    run(serve)
+
+
+def load_python_agent(spec: str) -> Agent:
+    """``module:attribute`` naming an :class:`Agent` (or a function returning one)."""
+    module_name, _, attribute = spec.partition(":")
+    if not attribute:
+        raise click.BadParameter("expected module:attribute", param_hint="--python")
+    try:
+        target = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise click.BadParameter(f"cannot load {spec}: {exc}", param_hint="--python") from exc
+    agent = target() if callable(target) and not isinstance(target, Agent) else target
+    if not isinstance(agent, Agent):
+        raise click.BadParameter(f"{spec} is not an Agent", param_hint="--python")
+    return agent
+
+
+@click.command()
+@redis_options
+@click.option("--agent-id", required=True, help="The agent this instance belongs to.")
+@click.option(
+    "--capability",
+    "capabilities",
+    multiple=True,
+    required=True,
+    help="A capability served, e.g. order.query (repeatable).",
+)
+@click.option("--http", "http_url", metavar="URL", help="The agent's HTTP endpoint (http adapter).")
+@click.option(
+    "--python", "python_spec", metavar="MODULE:ATTR", help="An in-process Agent (python adapter)."
+)
+@click.option(
+    "--max-inflight",
+    type=click.IntRange(1, 100_000),
+    default=8,
+    show_default=True,
+    help="Credits: the most unfinished messages this instance holds.",
+)
+@click.option("--idempotent", is_flag=True, help="The agent may safely run a message twice.")
+@click.option("--instance-id", default=None, help="Instance id (default: AGENT_ID-random).")
+@click.option("--version", "version", default="0", show_default=True, help="Agent version.")
+@click.option(
+    "--weight",
+    type=click.FloatRange(0, 1000),
+    default=1.0,
+    show_default=True,
+    help="Routing weight (e.g. 0.11 beside 1.0 for a 10 % canary).",
+)
+@click.option("--tag", "tags", multiple=True, metavar="KEY=VALUE", help="Routing tag (repeatable).")
+@click.option("--status-url", default="", metavar="URL", help="The agent's status endpoint.")
+@click.option(
+    "--cost",
+    type=click.FloatRange(0),
+    default=0.0,
+    show_default=True,
+    help="Cost per call, for routing under a budget.",
+)
+@click.option(
+    "--grace",
+    "grace_s",
+    type=float,
+    default=None,
+    help="Seconds to finish in-flight work on SIGTERM (default: drain_grace_s, 40).",
+)
+def sidecar(
+    settings: Settings,
+    agent_id: str,
+    capabilities: tuple[str, ...],
+    http_url: str | None,
+    python_spec: str | None,
+    max_inflight: int,
+    idempotent: bool,
+    instance_id: str | None,
+    version: str,
+    weight: float,
+    tags: tuple[str, ...],
+    status_url: str,
+    cost: float,
+    grace_s: float | None,
+) -> None:
+    """Run a sidecar for one agent instance: register, heartbeat, consume, deliver."""
+    if (http_url is None) == (python_spec is None):
+        raise click.UsageError("give exactly one of --http URL or --python MODULE:ATTR")
+    for capability in capabilities:
+        if problem := capability_problem(capability):
+            raise click.BadParameter(problem, param_hint="--capability")
+    check_id(agent_id, "--agent-id")
+    check_id(instance_id, "--instance-id")
+    card = InstanceCard(
+        agent_id=agent_id,
+        instance_id=instance_id or f"{agent_id}-{new_message_id()[-8:]}",
+        capabilities=capabilities,
+        endpoint=http_url or f"python:{python_spec}",
+        max_inflight=max_inflight,
+        idempotent=idempotent,
+        version=version,
+        tags=parse_tags(tags),
+        weight=weight,
+        cost=cost,
+        status_url=status_url,
+    )
+    transport: Transport
+    if http_url is not None:
+        transport = HttpTransport(
+            http_url, timeout_s=settings.sync_call_timeout_s, max_connections=max_inflight
+        )
+    else:
+        transport = load_python_agent(python_spec or "")
+    grace = settings.drain_grace_s if grace_s is None else grace_s
+
+    async def serve() -> None:
+        async with connected(settings) as conn, anyio.create_task_group() as tg:
+            runner = Sidecar(conn, card, transport, grace_s=grace)
+            tg.start_soon(stop_on_signals, runner.stop, tg.cancel_scope)
+            await tg.start(runner.run)
+            click.echo(f"sidecar {card.instance_id} serving {', '.join(capabilities)}", err=True)
+            await runner.stopped.wait()
+            tg.cancel_scope.cancel()
+        await transport.aclose()
+
+    run(serve)
+
+
+@click.command()
+@redis_options
+@click.option("--messages", type=click.IntRange(1, 1_000_000), default=2000, show_default=True)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=120.0,
+    show_default=True,
+    help="How long to wait for the burst to finish.",
+)
+def demo(settings: Settings, messages: int, timeout_s: float) -> None:
+    """Run the whole system on the embedded Redis with three demo agents, and report."""
+    from ..demo import run_demo
+
+    prefix = settings.prefix if settings.prefix != "reach" else f"demo-{int(time.time())}"
+    settings = msgspec.structs.replace(settings, prefix=prefix)
+    lost = run(run_demo, settings, messages, timeout_s)
+    sys.exit(0 if lost == 0 else 1)
+
+
+@click.command(name="demo-agent")
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--delay-ms", type=float, default=20.0, show_default=True)
+@click.option("--fail-rate", type=click.FloatRange(0, 1), default=0.0, show_default=True)
+def demo_agent(port: int, host: str, delay_ms: float, fail_rate: float) -> None:
+    """Serve one demo HTTP agent (echoes its payload after a delay; fails at a rate)."""
+    from ..demo import serve_demo_agent
+
+    run(serve_demo_agent, host, port, delay_ms / 1000, fail_rate)
