@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,7 +55,8 @@ def next_health(
     strained = error_rate > policy.degrade_error_rate or load > policy.degrade_load
     strained_streak = track.strained_streak + 1 if strained else 0
     if track.state is InstanceState.DOWN:
-        streak = track.healthy_streak + 1
+        # Recovery needs healthy beats in a row: a strained one starts the count again.
+        streak = 0 if strained else track.healthy_streak + 1
         if streak < policy.recover_beats:
             return HealthTrack(InstanceState.DOWN, streak, strained_streak)
     sustained = strained_streak >= policy.sustain_beats
@@ -95,7 +97,7 @@ class OutcomeWindow:
             return 0, 0.0, 0.0
         failures = sum(1 for _, failed, _ in events if failed)
         latencies = sorted(latency for _, _, latency in events)
-        return n, failures / n, latencies[min(n - 1, int(0.95 * n))]
+        return n, failures / n, latencies[max(0, math.ceil(0.95 * n) - 1)]  # nearest rank
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,7 +79,7 @@ async def test_silent_instance_is_down_within_three_intervals_and_up_after_three
                 )
                 if int(hb) > last_before and (not beats or beats[-1][0] != int(hb)):
                     beats.append((int(hb), card_state))
-                return card_state == b"UP"
+                return bool(beats) and beats[-1][1] == b"UP"  # a beat since SIGCONT says UP
 
             await eventually(back_up, timeout_s=10, interval_s=0.01)
             # the first beat knows it was silent too long (DOWN); UP after three healthy ones

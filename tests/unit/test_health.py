@@ -110,8 +110,9 @@ def test_a_bad_beat_restarts_the_recovery(bad: dict[str, float] | str) -> None:
     assert beats(track, HEALTHY, HEALTHY, HEALTHY) == [DOWN, DOWN, UP]
 
 
-def test_recovering_under_sustained_strain_comes_back_degraded() -> None:
-    assert beats(DOWN_TRACK, ERRING, ERRING, ERRING) == [DOWN, DOWN, DEGRADED]
+def test_strained_beats_do_not_count_toward_recovery() -> None:
+    # DESIGN §5: DOWN -> UP after three consecutive *healthy* heartbeats.
+    assert beats(DOWN_TRACK, ERRING, ERRING, ERRING) == [DOWN, DOWN, DOWN]
 
 
 def test_recover_beats_is_the_policy() -> None:
@@ -362,3 +363,24 @@ def test_after_closing_new_failures_still_open_it() -> None:
     assert breaker.state is CircuitState.CLOSED  # 4 of 9 since closing
     breaker = feed(until + 200, FAIL)  # 5 of 10 since closing
     assert breaker.state is CircuitState.OPEN
+
+
+def test_a_strained_beat_restarts_recovery_from_down() -> None:
+    policy = HealthPolicy()
+    track = HealthTrack(InstanceState.DOWN)
+    for error_rate in (0.0, 0.3, 0.0, 0.0):  # healthy, strained, healthy, healthy
+        track = next_health(track, error_rate=error_rate, load=0.0, lapsed=False, policy=policy)
+    assert track.state is InstanceState.DOWN
+    track = next_health(track, error_rate=0.0, load=0.0, lapsed=False, policy=policy)
+    assert track.state is InstanceState.UP
+
+
+def test_p95_is_the_nearest_rank() -> None:
+    window = OutcomeWindow(span_ms=60_000)
+    for i in range(95):
+        window.add(1_000 + i, failed=False, latency_ms=10.0)
+    for i in range(5):
+        window.add(2_000 + i, failed=False, latency_ms=500.0)
+    assert window.figures(3_000) == (100, 0.0, 10.0)
+    window.add(3_000, failed=False, latency_ms=500.0)  # 6 of 101 slow: now p95 is slow
+    assert window.figures(3_000)[2] == 500.0

@@ -656,3 +656,32 @@ def test_property_every_decision_keeps_the_funnel_invariants(scenario: Scenario)
     decision = run(pool, request, inflight, seed)
     check_outcome(decision, scenario)
     check_route_from(decision, pool)
+
+
+def test_every_instance_scoring_zero_is_still_a_decision_not_a_crash() -> None:
+    pool = [
+        inst(f"i-{n}", "a.b", stats=InstanceStats(error_rate=1.0, successes=50)) for n in range(3)
+    ]
+    decision = route(
+        RouteRequest(capability="a.b"),
+        RegistryIndex(pool),
+        {},
+        now_ms=NOW,
+        rng=random.Random(3),
+        policy=RoutingPolicy(),
+    )
+    assert decision.outcome is Outcome.ROUTED
+
+
+def test_an_instance_without_credits_is_never_chosen() -> None:
+    pool = [inst("empty-1", "a.b", credits=0, inflight=0)]
+    decision = route(
+        RouteRequest(capability="a.b"),
+        RegistryIndex(pool),
+        {},
+        now_ms=NOW,
+        rng=random.Random(3),
+        policy=RoutingPolicy(),
+    )
+    assert decision.outcome is Outcome.ALL_CANDIDATES_DOWN
+    assert ("empty-1", "no credits") in decision.steps[2].excluded
