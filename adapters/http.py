@@ -2,17 +2,21 @@
 
 Errors are sorted by what they prove: a failure to connect means the agent never saw the
 request (safe to retry anywhere); a timeout or a broken connection after sending is
-ambiguous; a 4xx or 5xx answer is a final failure from the agent.
+ambiguous; 429 and 503 are back-pressure (with ``Retry-After``), not failure; any other 4xx
+or 5xx answer is a final failure from the agent.
 """
 
 from __future__ import annotations
+
+import datetime
+import email.utils
 
 import httpx
 import msgspec
 
 from broker.envelope import Envelope, encode_envelope
 
-from .outcome import Ambiguous, Failed, NotReached, Outcome, Succeeded
+from .outcome import Ambiguous, Backoff, Failed, NotReached, Outcome, Succeeded
 from .transport import reach_headers
 
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol)
@@ -45,8 +49,34 @@ class HttpTransport:
         await self._client.aclose()
 
 
+DEFAULT_RETRY_AFTER_S = 1.0
+
+
+def retry_after_s(value: str | None) -> float:
+    """``Retry-After`` as seconds: a number of seconds or an HTTP date (RFC 9110 §10.2.3)."""
+    if not value:
+        return DEFAULT_RETRY_AFTER_S
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return DEFAULT_RETRY_AFTER_S
+    return max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds())
+
+
 def _from_response(response: httpx.Response) -> Outcome:
     status = response.status_code
+    retry_after = response.headers.get("retry-after")
+    if status == 429 or (status == 503 and retry_after):
+        # 429, or 503 *with* Retry-After: the agent refused the work for now (DESIGN §7). A
+        # bare 503 may come from a proxy after the agent acted: not proof of anything.
+        wait = retry_after_s(retry_after)
+        return Backoff(f"agent answered {status}: busy, retry after {wait:g} s", wait)
+    if status == 503:
+        return Ambiguous(f"agent answered 503 without Retry-After: {response.text[:200]}")
     if 200 <= status < 300:
         body = response.content or b"null"
         try:

@@ -1,8 +1,9 @@
 """What a delivery attempt tells the sidecar, as data.
 
-The four kinds differ in what is known about the agent: it answered (``Succeeded``,
-``Failed``), it was provably never reached (``NotReached``: a retry is always safe), or the
-request left and no answer came back (``Ambiguous``: only an idempotent agent may be retried).
+The kinds differ in what is known about the agent: it answered (``Succeeded``, ``Failed``),
+it asked for time (``Backoff``: 429 / 503, it did not take the work), it was provably never
+reached (``NotReached``: a retry is always safe), or the request left and no answer came back
+(``Ambiguous``: only an idempotent agent may be retried).
 """
 
 from __future__ import annotations
@@ -27,4 +28,11 @@ class Ambiguous(msgspec.Struct, frozen=True, tag=True):
     reason: str
 
 
-Outcome = Succeeded | Failed | NotReached | Ambiguous
+class Backoff(msgspec.Struct, frozen=True, tag=True):
+    """The agent answered 429 / 503: too busy now, not failed; try again after a while."""
+
+    reason: str
+    retry_after_s: float
+
+
+Outcome = Succeeded | Failed | NotReached | Ambiguous | Backoff

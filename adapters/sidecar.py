@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
+from redis.exceptions import ResponseError
 
 from broker import failpoints
 from broker.connection import Connection, ensure_group
@@ -30,7 +31,7 @@ from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move, now_ms, trim_acknowledged
 from broker.streams import GroupReader, StreamEntry
 
-from .outcome import Ambiguous, Failed, NotReached, Outcome, Succeeded
+from .outcome import Ambiguous, Backoff, Failed, NotReached, Outcome, Succeeded
 from .transport import Transport
 from .vitals import Vitals
 from .workpool import WorkPool
@@ -48,6 +49,7 @@ class Sidecar:
         transport: Transport,
         *,
         grace_s: float = 40.0,
+        adaptive_credits: bool = True,
     ) -> None:
         self.conn = conn
         self.card = card
@@ -63,7 +65,9 @@ class Sidecar:
         self._finished_ready = anyio.Event()
         self._beat_now = anyio.Event()
         self._pool: WorkPool | None = None
-        self.vitals = Vitals(conn.settings, credits=card.max_inflight, now_ms=now_ms())
+        self.vitals = Vitals(
+            conn.settings, credits=card.max_inflight, now_ms=now_ms(), adaptive=adaptive_credits
+        )
 
     def stop(self) -> None:
         """Begin a graceful stop: no new reads, finish in-flight work, then deregister."""
@@ -106,7 +110,7 @@ class Sidecar:
                 beats += 1
                 if beats % trim_every == 0:
                     await trim_acknowledged(self.conn, self.queue)
-            except RedisUnavailable as exc:
+            except (RedisUnavailable, ResponseError) as exc:
                 log.warning("heartbeat failed: %s", exc)
 
     async def _beat(self) -> None:
@@ -116,7 +120,12 @@ class Sidecar:
         if self._stopping.is_set():
             state = InstanceState.DRAINING
         on_card = await self.registry.heartbeat(
-            self.instance_id, state, stats, announce=announce, hb_ms=beat_ms
+            self.instance_id,
+            state,
+            stats,
+            announce=announce,
+            hb_ms=beat_ms,
+            credits=self.vitals.effective_credits,
         )
         # The very time written on the card, which is what observers compare against.
         self.vitals.beat_delivered(beat_ms)
@@ -148,7 +157,7 @@ class Sidecar:
             try:
                 entries = await self._read(reader)
                 await self._take(pool, entries)
-            except RedisUnavailable as exc:
+            except (RedisUnavailable, ResponseError) as exc:
                 log.warning("read failed, retrying in %.1fs: %s", backoff, exc)
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -229,13 +238,13 @@ class Sidecar:
             self._finished_ready = anyio.Event()
             try:
                 await self._finish_now()
-            except RedisUnavailable as exc:
+            except (RedisUnavailable, ResponseError) as exc:
                 log.warning("release failed, retrying: %s", exc)
                 await anyio.sleep(0.5)
                 self._finished_ready.set()
 
     async def _finish_now(self) -> None:
-        """Settle every finished entry in three round trips: record the outcomes, deliver the
+        """Settle every finished entry in a few round trips: record the outcomes, deliver the
         replies of those recorded, then return the credits and acknowledge. Replies go before
         the acknowledgement, so a crash in between re-sends a reply, never skips one."""
         batch, self._finished = self._finished, []
@@ -247,24 +256,39 @@ class Sidecar:
             recorded = {
                 id(item) for item, m in zip(settles, moved, strict=True) if self._recorded(item, m)
             }
-            commands = [
-                item.reply
+            replying = [
+                item
                 for item in batch
                 if item.reply is not None and (item.settle is None or id(item) in recorded)
             ]
-            commands.append(
-                self.store.release_command(
-                    self.instance_id,
-                    SIDECAR_GROUP,
-                    [(f"{i.taken.message_id}:{i.taken.attempt}", i.taken.entry_id) for i in batch],
-                )
+            replies = await self.conn.call_many([item.reply for item in replying])  # type: ignore[misc]
+            await self._undeliverable(replying, replies)
+            release = self.store.release_command(
+                self.instance_id,
+                SIDECAR_GROUP,
+                [(f"{i.taken.message_id}:{i.taken.attempt}", i.taken.entry_id) for i in batch],
             )
-            for reply in await self.conn.call_many(commands):
-                if isinstance(reply, Exception):
-                    raise reply
+            await self.conn.call(*release)
         except RedisUnavailable:
             self._finished = batch + self._finished
             raise
+
+    async def _undeliverable(self, replying: list[Finished], replies: list[Any]) -> None:
+        """A reply Redis refused for good (``reply_to`` names a key that is not a stream, say)
+        is dead-lettered with its reason, and the entry still finishes: one producer's bad
+        ``reply_to`` must not stop the sidecar or hold its credit."""
+        for item, reply in zip(replying, replies, strict=True):
+            if isinstance(reply, RedisUnavailable):
+                raise reply
+            if isinstance(reply, Exception):
+                log.warning("message %s: reply undeliverable: %s", item.taken.message_id, reply)
+                await self.store.dead_letter(
+                    {
+                        "id": item.taken.message_id,
+                        "reason": f"reply_undeliverable: {reply}",
+                        "ts": str(now_ms()),
+                    }
+                )
 
     def _recorded(self, item: Finished, moved: Moved) -> bool:
         """The outcome is on the record: written now, or by an earlier try of this batch."""
@@ -283,6 +307,9 @@ class Sidecar:
         except RedisUnavailable as exc:
             # The entry stays pending; the record's stage says where to resume.
             log.warning("message %s: redis unavailable, left pending: %s", taken.message_id, exc)
+        except Exception:
+            # Never let one message take the sidecar down; it stays pending for a restart.
+            log.exception("message %s: unexpected error, left pending", taken.message_id)
         finally:
             self._finished_ready.set()
 
@@ -344,6 +371,8 @@ class Sidecar:
         match outcome:
             case Succeeded(result=result):
                 await self._settle(taken, envelope, Stage.SUCCEEDED, "", result=result)
+            case Backoff(reason=reason):
+                await self._requeue(taken, envelope, reason)  # it did not take the work
             case Failed(reason=reason):
                 await self._settle(taken, envelope, Stage.FAILED, reason, error=reason)
             case NotReached(reason=reason) if retries_left:
@@ -377,7 +406,8 @@ class Sidecar:
         self._finished.append(Finished(taken, reply, settle))
 
     async def _requeue(self, taken: Taken, envelope: Envelope, reason: str) -> None:
-        """The agent was provably not reached (or is idempotent): back to WAITING for a retry."""
+        """The agent provably did not do the work (not reached, or busy), or is idempotent:
+        back to WAITING for another attempt, with the same idempotency key."""
         moved = await self.store.apply(
             self._fenced(taken, Stage.WAITING, Stage.PROCESSING, reason=reason)
         )

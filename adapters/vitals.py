@@ -16,9 +16,10 @@ from broker.health import (
     OutcomeWindow,
     next_health,
 )
+from broker.limiter import AdaptiveLimit
 from broker.records import CircuitState, InstanceState, InstanceStats
 
-from .outcome import Ambiguous, Failed, NotReached, Outcome
+from .outcome import Ambiguous, Backoff, Failed, NotReached, Outcome
 
 
 def is_agent_fault(outcome: Outcome) -> bool:
@@ -29,12 +30,16 @@ def is_agent_fault(outcome: Outcome) -> bool:
             return fault
         case NotReached() | Ambiguous():
             return True
-    return False
+    return False  # Succeeded, and Backoff: busy is not broken
 
 
 class Vitals:
-    def __init__(self, settings: Settings, *, credits: int, now_ms: int) -> None:
+    def __init__(
+        self, settings: Settings, *, credits: int, now_ms: int, adaptive: bool = True
+    ) -> None:
         self.credits = credits
+        self.limit = AdaptiveLimit(ceiling=credits) if adaptive else None
+        self.backoff_until_ms = 0
         self.window = OutcomeWindow(span_ms=int(settings.stats_window_s * 1000))
         self.breaker = Breaker(
             BreakerPolicy(
@@ -57,16 +62,33 @@ class Vitals:
         self.track = HealthTrack()
         self.successes = 0
         self.last_beat_ms = now_ms
-        self._reported = (CircuitState.CLOSED, 0)
+        self._reported = self._ejection()
+
+    @property
+    def effective_credits(self) -> int:
+        """The credit limit to publish: adaptive, or the declared ``max_inflight``."""
+        return self.limit.credits if self.limit is not None else self.credits
 
     def record(self, outcome: Outcome, *, latency_ms: float, now_ms: int) -> bool:
-        """One outcome; true when the circuit or cooldown changed (worth announcing now)."""
+        """One outcome; true when something dispatchers should learn now changed: the
+        circuit, the cooldown, the credit limit, a back-off."""
+        before = self.effective_credits
+        if isinstance(outcome, Backoff):
+            self.backoff_until_ms = now_ms + int(outcome.retry_after_s * 1000)
+            if self.limit is not None:
+                self.limit.on_overload()
+            return True  # not an answer to count: busy is neither success nor failure
+        if self.limit is not None:
+            if isinstance(outcome, Ambiguous):
+                self.limit.on_overload()  # no answer in time: the agent is overwhelmed
+            elif not isinstance(outcome, NotReached):
+                self.limit.on_answer(latency_ms)
         failed = is_agent_fault(outcome)
         if not failed:
             self.successes += 1
         self.window.add(now_ms, failed=failed, latency_ms=latency_ms)
         self.breaker.record(now_ms, failed=failed, window=self.window)
-        return self._ejection() != self._reported
+        return self._ejection() != self._reported or self.effective_credits != before
 
     def beat(self, now_ms: int, *, active: int) -> tuple[InstanceState, InstanceStats, bool]:
         """The state and figures for a heartbeat at ``now_ms``, and whether to announce them."""
@@ -88,6 +110,7 @@ class Vitals:
             cooldown_until_ms=self.breaker.cooldown_until_ms,
             circuit=self.breaker.state,
             circuit_until_ms=self.breaker.until_ms,
+            backoff_until_ms=self.backoff_until_ms,
         )
         announce = self._ejection() != self._reported or self.track.state is not before
         self._reported = self._ejection()
@@ -96,5 +119,10 @@ class Vitals:
     def beat_delivered(self, now_ms: int) -> None:
         self.last_beat_ms = now_ms
 
-    def _ejection(self) -> tuple[CircuitState, int]:
-        return self.breaker.state, self.breaker.cooldown_until_ms
+    def _ejection(self) -> tuple[CircuitState, int, int, int]:
+        return (
+            self.breaker.state,
+            self.breaker.cooldown_until_ms,
+            self.backoff_until_ms,
+            self.effective_credits,
+        )

@@ -5,6 +5,7 @@ Pure: the caller passes the time and the random bits, so tests can pin both.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 
@@ -28,3 +29,12 @@ def encode_ulid(timestamp_ms: int, randomness: bytes) -> str:
 def new_message_id() -> str:
     """A fresh ULID for the current time."""
     return encode_ulid(time.time_ns() // 1_000_000, os.urandom(10))
+
+
+def ulid_for_entry(stream: str, entry_id: str) -> str:
+    """A ULID derived from a stream entry: its time, and randomness hashed from the stream and
+    entry id. Handling the same ingress entry twice (a dispatcher restarted mid-batch) must
+    name the same message, or it would run twice under two ids."""
+    millis = int(entry_id.split("-", 1)[0])
+    digest = hashlib.blake2b(f"{stream}\0{entry_id}".encode(), digest_size=10).digest()
+    return encode_ulid(millis, digest)

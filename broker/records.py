@@ -57,6 +57,7 @@ class InstanceStats(msgspec.Struct, frozen=True, kw_only=True):
     cooldown_until_ms: int = 0
     circuit: CircuitState = CircuitState.CLOSED
     circuit_until_ms: int = 0
+    backoff_until_ms: int = 0  # the agent answered 429/503 with Retry-After: not before this
 
 
 class InstanceView(msgspec.Struct, frozen=True, kw_only=True):

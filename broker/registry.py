@@ -72,6 +72,7 @@ def view_from_hash(raw: dict[bytes, bytes], inflight: int) -> InstanceView:
         cooldown_until_ms=int(text("cooldown_until_ms") or 0),
         circuit=CircuitState(text("circuit") or "closed"),
         circuit_until_ms=int(text("circuit_until_ms") or 0),
+        backoff_until_ms=int(text("backoff_until_ms") or 0),
     )
     return InstanceView(
         card=card,
@@ -110,13 +111,15 @@ class Registry:
         *,
         announce: bool = False,
         hb_ms: int | None = None,
+        credits: int | None = None,
     ) -> InstanceState | None:
         """Record a heartbeat at ``hb_ms`` (default now); returns the card's state (DRAINING
         wins), or ``None`` when the card is gone."""
         hb = now_ms() if hb_ms is None else hb_ms
         args = [instance_id, hb, state.value, self.keys.registry_channel, int(announce)]
+        fields = stats_fields(stats) + (["credits", credits] if credits is not None else [])
         script = self.conn.script_command(
-            ScriptName.HEARTBEAT, (self.keys.card(instance_id),), [*args, *stats_fields(stats)]
+            ScriptName.HEARTBEAT, (self.keys.card(instance_id),), [*args, *fields]
         )
         replies = await self._all([script, ("ZADD", self.keys.agents, hb, instance_id)])
         return InstanceState(replies[0].decode()) if replies[0] else None

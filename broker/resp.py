@@ -23,9 +23,18 @@ Command = tuple[Any, ...]
 _READ_CHUNK = 1 << 16
 
 
-def _error(message: str) -> ResponseError:
+# Error replies that mean "Redis cannot serve now" (loading its AOF, over maxmemory, a
+# script running, a replica or a cluster in failover): retry later, like a lost connection.
+TRANSIENT = frozenset(
+    {"LOADING", "BUSY", "OOM", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN"}
+)
+
+
+def _error(message: str) -> Exception:
     if message.startswith("NOSCRIPT"):
         return NoScriptError(message)
+    if message.split(" ", 1)[0] in TRANSIENT:  # the error code, exactly (not BUSYGROUP)
+        return RedisUnavailable(f"redis unavailable: {message}")
     return ResponseError(message)
 
 
@@ -67,8 +76,17 @@ class RespConnection:
                 raise RedisUnavailable(f"redis refused the connection set-up: {reply}")
         return conn
 
-    async def execute(self, commands: list[Command]) -> list[Any]:
-        """Send every command in one write and return their replies in order."""
+    async def execute(self, commands: list[Command], *, timeout_s: float = 30.0) -> list[Any]:
+        """Send every command in one write and return their replies in order. A silent peer
+        (a partition: no FIN, no RST) fails after ``timeout_s`` instead of hanging forever;
+        the caller must then drop this connection."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._execute(commands)
+        except TimeoutError as exc:
+            raise RedisUnavailable(f"redis did not answer within {timeout_s:g} s") from exc
+
+    async def _execute(self, commands: list[Command]) -> list[Any]:
         self._writer.write(b"".join(hiredis.pack_command(c) for c in commands))
         await self._writer.drain()
         replies: list[Any] = []

@@ -7,9 +7,10 @@ kept, which were excluded and why):
 1. **capability** — exact match (``strict``), or through the alias map (``loose``);
 2. **selectors** — ``tags`` exact match, ``target`` (agent or instance id), cost within
    ``budget``, weight above zero;
-3. **state** — DOWN (said so, or silent past ``down_after_ms``) and DRAINING out; cooled-down
-   and open-circuit instances out too, unless more than ``panic_threshold`` of the live ones
-   are ejected (Envoy's panic threshold: better a weak route than none);
+3. **state** — DOWN (said so, or silent past ``down_after_ms``), DRAINING and backing-off
+   (429/503 with ``Retry-After``) out; cooled-down and open-circuit instances out too, unless
+   more than ``panic_threshold`` of the live ones are ejected (Envoy's panic threshold:
+   better a weak route than none);
 4. **load** — instances at ≥ ``load_cut`` of their credits out, unless all are (then the
    least loaded stay);
 5. **score** — ``reach = alive × health × load × latency × confidence × weight``;
@@ -149,6 +150,7 @@ class Candidate:
     cost: float
     eject_until_ms: int
     eject_reason: str
+    backoff_until_ms: int
     inv_credits: float  # 1 / credits: a load is one multiplication
 
     @classmethod
@@ -170,6 +172,7 @@ class Candidate:
             cost=view.card.cost,
             eject_until_ms=max(cooldown, circuit),
             eject_reason="cooldown" if cooldown >= circuit else "circuit open",
+            backoff_until_ms=stats.backoff_until_ms,
             inv_credits=1.0 / view.credits if view.credits > 0 else 0.0,
         )
 
@@ -198,7 +201,7 @@ class RegistryIndex:
             self.alive[capability] = alive
             self.first_lapse_ms[capability] = min((c.heartbeat_ms for c in alive), default=0)
             self.first_ejection_end_ms[capability] = max(
-                (c.eject_until_ms for c in alive), default=0
+                (max(c.eject_until_ms, c.backoff_until_ms) for c in alive), default=0
             )
 
     def nearest(self, capability: str, n: int = 3) -> list[str]:
@@ -316,8 +319,14 @@ def _live(
         return fast
     silent_before = now_ms - policy.down_after_ms
     alive = [c for c in pool if c.alive and c.credits > 0 and c.heartbeat_ms >= silent_before]
-    ejected = [c for c in alive if c.eject_until_ms > now_ms]
     step = Step("state", 0)
+    backing_off = [c for c in alive if c.backoff_until_ms > now_ms]
+    if backing_off:  # the agent asked for time (Retry-After): never overridden by panic
+        step.exclude_all(
+            [(c.instance_id, "backing off (Retry-After)") for c in backing_off], policy.max_listed
+        )
+        alive = [c for c in alive if c.backoff_until_ms <= now_ms]
+    ejected = [c for c in alive if c.eject_until_ms > now_ms]
     if len(alive) < len(pool):
         step.exclude_all(
             [

@@ -54,7 +54,8 @@ class GroupReader:
         try:
             if self._conn is None:
                 self._conn = await RespConnection.open(self._url)
-            (reply,) = await self._conn.execute([command])
+            # a blocking read may take its block time; only silence beyond that is a failure
+            (reply,) = await self._conn.execute([command], timeout_s=self._timeout_for(command))
         except BaseException as exc:
             await self.close()
             if isinstance(exc, ConnectionError | OSError):
@@ -63,6 +64,12 @@ class GroupReader:
         if isinstance(reply, Exception):
             raise reply
         return reply
+
+    @staticmethod
+    def _timeout_for(command: tuple[Any, ...]) -> float:
+        if "BLOCK" in command:
+            return float(command[command.index("BLOCK") + 1]) / 1000 + 10.0
+        return 30.0
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None

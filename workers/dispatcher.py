@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import msgspec
 from anyio.abc import TaskStatus
+from redis.exceptions import ResponseError
 
 from broker.connection import Connection, ensure_group
 from broker.envelope import (
@@ -35,7 +36,7 @@ from broker.envelope import (
     salvage_reply_to,
 )
 from broker.errors import RedisUnavailable
-from broker.ids import new_message_id
+from broker.ids import ulid_for_entry
 from broker.keyspace import DISPATCH_GROUP
 from broker.registry import Registry
 from broker.stages import Stage
@@ -104,6 +105,8 @@ class Dispatcher:
         backoff = 0.1
         while True:
             try:
+                if backoff > 0.1:  # after a failure: first finish what this consumer holds
+                    await self._recover(reader)
                 entries = await reader.read(
                     self.keys.ingress,
                     DISPATCH_GROUP,
@@ -114,26 +117,27 @@ class Dispatcher:
                 if entries:
                     await self.handle_batch(entries)
                 backoff = 0.1
-            except RedisUnavailable as exc:
-                log.warning("ingress read failed, retrying in %.1fs: %s", backoff, exc)
-                await anyio.sleep(backoff)
+            except (RedisUnavailable, ResponseError) as exc:
                 backoff = min(backoff * 2, 5.0)
+                log.warning("ingress failed, retrying in %.1fs: %s", backoff, exc)
+                await anyio.sleep(backoff)
 
     async def handle_batch(
         self, entries: Sequence[StreamEntry], *, recovering: bool = False
     ) -> None:
         """Accept, route, assign or park, then acknowledge: a few round trips per batch."""
         envelopes: list[Envelope] = []
-        for _, fields in entries:
+        for entry_id, fields in entries:
+            fallback_id = ulid_for_entry(self.keys.ingress, entry_id)
             try:
-                envelopes.append(self._decode(fields))
+                envelopes.append(self._decode(fields, fallback_id))
             except InvalidEnvelope as exc:
-                await self._reject(exc)
+                await self._reject(exc, fallback_id)
         routed = await self._accept(envelopes, recovering)
         await self.assigner.assign(routed)
         await ack(self.conn, self.keys.ingress, DISPATCH_GROUP, [e for e, _ in entries])
 
-    def _decode(self, fields: dict[str, bytes]) -> Envelope:
+    def _decode(self, fields: dict[str, bytes], fallback_id: str) -> Envelope:
         raw = fields.get("envelope")
         if raw is None:
             readable = {k: v.decode(errors="replace") for k, v in fields.items()}
@@ -142,6 +146,8 @@ class Dispatcher:
         envelope = decode_envelope(
             raw, max_bytes=self.settings.max_envelope_bytes, reply_prefix=self.keys.reply_prefix
         )
+        if envelope.id is None:
+            envelope = msgspec.structs.replace(envelope, id=fallback_id)
         return complete(envelope)
 
     async def _accept(self, envelopes: list[Envelope], recovering: bool) -> list[Routed]:
@@ -160,10 +166,9 @@ class Dispatcher:
         for (plan, envelope), result in zip(plans, results, strict=True):
             if not result.created:
                 self.table.unreserve(plan.instance)
-                if recovering:
-                    await self._repair(plan.message_id)
-                else:
-                    log.info("message %s: duplicate submission ignored", plan.message_id)
+                # A redelivery after a crash, or a producer's retry: not run again, but the
+                # index writes for the record's stage are re-applied (each is idempotent).
+                await self._repair(plan.message_id)
                 continue
             due.append(self.store.due_command(plan.message_id, plan.deadline_ms))
             if plan.next_stage is Stage.ROUTED:
@@ -225,10 +230,10 @@ class Dispatcher:
                 ]
             )
 
-    async def _reject(self, exc: InvalidEnvelope) -> None:
+    async def _reject(self, exc: InvalidEnvelope, fallback_id: str) -> None:
         """Record REJECTED with the precise reason, dead-letter the original bytes, tell the
         producer where it left a usable ``reply_to``."""
-        message_id = salvage_id(exc.raw) or new_message_id()
+        message_id = salvage_id(exc.raw) or fallback_id
         reply_to = salvage_reply_to(exc.raw, self.keys.reply_prefix) or ""
         result = await self.store.accept(
             Acceptance(
@@ -279,8 +284,8 @@ class Dispatcher:
                     capabilities |= set(await self.store.waiting_capabilities())
                 for capability in sorted(capabilities):
                     await self.drain(capability)
-            except RedisUnavailable as exc:
-                log.warning("drain failed: %s", exc)
+            except (RedisUnavailable, ResponseError) as exc:
+                log.warning("drain failed (the next sweep retries): %s", exc)
 
     async def drain(self, capability: str) -> int:
         return await self.waiting.drain(capability)
@@ -304,8 +309,11 @@ class Dispatcher:
                 if message is None:
                     continue
                 if message[0] == self.keys.registry_channel:
-                    await self.refresh()
-                    self._to_drain.update(await self.store.waiting_capabilities())
+                    try:
+                        await self.refresh()
+                        self._to_drain.update(await self.store.waiting_capabilities())
+                    except (RedisUnavailable, ResponseError) as exc:
+                        log.warning("registry refresh failed (the sweep retries): %s", exc)
                 else:
                     instance_id, _, in_use = message[1].decode().partition(" ")
                     self._to_drain.update(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from broker.envelope import Envelope, load_envelope
 from broker.records import MessageRecord
 from broker.routing import Outcome, route
-from broker.stages import Stage
+from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move, now_ms
 
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
@@ -26,6 +26,7 @@ log = logging.getLogger("agent_reach.waiting")
 
 # A waiting-set entry whose record is in one of these may still be needed: leave it.
 _MAY_RETURN_TO_WAITING = frozenset({Stage.ACCEPTED, Stage.WAITING, Stage.ROUTED})
+RECHECK_MS = 5_000
 _EXPLAINED = (Outcome.NO_CAPABILITY_MATCH, Outcome.NO_SELECTOR_MATCH, Outcome.ALL_CANDIDATES_DOWN)
 
 
@@ -50,28 +51,45 @@ class WaitingRoom:
         free = self.table.free_credits(capability, now_ms=now)
         if free <= 0:
             return 0
-        head = await self.store.waiting_head(capability, min(free, self.batch))
+        # A window wider than the free credits: a head message nobody can take now (its tags
+        # match no free instance, say) must not block the ones behind it.
+        head = await self.store.waiting_head(capability, min(self.batch, 4 * free + 16))
         records = await self.store.get_records(head)
         stale = [i for i, r in zip(head, records, strict=True) if not _may_wait(r)]
         waiting = [r for r in records if r is not None and r.stage is Stage.WAITING]
-        picks = await self._pick(waiting, now)
+        picks = await self._pick(waiting, now, free)
         won = await self._claim(capability, picks)
         done = await self.assigner.assign(won)
         # Still indexed: the refused ones keep their waiting-set entry.
-        await self.store.unpark_many(capability, [r.message_id for r in done] + stale)
+        removed = [r.message_id for r in done] + stale
+        await self.store.unpark_many(capability, removed)
+        await self._repark_returned(capability, removed)
         return len(done)
 
-    async def _pick(self, waiting: list[MessageRecord], now: int) -> list[Pick]:
+    async def _repark_returned(self, capability: str, removed: list[str]) -> None:
+        """A message may have come back to WAITING (its agent was not reached) between our
+        assignment and our removal of its waiting entry: index it again."""
+        if not removed:
+            return
+        back = [r for r in await self.store.get_records(removed) if r and r.stage is Stage.WAITING]
+        if back:
+            await self.store.park_many(
+                [(capability, r.id, r.priority, r.accepted_ms) for r in back]
+            )
+
+    async def _pick(self, waiting: list[MessageRecord], now: int, free: int) -> list[Pick]:
         envelopes = [load_envelope(r.envelope) for r in waiting]
         sessions = await self.store.sessions(
             sorted({e.session_id for e in envelopes if e.session_id})
         )
         picks = []
         for envelope in envelopes:
+            if len(picks) >= free:
+                break
             decision = self.table.decide(route_request(envelope, sessions), now_ms=now)
             instance_id = routed_instance(decision)
             if instance_id is None:
-                break  # nothing fits now: the rest keep their place in line
+                continue  # this one cannot go anywhere now; the next one may
             picks.append(
                 Pick(envelope.message_id, envelope, instance_id, decision_fields(decision))
             )
@@ -111,17 +129,32 @@ class WaitingRoom:
         return won
 
     async def expire_due(self, *, limit: int = 500) -> int:
-        """End the waiting messages whose deadline has passed; forget the other due entries."""
+        """End the waiting messages whose deadline has passed. A message past its deadline
+        but in flight keeps a due entry, checked again later: it may come back to WAITING."""
         now = now_ms()
         due = await self.store.due_now(now, limit)
         if not due:
             return 0
         records = await self.store.get_records(due)
-        expired = 0
-        for record in records:
-            if record is not None and record.stage is Stage.WAITING:
+        expired, finished, later = 0, [], []
+        for message_id, record in zip(due, records, strict=True):
+            if record is None:
+                finished.append(message_id)
+            elif record.stage is Stage.WAITING:
                 expired += await self._expire(record, now)
-        await self.store.forget_due(due)
+                finished.append(message_id)
+            elif record.stage is Stage.EXPIRED:
+                await self._reply_expired(record, record.error or "waited_past_deadline")
+                finished.append(message_id)  # an earlier sweep failed after the write
+            elif record.stage in TERMINAL:
+                finished.append(message_id)
+            else:
+                later.append(message_id)
+        await self.store.forget_due(finished)
+        if later:
+            await self.store.conn.call_many(
+                [self.store.due_command(i, now + RECHECK_MS) for i in later]
+            )
         return expired
 
     async def _expire(self, record: MessageRecord, now: int) -> int:
@@ -135,13 +168,16 @@ class WaitingRoom:
         )
         if not moved.ok:
             return 0
+        await self._reply_expired(record, reason)
         await self.store.unpark_many(record.capability, [record.id])
+        log.info("message %s expired: %s", record.id, reason)
+        return 1
+
+    async def _reply_expired(self, record: MessageRecord, reason: str) -> None:
         if record.reply_to:
             await self.store.send_reply(
                 record.reply_to, {"id": record.id, "stage": Stage.EXPIRED.value, "error": reason}
             )
-        log.info("message %s expired: %s", record.id, reason)
-        return 1
 
     def _why_unserved(self, record: MessageRecord, now: int) -> str:
         """Why a message is still waiting at its deadline, asked of the funnel again now."""

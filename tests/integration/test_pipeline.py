@@ -31,8 +31,13 @@ async def test_thousand_envelopes_through_two_http_agents(conn: Connection) -> N
     async with (
         http_agent("a") as agent_a,
         http_agent("b") as agent_b,
-        running_sidecar(conn, "a-1", ("text.echo",), url=agent_a.url, max_inflight=600),
-        running_sidecar(conn, "b-1", ("text.echo",), url=agent_b.url, max_inflight=600),
+        # static credits: this is the happy path with room for every message at once
+        running_sidecar(
+            conn, "a-1", ("text.echo",), url=agent_a.url, max_inflight=600, adaptive_credits=False
+        ),
+        running_sidecar(
+            conn, "b-1", ("text.echo",), url=agent_b.url, max_inflight=600, adaptive_credits=False
+        ),
         running_dispatcher(conn),
     ):
         ids = await client.submit_many([echo(n, reply_to) for n in range(1000)])
@@ -79,7 +84,9 @@ async def test_credit_limit_holds_and_excess_waits_outside_the_stream(conn: Conn
 
     async with (
         http_agent("slow", delay_s=0.01) as agent,
-        running_sidecar(conn, "slow-1", ("text.echo",), url=agent.url, max_inflight=2),
+        running_sidecar(
+            conn, "slow-1", ("text.echo",), url=agent.url, max_inflight=2, adaptive_credits=False
+        ),
         running_dispatcher(conn),
         anyio.create_task_group() as tg,
     ):
@@ -157,7 +164,15 @@ async def test_instances_stay_routable_under_steady_traffic(settings: Settings) 
         reply_to = client.new_reply_stream()
         async with (
             http_agent("a") as agent,
-            running_sidecar(conn, "a-1", ("text.echo",), url=agent.url, max_inflight=64),
+            # static credits: this test is about the registry snapshot, not the credit limit
+            running_sidecar(
+                conn,
+                "a-1",
+                ("text.echo",),
+                url=agent.url,
+                max_inflight=64,
+                adaptive_credits=False,
+            ),
             running_dispatcher(conn),
         ):
             ids = []

@@ -53,6 +53,7 @@ async def running_sidecar(
     transport: Transport | None = None,
     max_inflight: int = 16,
     idempotent: bool = False,
+    adaptive_credits: bool = True,
 ) -> AsyncIterator[Sidecar]:
     if transport is None:
         assert url is not None
@@ -68,6 +69,7 @@ async def running_sidecar(
         ),
         transport,
         grace_s=5.0,
+        adaptive_credits=adaptive_credits,
     )
     async with anyio.create_task_group() as tg:
         await tg.start(sidecar.run)

@@ -90,3 +90,13 @@ def test_new_message_id_is_current_and_unique() -> None:
     for text in ids:
         assert ULID.match(text)
         assert before <= decode_ulid(text)[0] <= after
+
+
+def test_an_ingress_entry_always_names_the_same_message() -> None:
+    from broker.ids import ulid_for_entry
+
+    first = ulid_for_entry("reach:in", "1700000000000-3")
+    assert first == ulid_for_entry("reach:in", "1700000000000-3")
+    assert first != ulid_for_entry("reach:in", "1700000000000-4")
+    assert first != ulid_for_entry("other:in", "1700000000000-3")
+    assert first[:10] == encode_ulid(1_700_000_000_000, bytes(10))[:10]  # its time

@@ -95,6 +95,15 @@ def load_python_agent(spec: str) -> Agent:
     help="Cost per call, for routing under a budget.",
 )
 @click.option(
+    "--credits",
+    "credits_mode",
+    type=click.Choice(["adaptive", "static"]),
+    default="adaptive",
+    show_default=True,
+    help="adaptive: the credit limit follows the agent's latency, between 1 and "
+    "--max-inflight; static: always --max-inflight.",
+)
+@click.option(
     "--grace",
     "grace_s",
     type=float,
@@ -115,6 +124,7 @@ def sidecar(
     tags: tuple[str, ...],
     status_url: str,
     cost: float,
+    credits_mode: str,
     grace_s: float | None,
 ) -> None:
     """Run a sidecar for one agent instance: register, heartbeat, consume, deliver."""
@@ -149,7 +159,9 @@ def sidecar(
 
     async def serve() -> None:
         async with connected(settings) as conn, anyio.create_task_group() as tg:
-            runner = Sidecar(conn, card, transport, grace_s=grace)
+            runner = Sidecar(
+                conn, card, transport, grace_s=grace, adaptive_credits=credits_mode == "adaptive"
+            )
             tg.start_soon(stop_on_signals, runner.stop, tg.cancel_scope)
             await tg.start(runner.run)
             click.echo(f"sidecar {card.instance_id} serving {', '.join(capabilities)}", err=True)

@@ -1,0 +1,61 @@
+"""An adaptive credit limit that follows an agent's latency — a gradient limiter in the
+manner of Netflix's concurrency-limits ``Gradient2``. Pure: the sidecar feeds it answers and
+publishes :attr:`credits` with its heartbeat.
+
+Two moving averages of latency: a short one (the last few answers) and a long one (the
+agent's normal). Their ratio is the gradient, clamped to [0.5, 1], with ``slack_ms`` added to
+both so that a few milliseconds of jitter on a fast agent do not read as a slowdown:
+
+    new = limit × long / short + headroom          (headroom = √limit, room to probe upwards)
+    limit ← limit × (1 − smoothing) + new × smoothing
+
+Steady latency, however jittery, keeps the gradient near 1 and the limit at its ceiling;
+when the model behind an agent slows down, the short average jumps, the gradient drops to
+0.5 and the limit falls within a few answers, so the agent stops being handed work it can
+only queue. An explicit "too busy" (429 / 503) halves the limit at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class AdaptiveLimit:
+    ceiling: int
+    floor: int = 1
+    short_weight: float = 0.1  # EWMA weight of a new answer in the short average
+    long_weight: float = 0.005  # ... and in the long one (about 200 answers)
+    smoothing: float = 0.3
+    slack_ms: float = 25.0
+    limit: float = field(init=False)
+    short_ms: float | None = field(default=None, init=False)
+    long_ms: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.limit = float(self.ceiling)
+
+    @property
+    def credits(self) -> int:
+        return max(self.floor, min(self.ceiling, int(self.limit)))
+
+    def on_answer(self, latency_ms: float) -> None:
+        """An answer (success or failure) that took ``latency_ms``."""
+        latency_ms = max(latency_ms, 0.001)
+        if self.short_ms is None or self.long_ms is None:
+            self.short_ms = self.long_ms = latency_ms
+            return
+        self.short_ms += (latency_ms - self.short_ms) * self.short_weight
+        self.long_ms += (latency_ms - self.long_ms) * self.long_weight
+        slack = self.slack_ms
+        gradient = max(0.5, min(1.0, (self.long_ms + slack) / (self.short_ms + slack)))
+        target = self.limit * gradient + math.sqrt(self.limit)
+        self._set(self.limit * (1 - self.smoothing) + target * self.smoothing)
+
+    def on_overload(self) -> None:
+        """The agent said it is too busy (429 / 503), or did not answer in time."""
+        self._set(self.limit * 0.5)
+
+    def _set(self, value: float) -> None:
+        self.limit = max(float(self.floor), min(float(self.ceiling), value))
