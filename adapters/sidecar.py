@@ -65,6 +65,10 @@ class Sidecar:
         self._finished_ready = anyio.Event()
         self._beat_now = anyio.Event()
         self._pool: WorkPool | None = None
+        # Entries this process has taken and not yet released: after a failure, the pending
+        # list minus these is what fell through the cracks and must be taken again.
+        self._held: set[str] = set()
+        self._recheck_pending = False
         self.vitals = Vitals(
             conn.settings, credits=card.max_inflight, now_ms=now_ms(), adaptive=adaptive_credits
         )
@@ -155,10 +159,15 @@ class Sidecar:
         backoff = 0.1
         while not self._stopping.is_set():
             try:
+                if self._recheck_pending:
+                    self._recheck_pending = False
+                    pending = await self._read(reader, pending=True)
+                    await self._take(pool, [e for e in pending if e[0] not in self._held])
                 entries = await self._read(reader)
                 await self._take(pool, entries)
             except (RedisUnavailable, ResponseError) as exc:
                 log.warning("read failed, retrying in %.1fs: %s", backoff, exc)
+                self._recheck_pending = True
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
@@ -188,6 +197,7 @@ class Sidecar:
             for (t, v), p in zip(fresh, processing, strict=True)
         }
         for t, m in zip(taken, received, strict=True):
+            self._held.add(t.entry_id)
             if t.entry_id not in ready:
                 pool.submit(partial(self._guarded, t, partial(self._resume, t, m)))
             elif ready[t.entry_id][1]:
@@ -272,6 +282,7 @@ class Sidecar:
         except RedisUnavailable:
             self._finished = batch + self._finished
             raise
+        self._held.difference_update(item.taken.entry_id for item in batch)
 
     async def _undeliverable(self, replying: list[Finished], replies: list[Any]) -> None:
         """A reply Redis refused for good (``reply_to`` names a key that is not a stream, say)
@@ -305,13 +316,20 @@ class Sidecar:
         try:
             await step()
         except RedisUnavailable as exc:
-            # The entry stays pending; the record's stage says where to resume.
+            # The entry stays pending; the record's stage says where to resume, and the
+            # consume loop takes it again from the pending list.
             log.warning("message %s: redis unavailable, left pending: %s", taken.message_id, exc)
+            self._release_hold(taken)
         except Exception:
-            # Never let one message take the sidecar down; it stays pending for a restart.
+            # Never let one message take the sidecar down; it stays pending and is taken again.
             log.exception("message %s: unexpected error, left pending", taken.message_id)
+            self._release_hold(taken)
         finally:
             self._finished_ready.set()
+
+    def _release_hold(self, taken: Taken) -> None:
+        self._held.discard(taken.entry_id)
+        self._recheck_pending = True
 
     async def _resume(self, taken: Taken, moved: Moved) -> None:
         """The entry did not find its record ROUTED here: a restart, or a stale delivery."""
@@ -347,6 +365,10 @@ class Sidecar:
         elif moved.stage in TERMINAL:
             self._done(taken, self._reply(envelope, moved.stage, record.result, record.error))
         else:
+            if moved.stage is Stage.WAITING:  # sent back, maybe not yet indexed: index it
+                await self.store.park(
+                    record.capability, record.id, record.priority, record.accepted_ms
+                )
             self._done(taken)
 
     async def _execute(self, taken: Taken, envelope: Envelope, source: Stage, reason: str) -> None:
