@@ -41,7 +41,7 @@ async def test_thousand_envelopes_through_two_http_agents(conn: Connection) -> N
         running_dispatcher(conn),
     ):
         ids = await client.submit_many([echo(n, reply_to) for n in range(1000)])
-        results = await collect_replies(conn, reply_to, 1000)
+        results = await collect_replies(conn, reply_to, 1000, timeout_s=180)
 
     assert set(results) == set(ids)
     store = MessageStore(conn)
