@@ -192,7 +192,10 @@ class MessageStore:
     async def park_many(self, items: list[tuple[str, str, int, int]]) -> None:
         """``(capability, message_id, priority, accepted_ms)`` tuples, in one round trip.
 
-        The deadline index (``P:due``) is written by :meth:`watch_deadline` at acceptance."""
+        The deadline index (``P:due``) is written at acceptance (:meth:`due_command`)."""
+        await self.run_all(self.park_commands(items))
+
+    def park_commands(self, items: list[tuple[str, str, int, int]]) -> list[tuple[Any, ...]]:
         commands: list[tuple[Any, ...]] = [
             ("SADD", self.keys.waiting_index, capability) for capability in {i[0] for i in items}
         ]
@@ -200,6 +203,10 @@ class MessageStore:
             ("ZADD", self.keys.waiting(capability), waiting_score(priority, accepted), message_id)
             for capability, message_id, priority, accepted in items
         ]
+        return commands
+
+    async def run_all(self, commands: list[tuple[Any, ...]]) -> None:
+        """Commands in one round trip; the first error reply is raised."""
         for reply in await self.conn.call_many(commands):
             _raise(reply)
 
@@ -261,11 +268,11 @@ class MessageStore:
 
     async def bind_sessions(self, bindings: list[tuple[str, str]]) -> None:
         """Session affinity: ``(session_id, instance_id)`` pairs, each with the session TTL."""
+        await self.run_all(self.bind_session_commands(bindings))
+
+    def bind_session_commands(self, bindings: list[tuple[str, str]]) -> list[tuple[Any, ...]]:
         ttl_ms = int(self.conn.settings.session_ttl_s * 1000)
-        for reply in await self.conn.call_many(
-            [("SET", self.keys.session(s), i, "PX", ttl_ms) for s, i in bindings]
-        ):
-            _raise(reply)
+        return [("SET", self.keys.session(s), i, "PX", ttl_ms) for s, i in bindings]
 
     async def get_timeline(self, message_id: str) -> list[TimelineEntry]:
         entries = await self.conn.call("XRANGE", self.keys.timeline(message_id), "-", "+")

@@ -46,6 +46,9 @@ def settings(redis_server: RedisServer) -> Settings:
                 "down_after_s": 5.0,
                 "sweep_interval_s": 0.2,
                 "registry_refresh_s": 0.5,
+                # Test agents share one busy process with the broker: a thousand requests in
+                # flight there can take seconds each, which must not read as a timeout.
+                "sync_call_timeout_s": 60.0,
             }
         ]
     )

@@ -179,9 +179,10 @@ class Dispatcher:
                     bindings.append((envelope.session_id, plan.instance))
             else:
                 to_park.append((plan.capability, plan.message_id, plan.priority, now))
-        await self.conn.call_many(due)
-        await self.store.park_many(to_park)
-        await self.store.bind_sessions(bindings)
+        # the batch's index writes (deadlines, waiting sets, sessions) in one round trip
+        await self.store.run_all(
+            due + self.store.park_commands(to_park) + self.store.bind_session_commands(bindings)
+        )
         return routed
 
     def _plan(

@@ -57,7 +57,9 @@ async def running_sidecar(
 ) -> AsyncIterator[Sidecar]:
     if transport is None:
         assert url is not None
-        transport = HttpTransport(url, timeout_s=5.0, max_connections=max_inflight)
+        transport = HttpTransport(
+            url, timeout_s=conn.settings.sync_call_timeout_s, max_connections=max_inflight
+        )
     sidecar = Sidecar(
         conn,
         card(
