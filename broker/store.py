@@ -266,6 +266,13 @@ class MessageStore:
             for i, flat in zip(message_ids, replies, strict=True)
         ]
 
+    async def stages(self, message_ids: list[str]) -> list[Stage | None]:
+        """Just the stage of several records, in one round trip (``None``: no record)."""
+        replies = await self.conn.call_many(
+            [("HGET", self.keys.record(i), "stage") for i in message_ids]
+        )
+        return [_STAGE_OF[_raise(r)] if r else None for r in replies]
+
     async def bind_sessions(self, bindings: list[tuple[str, str]]) -> None:
         """Session affinity: ``(session_id, instance_id)`` pairs, each with the session TTL."""
         await self.run_all(self.bind_session_commands(bindings))

@@ -71,7 +71,11 @@ class WaitingRoom:
         assignment and our removal of its waiting entry: index it again."""
         if not removed:
             return
-        back = [r for r in await self.store.get_records(removed) if r and r.stage is Stage.WAITING]
+        stages = await self.store.stages(removed)
+        returned = [i for i, stage in zip(removed, stages, strict=True) if stage is Stage.WAITING]
+        if not returned:
+            return
+        back = [r for r in await self.store.get_records(returned) if r and r.stage is Stage.WAITING]
         if back:
             await self.store.park_many(
                 [(capability, r.id, r.priority, r.accepted_ms) for r in back]
