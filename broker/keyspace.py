@@ -5,7 +5,7 @@ key                       type    holds
 ========================  ======  ==========================================================
 ``P:in``                  stream  ingress envelopes; consumer group ``dispatch``
 ``P:m:{<id>}``            hash    message record: envelope, stage, attempt, instance, ...
-``P:t:{<id>}``            stream  the message's timeline (capped)
+``P:t:{<id>}``            list    the message's timeline (capped): JSON items
 ``P:a:{<inst>}``          hash    instance card, live stats and state
 ``P:q:{<inst>}``          stream  work for one instance; consumer group ``sidecar``
 ``P:f:{<inst>}``          set     in-flight ``id:attempt`` members = credits in use

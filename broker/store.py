@@ -282,8 +282,8 @@ class MessageStore:
         return [("SET", self.keys.session(s), i, "PX", ttl_ms) for s, i in bindings]
 
     async def get_timeline(self, message_id: str) -> list[TimelineEntry]:
-        entries = await self.conn.call("XRANGE", self.keys.timeline(message_id), "-", "+")
-        return [timeline_entry(pairs(flat)) for _, flat in entries]
+        entries = await self.conn.call("LRANGE", self.keys.timeline(message_id), 0, -1)
+        return [timeline_entry(raw) for raw in entries]
 
 
 def pairs(flat: list[bytes]) -> dict[bytes, bytes]:
@@ -340,13 +340,14 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
     )
 
 
-def timeline_entry(fields: Mapping[bytes, bytes]) -> TimelineEntry:
+_timeline_item = msgspec.json.Decoder(tuple[str, str, str, str, str])
+
+
+def timeline_entry(raw: bytes) -> TimelineEntry:
+    """One timeline item: the JSON array ``[ts, stage, instance, attempt, reason]``."""
+    ts, stage, instance, attempt, reason = _timeline_item.decode(raw)
     return TimelineEntry(
-        ts_ms=_int(fields.get(b"ts")),
-        stage=Stage(_text(fields[b"stage"])),
-        instance=_text(fields.get(b"instance", b"")),
-        attempt=_int(fields.get(b"attempt")),
-        reason=_text(fields.get(b"reason", b"")),
+        ts_ms=int(ts), stage=Stage(stage), instance=instance, attempt=int(attempt), reason=reason
     )
 
 

@@ -1,7 +1,7 @@
 -- accept.lua: create a message record once per id, and take its first routing step.
 --
 -- KEYS[1]  record    P:m:{id}   (hash)
--- KEYS[2]  timeline  P:t:{id}   (stream)
+-- KEYS[2]  timeline  P:t:{id}   (list of JSON [ts, stage, instance, attempt, reason])
 -- ARGV[1]  envelope JSON (completed: id, idempotency_key, created_at filled)
 -- ARGV[2]  capability
 -- ARGV[3]  now (ms)
@@ -28,10 +28,9 @@ redis.call('HSET', rec, 'envelope', ARGV[1], 'capability', ARGV[2], 'accepted_ms
            'deadline_ms', ARGV[4], 'reply_to', ARGV[5], 'priority', ARGV[6],
            'stage', ARGV[8], 'attempt', attempt, 'instance', ARGV[9], 'updated_ms', ARGV[3],
            'error', error, unpack(ARGV, 12))
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'ts', ARGV[3], 'stage', 'ACCEPTED',
-           'instance', '', 'attempt', '0', 'reason', '')
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'ts', ARGV[3], 'stage', ARGV[8],
-           'instance', ARGV[9], 'attempt', attempt, 'reason', ARGV[10])
+redis.call('RPUSH', KEYS[2], cjson.encode({ARGV[3], 'ACCEPTED', '', '0', ''}),
+           cjson.encode({ARGV[3], ARGV[8], ARGV[9], attempt, ARGV[10]}))
+redis.call('LTRIM', KEYS[2], -tonumber(ARGV[7]), -1)
 if ARGV[11] ~= '' then
   redis.call('EXPIRE', rec, ARGV[11])
   redis.call('EXPIRE', KEYS[2], ARGV[11])

@@ -1,7 +1,7 @@
 -- transition.lua: compare-and-set one message's stage, and append the move to its timeline.
 --
 -- KEYS[1]  record    P:m:{id}   (hash)
--- KEYS[2]  timeline  P:t:{id}   (stream)
+-- KEYS[2]  timeline  P:t:{id}   (list of JSON [ts, stage, instance, attempt, reason])
 -- ARGV[1]  allowed source stages, comma-separated (from broker/stages.py)
 -- ARGV[2]  expected attempt, or "" for any
 -- ARGV[3]  expected instance, or "" for any
@@ -38,8 +38,9 @@ end
 local new_instance = ARGV[6] ~= '' and ARGV[6] or instance
 redis.call('HSET', rec, 'stage', ARGV[4], 'attempt', new_attempt, 'instance', new_instance,
            'updated_ms', ARGV[7], unpack(ARGV, 12))
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[9], '*', 'ts', ARGV[7], 'stage', ARGV[4],
-           'instance', new_instance, 'attempt', new_attempt, 'reason', ARGV[8])
+-- A list, not a stream: a stream preallocates a whole node (4 KB) for its first entry.
+redis.call('RPUSH', KEYS[2], cjson.encode({ARGV[7], ARGV[4], new_instance, new_attempt, ARGV[8]}))
+redis.call('LTRIM', KEYS[2], -tonumber(ARGV[9]), -1)
 if ARGV[10] ~= '' then
   redis.call('EXPIRE', rec, ARGV[10])
   redis.call('EXPIRE', KEYS[2], ARGV[10])
