@@ -39,6 +39,7 @@ from .workpool import WorkPool
 log = logging.getLogger("agent_reach.sidecar")
 
 READ_BLOCK_MS = 1000
+OVERDUE_CHECK_S = 0.1
 
 
 class Sidecar:
@@ -69,6 +70,10 @@ class Sidecar:
         # list minus these is what fell through the cracks and must be taken again.
         self._held: set[str] = set()
         self._recheck_pending = False
+        # Calls to the agent now running: entry id -> start (monotonic); and those already
+        # counted as overdue by the credit limit.
+        self._calls: dict[str, float] = {}
+        self._overdue_counted: set[str] = set()
         self.vitals = Vitals(
             conn.settings, credits=card.max_inflight, now_ms=now_ms(), adaptive=adaptive_credits
         )
@@ -86,6 +91,7 @@ class Sidecar:
         async with self.conn.reader() as reader, anyio.create_task_group() as outer:
             outer.start_soon(self._heartbeat_loop)
             outer.start_soon(self._finish_loop)
+            outer.start_soon(self._overdue_loop)
             task_status.started()
             async with anyio.create_task_group() as work:
                 pool = self._pool = WorkPool(work, self.card.max_inflight)
@@ -116,6 +122,22 @@ class Sidecar:
                     await trim_acknowledged(self.conn, self.queue)
             except (RedisUnavailable, ResponseError) as exc:
                 log.warning("heartbeat failed: %s", exc)
+
+    async def _overdue_loop(self) -> None:
+        """Let the credit limit see a slowdown before the first slow answer arrives."""
+        while True:
+            await anyio.sleep(OVERDUE_CHECK_S)
+            now = anyio.current_time()
+            running = [
+                (e, now - t) for e, t in self._calls.items() if e not in self._overdue_counted
+            ]
+            if not running:
+                continue
+            before = self.vitals.effective_credits
+            counted = self.vitals.overdue([age * 1000 for _, age in running])
+            self._overdue_counted.update(e for (e, _), c in zip(running, counted, strict=True) if c)
+            if self.vitals.effective_credits != before:
+                self._beat_now.set()
 
     async def _beat(self) -> None:
         active = self._pool.unfinished if self._pool is not None else 0
@@ -381,8 +403,12 @@ class Sidecar:
         await self._call_agent(taken, envelope)
 
     async def _call_agent(self, taken: Taken, envelope: Envelope) -> None:
-        started = anyio.current_time()
-        outcome = await self.transport.deliver(envelope, taken.attempt)
+        started = self._calls[taken.entry_id] = anyio.current_time()
+        try:
+            outcome = await self.transport.deliver(envelope, taken.attempt)
+        finally:
+            del self._calls[taken.entry_id]
+            self._overdue_counted.discard(taken.entry_id)
         latency_ms = (anyio.current_time() - started) * 1000
         if self.vitals.record(outcome, latency_ms=latency_ms, now_ms=now_ms()):
             self._beat_now.set()  # the circuit or cooldown changed: tell the dispatchers now

@@ -90,6 +90,13 @@ class Vitals:
         self.breaker.record(now_ms, failed=failed, window=self.window)
         return self._ejection() != self._reported or self.effective_credits != before
 
+    def overdue(self, ages_ms: list[float]) -> list[bool]:
+        """Calls still running at these ages: each one already slow counts once for the
+        credit limit (see :meth:`AdaptiveLimit.on_overdue`). Returns which were counted."""
+        if self.limit is None:
+            return [False] * len(ages_ms)
+        return [self.limit.on_overdue(age) for age in ages_ms]
+
     def beat(self, now_ms: int, *, active: int) -> tuple[InstanceState, InstanceStats, bool]:
         """The state and figures for a heartbeat at ``now_ms``, and whether to announce them."""
         self.breaker.tick(now_ms)

@@ -13,6 +13,10 @@ Steady latency, however jittery, keeps the gradient near 1 and the limit at its 
 when the model behind an agent slows down, the short average jumps, the gradient drops to
 0.5 and the limit falls within a few answers, so the agent stops being handed work it can
 only queue. An explicit "too busy" (429 / 503) halves the limit at once.
+
+A slowdown must not have to wait for its first slow answer to be seen: a call still running
+well past the agent's normal latency (:meth:`overdue_after_ms`) is counted once, at its age
+so far, as a lower bound on its latency (:meth:`on_overdue`).
 """
 
 from __future__ import annotations
@@ -52,6 +56,21 @@ class AdaptiveLimit:
         gradient = max(0.5, min(1.0, (self.long_ms + slack) / (self.short_ms + slack)))
         target = self.limit * gradient + math.sqrt(self.limit)
         self._set(self.limit * (1 - self.smoothing) + target * self.smoothing)
+
+    def overdue_after_ms(self) -> float | None:
+        """How long a call may run before its age alone counts as a slow answer."""
+        if self.long_ms is None:
+            return None
+        return 2 * self.long_ms + self.slack_ms
+
+    def on_overdue(self, age_ms: float) -> bool:
+        """A call has been running ``age_ms`` and has not answered: count it as an answer of
+        at least that latency, if that is already past normal. True when it was counted."""
+        threshold = self.overdue_after_ms()
+        if threshold is None or age_ms < threshold:
+            return False
+        self.on_answer(age_ms)
+        return True
 
     def on_overload(self) -> None:
         """The agent said it is too busy (429 / 503), or did not answer in time."""

@@ -40,3 +40,17 @@ def test_it_recovers_once_the_agent_is_fast_again() -> None:
     for _ in range(200):
         limit.on_answer(20)
     assert limit.credits == 8
+
+
+def test_a_call_running_past_normal_counts_once_before_it_answers() -> None:
+    limit = AdaptiveLimit(ceiling=8)
+    assert not limit.on_overdue(5_000.0)  # nothing known yet of normal: not counted
+    for _ in range(50):
+        limit.on_answer(20.0)
+    assert limit.credits == 8
+    threshold = limit.overdue_after_ms()
+    assert threshold is not None and 40.0 < threshold < 100.0
+    assert not limit.on_overdue(threshold - 1)  # still within normal
+    for _ in range(8):  # eight calls each seen running for 200 ms, none answered yet
+        assert limit.on_overdue(200.0)
+    assert limit.credits < 8
