@@ -14,6 +14,7 @@ key                       type    holds
 ``P:waiting``             set     capabilities that have had waiting work
 ``P:due``                 zset    message id -> deadline (ms): waiting work that may expire
 ``P:s:{<session>}``        string  session -> instance (affinity), with a TTL
+``P:n:{<capability>}:<w>``  string  assignments in 10-second window ``w`` (expires)
 ``P:dlq``                 stream  dead letters with their reason
 ``P:reply:<name>``        stream  results for one producer
 ``P:credit``              pubsub  instance ids whose credits were just released
@@ -69,6 +70,9 @@ class Keyspace:
     @property
     def due(self) -> str:
         return f"{self.prefix}:due"
+
+    def assigned(self, capability: str, window: int) -> str:
+        return f"{self.prefix}:n:{{{capability}}}:{window}"
 
     def session(self, session_id: str) -> str:
         return f"{self.prefix}:s:{{{session_id}}}"

@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from .connection import Connection
+from .keyspace import SIDECAR_GROUP
 from .records import CircuitState, InstanceCard, InstanceState, InstanceStats, InstanceView
 from .scripts import ScriptName
 from .store import now_ms, pairs
@@ -170,6 +171,20 @@ class Registry:
             if flat:
                 views.append(view_from_hash(pairs(flat), int(inflight)))
         return views
+
+    async def stream_backlogs(self, instance_ids: list[str]) -> list[int]:
+        """Entries not yet finished on each instance's stream (pending + never delivered)."""
+        return [
+            int(n)
+            for n in await self._all(
+                [
+                    self.conn.script_command(
+                        ScriptName.BACKLOG, (self.keys.queue(i),), (SIDECAR_GROUP,)
+                    )
+                    for i in instance_ids
+                ]
+            )
+        ]
 
     async def _all(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         replies = await self.conn.call_many(commands)

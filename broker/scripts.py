@@ -14,6 +14,7 @@ class ScriptName(StrEnum):
     TRANSITION = "transition"
     RELEASE = "release"
     HEARTBEAT = "heartbeat"
+    BACKLOG = "backlog"
 
 
 @dataclass(frozen=True, slots=True)

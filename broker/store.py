@@ -16,20 +16,17 @@ import msgspec
 from redis.exceptions import ResponseError
 
 from .connection import Connection
+from .fairness import PRIORITY_SPAN, split_score, waiting_score
 from .records import Accepted, AssignResult, MessageRecord, Moved, TimelineEntry
 from .scripts import ScriptName
 from .stages import TERMINAL, Stage, sources_for
 
-# Higher priority first, then older first: score = (9 - priority) * _PRIORITY_SPAN + accepted_ms.
-_PRIORITY_SPAN = 10**13
+RATE_WINDOW_MS = 10_000
+RATE_SPAN_WINDOWS = 6  # the assignment rate is averaged over the last minute
 
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-def waiting_score(priority: int, accepted_ms: int) -> float:
-    return float((9 - priority) * _PRIORITY_SPAN + accepted_ms)
 
 
 def _text(value: Any) -> str:
@@ -227,13 +224,55 @@ class MessageStore:
         replies = await self.conn.call_many([("GET", self.keys.session(s)) for s in session_ids])
         return {s: r.decode() for s, r in zip(session_ids, replies, strict=True) if r}
 
-    async def waiting_head(self, capability: str, count: int) -> list[str]:
-        ids = await self.conn.call("ZRANGE", self.keys.waiting(capability), 0, count - 1)
-        return [_text(i) for i in ids]
+    async def waiting_heads(self, windows: Mapping[str, int]) -> dict[str, list[tuple[str, int]]]:
+        """The first ``count`` ``(message_id, priority)`` of each capability's waiting set, in
+        waiting order: one round trip."""
+        capabilities = list(windows)
+        replies = await self.conn.call_many(
+            [
+                ("ZRANGE", self.keys.waiting(c), 0, windows[c] - 1, "WITHSCORES")
+                for c in capabilities
+            ]
+        )
+        heads: dict[str, list[tuple[str, int]]] = {}
+        for capability, flat in zip(capabilities, replies, strict=True):
+            _raise(flat)
+            heads[capability] = [
+                (_text(flat[i]), split_score(float(flat[i + 1]))[0]) for i in range(0, len(flat), 2)
+            ]
+        return heads
 
     async def unpark_many(self, capability: str, message_ids: list[str]) -> None:
         if message_ids:
             await self.conn.call("ZREM", self.keys.waiting(capability), *message_ids)
+
+    def unpark_commands(self, removals: Mapping[str, list[str]]) -> list[tuple[Any, ...]]:
+        return [
+            ("ZREM", self.keys.waiting(capability), *ids)
+            for capability, ids in removals.items()
+            if ids
+        ]
+
+    async def oldest_waiting(self, capability: str) -> tuple[int, int | None]:
+        """``(depth, accepted_ms of the oldest waiting message or None)``: the oldest is the
+        first of some priority band, so one look per band."""
+        key = self.keys.waiting(capability)
+        commands: list[tuple[Any, ...]] = [("ZCARD", key)] + [
+            (
+                "ZRANGEBYSCORE",
+                key,
+                band * PRIORITY_SPAN,
+                f"({(band + 1) * PRIORITY_SPAN}",
+                "WITHSCORES",
+                "LIMIT",
+                0,
+                1,
+            )
+            for band in range(10)
+        ]
+        depth, *firsts = await self.conn.call_many(commands)
+        ages = [split_score(float(f[1]))[1] for f in firsts if f]
+        return int(depth), min(ages) if ages else None
 
     async def waiting_capabilities(self) -> list[str]:
         members = await self.conn.call("SMEMBERS", self.keys.waiting_index)
@@ -241,6 +280,33 @@ class MessageStore:
 
     async def waiting_depth(self, capability: str) -> int:
         return int(await self.conn.call("ZCARD", self.keys.waiting(capability)))
+
+    def count_assigned_commands(self, counts: Mapping[str, int], now: int) -> list[tuple[Any, ...]]:
+        """Add to each capability's assignment counter for the current window."""
+        window = now // RATE_WINDOW_MS
+        keep_s = (RATE_SPAN_WINDOWS + 2) * RATE_WINDOW_MS // 1000
+        commands: list[tuple[Any, ...]] = []
+        for capability, n in counts.items():
+            key = self.keys.assigned(capability, window)
+            commands += [("INCRBY", key, n), ("EXPIRE", key, keep_s)]
+        return commands
+
+    async def assignment_rates(self, capabilities: list[str], now: int) -> dict[str, float]:
+        """Assignments per second over the last minute (the current window counts for the
+        part of it that has passed)."""
+        window = now // RATE_WINDOW_MS
+        first = window - RATE_SPAN_WINDOWS
+        elapsed_s = (now - first * RATE_WINDOW_MS) / 1000
+        replies = await self.conn.call_many(
+            [
+                ("MGET", *(self.keys.assigned(c, w) for w in range(first, window + 1)))
+                for c in capabilities
+            ]
+        )
+        return {
+            c: sum(int(v) for v in counts if v) / elapsed_s
+            for c, counts in zip(capabilities, replies, strict=True)
+        }
 
     # -- results, dead letters ---------------------------------------------------------------
 

@@ -8,6 +8,7 @@ and gives the attempt number back: no stream entry exists for it.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ from broker.envelope import Envelope
 from broker.records import AssignResult, Moved
 from broker.routing import Decision, Outcome, RouteRequest
 from broker.stages import Stage
-from broker.store import MessageStore, Move
+from broker.store import MessageStore, Move, now_ms
 
 from .routing_table import RoutingTable
 
@@ -74,12 +75,21 @@ class Assigner:
         )
         refused = [(r, res) for r, res in zip(routed, results, strict=True) if res not in OK]
         moved = await self.return_to_waiting(refused)
-        await self.store.park_many(
-            [
-                (r.capability, r.message_id, r.priority, r.accepted_ms)
-                for (r, _), m in zip(refused, moved, strict=True)
-                if m.ok
-            ]
+        counts = Counter(
+            r.capability
+            for r, res in zip(routed, results, strict=True)
+            if res is AssignResult.ASSIGNED
+        )
+        # one round trip: the refused parked, and the assignments counted (for `stats`)
+        await self.store.run_all(
+            self.store.park_commands(
+                [
+                    (r.capability, r.message_id, r.priority, r.accepted_ms)
+                    for (r, _), m in zip(refused, moved, strict=True)
+                    if m.ok
+                ]
+            )
+            + self.store.count_assigned_commands(counts, now_ms())
         )
         return [r for r, res in zip(routed, results, strict=True) if res in OK]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import anyio
@@ -39,6 +39,7 @@ from broker.errors import RedisUnavailable
 from broker.ids import ulid_for_entry
 from broker.keyspace import DISPATCH_GROUP
 from broker.registry import Registry
+from broker.routing import Decision
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore, ack, now_ms, trim_acknowledged
 from broker.streams import GroupReader, StreamEntry, Subscriber
@@ -51,6 +52,7 @@ log = logging.getLogger("agent_reach.dispatcher")
 
 READ_BLOCK_MS = 1000
 TRIM_EVERY_S = 10.0
+BEHIND_WAITING = "queued behind waiting work of its capability"
 
 
 def default_consumer_name() -> str:
@@ -134,7 +136,12 @@ class Dispatcher:
             except InvalidEnvelope as exc:
                 await self._reject(exc, fallback_id)
         routed = await self._accept(envelopes, recovering)
-        await self.assigner.assign(routed)
+        assigned = await self.assigner.assign(routed)
+        if len(assigned) < len(routed):  # refused for want of a credit: now they wait
+            taken = {r.message_id for r in assigned}
+            self.waiting.backlogged.update(
+                r.capability for r in routed if r.message_id not in taken
+            )
         await ack(self.conn, self.keys.ingress, DISPATCH_GROUP, [e for e, _ in entries])
 
     def _decode(self, fields: dict[str, bytes], fallback_id: str) -> Envelope:
@@ -183,13 +190,21 @@ class Dispatcher:
         await self.store.run_all(
             due + self.store.park_commands(to_park) + self.store.bind_session_commands(bindings)
         )
+        if to_park:
+            parked = {capability for capability, *_ in to_park}
+            self.waiting.backlogged.update(parked)
+            self._drain_soon(parked)  # at once if credits are free: behind earlier work
         return routed
 
     def _plan(
         self, envelope: Envelope, now: int, sessions: dict[str, str]
     ) -> tuple[Acceptance, Envelope]:
-        decision = self.table.decide(route_request(envelope, sessions), now_ms=now)
-        instance = routed_instance(decision)
+        if envelope.capability in self.waiting.backlogged:
+            decision: Decision | None = None  # earlier work waits: this one queues behind it
+            instance = None
+        else:
+            decision = self.table.decide(route_request(envelope, sessions), now_ms=now)
+            instance = routed_instance(decision)
         if instance and envelope.session_id:
             sessions[envelope.session_id] = instance  # later messages of the batch follow it
         acceptance = Acceptance(
@@ -202,8 +217,8 @@ class Dispatcher:
             next_stage=Stage.ROUTED if instance else Stage.WAITING,
             accepted_ms=now,
             instance=instance or "",
-            reason=decision.reason,
-            fields=decision_fields(decision),
+            reason=decision.reason if decision else BEHIND_WAITING,
+            fields=decision_fields(decision) if decision else {},
         )
         return acceptance, envelope
 
@@ -283,13 +298,16 @@ class Dispatcher:
                     await self.refresh()
                     await self.waiting.expire_due()
                     capabilities |= set(await self.store.waiting_capabilities())
-                for capability in sorted(capabilities):
-                    await self.drain(capability)
+                await self.drain(capabilities)
             except (RedisUnavailable, ResponseError) as exc:
                 log.warning("drain failed (the next sweep retries): %s", exc)
 
-    async def drain(self, capability: str) -> int:
-        return await self.waiting.drain(capability)
+    async def drain(self, capabilities: Iterable[str]) -> int:
+        return await self.waiting.drain(capabilities)
+
+    def _drain_soon(self, capabilities: Iterable[str]) -> None:
+        self._to_drain.update(capabilities)
+        self._credit_freed.set()
 
     # -- notifications and housekeeping ------------------------------------------------------
 

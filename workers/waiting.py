@@ -11,9 +11,11 @@ be served (``no_capability_match`` and the nearest registered capabilities,
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from broker.envelope import Envelope, load_envelope
+from broker.fairness import Rotation, fair_order
 from broker.records import MessageRecord
 from broker.routing import Outcome, route
 from broker.stages import TERMINAL, Stage
@@ -32,6 +34,7 @@ _EXPLAINED = (Outcome.NO_CAPABILITY_MATCH, Outcome.NO_SELECTOR_MATCH, Outcome.AL
 
 @dataclass(frozen=True, slots=True)
 class Pick:
+    capability: str
     message_id: str
     envelope: Envelope
     instance_id: str
@@ -44,26 +47,60 @@ class WaitingRoom:
         self.table = table
         self.assigner = Assigner(store, table)
         self.batch = batch
+        self.rotation = Rotation()
+        # Capabilities this dispatcher last saw with waiting work: new arrivals for them wait
+        # their turn behind it instead of taking a credit that just freed.
+        self.backlogged: set[str] = set()
+        self.assigned = 0  # messages this room has assigned, over its life
 
-    async def drain(self, capability: str) -> int:
-        """Assign waiting messages of ``capability`` to free credits, by priority then age."""
+    async def drain(self, capabilities: Iterable[str]) -> int:
+        """Assign waiting messages of ``capabilities`` to free credits: the highest priority
+        first; capabilities waiting at the same priority take turns (see
+        :func:`broker.fairness.fair_order`). Returns how many were assigned."""
         now = now_ms()
-        free = self.table.free_credits(capability, now_ms=now)
-        if free <= 0:
-            return 0
         # A window wider than the free credits: a head message nobody can take now (its tags
         # match no free instance, say) must not block the ones behind it.
-        head = await self.store.waiting_head(capability, min(self.batch, 4 * free + 16))
-        records = await self.store.get_records(head)
-        stale = [i for i, r in zip(head, records, strict=True) if not _may_wait(r)]
-        waiting = [r for r in records if r is not None and r.stage is Stage.WAITING]
-        picks = await self._pick(waiting, now, free)
-        won = await self._claim(capability, picks)
+        windows = {}
+        for capability in set(capabilities):
+            free = self.table.free_credits(capability, now_ms=now)
+            if free > 0:
+                windows[capability] = min(self.batch, 4 * free + 16)
+        if not windows:
+            return 0
+        heads = await self.store.waiting_heads(windows)
+        offer = fair_order(heads, self.rotation.order(heads))
+        records = dict(
+            zip(
+                [i for _, i in offer],
+                await self.store.get_records([i for _, i in offer]),
+                strict=True,
+            )
+        )
+        stale = {c: [i for c2, i in offer if c2 == c and not _may_wait(records[i])] for c in heads}
+        picks = await self._pick(
+            [
+                (c, r)
+                for c, i in offer
+                if (r := records[i]) is not None and r.stage is Stage.WAITING
+            ],
+            now,
+        )
+        won = await self._claim(picks)
         done = await self.assigner.assign(won)
+        self.assigned += len(done)
+        for a in done:
+            self.rotation.served(a.capability)
         # Still indexed: the refused ones keep their waiting-set entry.
-        removed = [r.message_id for r in done] + stale
-        await self.store.unpark_many(capability, removed)
-        await self._repark_returned(capability, removed)
+        removed = {c: [a.message_id for a in done if a.capability == c] + stale[c] for c in heads}
+        await self.store.run_all(self.store.unpark_commands(removed))
+        for capability, head in heads.items():
+            emptied = len(head) < windows[capability] and len(removed[capability]) == len(head)
+            if emptied:
+                self.backlogged.discard(capability)
+            else:
+                self.backlogged.add(capability)
+        for capability, ids in removed.items():
+            await self._repark_returned(capability, ids)
         return len(done)
 
     async def _repark_returned(self, capability: str, removed: list[str]) -> None:
@@ -80,28 +117,36 @@ class WaitingRoom:
             await self.store.park_many(
                 [(capability, r.id, r.priority, r.accepted_ms) for r in back]
             )
+            self.backlogged.add(capability)
 
-    async def _pick(self, waiting: list[MessageRecord], now: int, free: int) -> list[Pick]:
-        envelopes = [load_envelope(r.envelope) for r in waiting]
+    async def _pick(self, waiting: list[tuple[str, MessageRecord]], now: int) -> list[Pick]:
+        """Route each offered message in turn while its capability has free credits."""
+        envelopes = [(c, load_envelope(r.envelope)) for c, r in waiting]
         sessions = await self.store.sessions(
-            sorted({e.session_id for e in envelopes if e.session_id})
+            sorted({e.session_id for _, e in envelopes if e.session_id})
         )
         picks = []
-        for envelope in envelopes:
-            if len(picks) >= free:
-                break
+        for capability, envelope in envelopes:
+            if self.table.free_credits(capability, now_ms=now) <= 0:
+                continue
             decision = self.table.decide(route_request(envelope, sessions), now_ms=now)
             instance_id = routed_instance(decision)
             if instance_id is None:
                 continue  # this one cannot go anywhere now; the next one may
             picks.append(
-                Pick(envelope.message_id, envelope, instance_id, decision_fields(decision))
+                Pick(
+                    capability,
+                    envelope.message_id,
+                    envelope,
+                    instance_id,
+                    decision_fields(decision),
+                )
             )
             if envelope.session_id:
                 sessions[envelope.session_id] = instance_id
         return picks
 
-    async def _claim(self, capability: str, picks: list[Pick]) -> list[Routed]:
+    async def _claim(self, picks: list[Pick]) -> list[Routed]:
         """WAITING -> ROUTED (a new attempt); the winners are this dispatcher's to assign."""
         moved = await self.store.move_many(
             [
@@ -122,7 +167,12 @@ class WaitingRoom:
             if m.ok:
                 won.append(
                     Routed(
-                        p.message_id, capability, p.instance_id, m.attempt, p.envelope.priority, 0
+                        p.message_id,
+                        p.capability,
+                        p.instance_id,
+                        m.attempt,
+                        p.envelope.priority,
+                        0,
                     )
                 )
             else:

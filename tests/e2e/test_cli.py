@@ -8,14 +8,23 @@ from pathlib import Path
 
 import anyio
 import jsonschema
+import msgspec
 import pytest
 from click.testing import CliRunner
 
+from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection
+from broker.envelope import Envelope
 from broker.stages import Stage
-from tests.support.agents import http_agent
-from tests.support.harness import running_dispatcher, running_sidecar
+from broker.store import MessageStore
+from tests.support.agents import Gate, http_agent
+from tests.support.harness import (
+    collect_replies,
+    eventually,
+    running_dispatcher,
+    running_sidecar,
+)
 from tests.support.processes import AGENT_REACH, process_env
 from workers.cli import main
 
@@ -32,7 +41,7 @@ def test_every_command_has_help(argv: list[str]) -> None:
 
 
 def test_commands_that_talk_to_redis_take_a_redis_url() -> None:
-    for name in ("up", "sidecar", "send", "trace", "agents", "demo"):
+    for name in ("up", "sidecar", "send", "trace", "agents", "stats", "demo"):
         assert "--redis URL" in CliRunner().invoke(main, [name, "--help"]).output, name
 
 
@@ -217,3 +226,41 @@ def test_send_refuses_bad_selectors() -> None:
     assert result.exit_code == 2 and "KEY=VALUE" in result.output
     result = CliRunner().invoke(main, ["send", "a.b", "--priority", "12"])
     assert result.exit_code == 2 and "priority" in result.output.lower()
+
+
+async def test_stats_shows_waiting_work_and_credits(conn: Connection, settings: Settings) -> None:
+    held = Gate()
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("a", behaviour=held) as agent,
+        running_sidecar(
+            conn, "a-1", ("text.echo",), url=agent.url, max_inflight=2, adaptive_credits=False
+        ),
+        running_dispatcher(conn),
+    ):
+        envelopes = [
+            msgspec.convert({"capability": "text.echo", "reply_to": reply_to}, Envelope)
+            for _ in range(10)
+        ]
+        await client.submit_many(envelopes)
+
+        async def backlog() -> bool:
+            return await MessageStore(conn).waiting_depth("text.echo") == 8
+
+        await eventually(backlog)
+        code, out = await cli(settings, "stats", "--json")
+        assert code == 0, out
+        found = json.loads(out)
+        (echo,) = found["capabilities"]
+        assert echo["capability"] == "text.echo" and echo["waiting"] == 8
+        assert echo["oldest_waiting_s"] is not None and echo["oldest_waiting_s"] >= 0
+        assert echo["assigned_per_s"] > 0 and echo["instances"] == 1
+        (inst,) = found["instances"]
+        assert (inst["in_use"], inst["effective"], inst["declared"], inst["stream"]) == (2, 2, 2, 2)
+        code, out = await cli(settings, "stats")
+        assert code == 0 and "text.echo" in out and "a-1" in out and "EFFECTIVE" in out
+        held.open()
+        results = await collect_replies(conn, reply_to, 10)
+    assert {r.stage for r in results.values()} == {Stage.SUCCEEDED}
+    assert agent.log.peak_concurrent == 2

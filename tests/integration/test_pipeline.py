@@ -9,6 +9,7 @@ from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection, open_connection
 from broker.envelope import Envelope
+from broker.registry import Registry
 from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.agents import http_agent
@@ -57,17 +58,6 @@ async def test_thousand_envelopes_through_two_http_agents(conn: Connection) -> N
     assert max((agent_a.log.calls + agent_b.log.calls).values()) == 1
 
 
-async def _unfinished_in_stream(conn: Connection, instance_id: str) -> int:
-    """Entries of the instance's stream not yet acknowledged: pending + never delivered."""
-    queue = conn.keys.queue(instance_id)
-    groups = await conn.call("XINFO", "GROUPS", queue)
-    if not groups:
-        return int(await conn.call("XLEN", queue))
-    info = dict(zip(groups[0][::2], groups[0][1::2], strict=True))
-    undelivered = await conn.call("XRANGE", queue, b"(" + info[b"last-delivered-id"], "+")
-    return int(info[b"pending"]) + len(undelivered)
-
-
 async def test_credit_limit_holds_and_excess_waits_outside_the_stream(conn: Connection) -> None:
     client = Client(conn)
     reply_to = client.new_reply_stream()
@@ -76,7 +66,8 @@ async def test_credit_limit_holds_and_excess_waits_outside_the_stream(conn: Conn
 
     async def watch() -> None:
         while True:
-            peaks["stream"] = max(peaks["stream"], await _unfinished_in_stream(conn, "slow-1"))
+            (stream,) = await Registry(conn).stream_backlogs(["slow-1"])
+            peaks["stream"] = max(peaks["stream"], stream)
             in_use = int(await conn.call("SCARD", conn.keys.inflight("slow-1")))
             peaks["credits"] = max(peaks["credits"], in_use)
             peaks["waiting"] = max(peaks["waiting"], await store.waiting_depth("text.echo"))

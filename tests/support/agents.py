@@ -63,6 +63,20 @@ def _app(name: str, log: AgentLog, delay_s: float, behaviour: Behaviour | None) 
     return Starlette(routes=[Route("/", handle, methods=["POST"])])
 
 
+class Gate:
+    """An agent behaviour that holds every call until the gate opens: saturation on demand."""
+
+    def __init__(self) -> None:
+        self._open = anyio.Event()
+
+    def open(self) -> None:
+        self._open.set()
+
+    async def __call__(self, envelope: dict[str, Any], request: Request) -> Response | None:
+        await self._open.wait()
+        return None
+
+
 @asynccontextmanager
 async def http_agent(
     name: str = "agent", *, delay_s: float = 0.0, behaviour: Behaviour | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..runtime import configure_logging
-from .inspect import agents, config, drain, redis_url_command, schema, trace, weight
+from .inspect import agents, config, drain, redis_url_command, schema, stats, trace, weight
 from .processes import demo, demo_agent, sidecar, up
 from .send import send
 
@@ -28,6 +28,7 @@ for command in (
     send,
     trace,
     agents,
+    stats,
     weight,
     drain,
     config,

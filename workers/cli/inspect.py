@@ -1,11 +1,12 @@
-"""Commands that show and steer: ``trace``, ``agents``, ``weight``, ``drain``, ``config``,
-``schema``, ``redis-url``."""
+"""Commands that show and steer: ``trace``, ``agents``, ``stats``, ``weight``, ``drain``,
+``config``, ``schema``, ``redis-url``."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import anyio
 import click
 import msgspec
 
@@ -18,6 +19,7 @@ from broker.health import observed_state
 from broker.records import InstanceView
 from broker.registry import Registry
 from broker.routing import factors
+from broker.stats import BacklogStats, backlog_stats
 from broker.store import now_ms
 
 from ..routing_table import routing_policy
@@ -175,6 +177,61 @@ def print_agents(documents: list[dict[str, Any]]) -> None:
             f"{'':<24} alive {reach['alive']} × health {reach['health']} × load {reach['load']}"
             f" × latency {reach['latency']} × confidence {reach['confidence']}"
             f" × weight {reach['weight']}"
+        )
+
+
+@click.command()
+@redis_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+@click.option(
+    "--watch",
+    type=click.FloatRange(min=0.1),
+    default=None,
+    metavar="SECONDS",
+    help="Print again every SECONDS until interrupted.",
+)
+def stats(settings: Settings, as_json: bool, watch: float | None) -> None:
+    """Backpressure at a glance. Per capability: waiting depth, oldest waiting age, assignment
+    rate (last minute). Per instance: credits in use / effective limit / declared limit."""
+
+    async def show() -> None:
+        async with connected(settings) as conn:
+            while True:
+                found = await backlog_stats(conn)
+                if as_json:
+                    click.echo(msgspec.json.encode(found).decode())
+                else:
+                    print_stats(found)
+                if watch is None:
+                    return
+                await anyio.sleep(watch)
+                click.echo()
+
+    run(show)
+
+
+def print_stats(found: BacklogStats) -> None:
+    if not found.capabilities and not found.instances:
+        click.echo("nothing registered and nothing waiting")
+        return
+    click.echo(
+        f"{'CAPABILITY':<32} {'WAITING':>8} {'OLDEST':>9} {'ASSIGNED/S':>11} {'INSTANCES':>9}"
+    )
+    for c in found.capabilities:
+        oldest = "-" if c.oldest_waiting_s is None else f"{c.oldest_waiting_s:.1f}s"
+        click.echo(
+            f"{c.capability:<32} {c.waiting:>8} {oldest:>9} {c.assigned_per_s:>11.2f} "
+            f"{c.instances:>9}"
+        )
+    click.echo()
+    click.echo(
+        f"{'INSTANCE':<24} {'STATE':<9} {'IN USE':>6} {'EFFECTIVE':>9} {'DECLARED':>8}"
+        f" {'STREAM':>6}  CAPABILITIES"
+    )
+    for i in found.instances:
+        click.echo(
+            f"{i.instance_id:<24} {i.state:<9} {i.in_use:>6} {i.effective:>9} {i.declared:>8} "
+            f"{i.stream:>6}  {','.join(i.capabilities)}"
         )
 
 

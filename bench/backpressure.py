@@ -1,0 +1,102 @@
+"""The slow-agent incident with static and with adaptive credits, side by side.
+
+Two instances of one capability, 8 credits each; producers submit at a steady rate; mid-run
+one agent's latency goes from 20 ms to 2 s. For each credit mode it prints: p50/p99 latency
+(all requests, and those served by the healthy instance before and after the slowdown), the
+slow agent's stream at its peak, how soon its effective limit fell, and each instance's share
+of the traffic after the slowdown.
+
+Usage: ``python -m bench.backpressure [--rate 40] [--before 5] [--after 8]``. One fresh
+redis-server on loopback; no threshold, CI never fails on a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import anyio
+
+from broker.config import build_settings
+from broker.connection import open_connection
+from broker.embedded import RedisServer
+
+from .incident import FAST, SLOW, IncidentPlan, IncidentRun, percentile, run_incident
+
+
+async def one_mode(url: str, plan: IncidentPlan, prefix: str) -> IncidentRun:
+    settings = build_settings(
+        [
+            {
+                "redis_url": url,
+                "prefix": prefix,
+                "heartbeat_s": 0.5,
+                "down_after_s": 5.0,
+                "sweep_interval_s": 0.2,
+                "registry_refresh_s": 0.5,
+            }
+        ]
+    )
+    async with open_connection(settings, url) as conn:
+        return await run_incident(conn, plan)
+
+
+def report(name: str, run: IncidentRun) -> list[str]:
+    every = run.latencies()
+    fast_before = run.latencies(instance=FAST, after=False)
+    fast_after = run.latencies(instance=FAST, after=True)
+    share = run.share_after()
+    fell = run.limit_fell_after_s()
+    return [
+        name,
+        f"{percentile(every, 50):.0f} / {percentile(every, 99):.0f}",
+        f"{percentile(fast_before, 99):.0f} -> {percentile(fast_after, 99):.0f}",
+        f"{run.peak_stream()}",
+        "never" if fell is None else f"{fell:.2f} s",
+        f"{share[FAST]:.1%} / {share[SLOW]:.1%}",
+    ]
+
+
+async def main(args: argparse.Namespace) -> None:
+    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-bench-")))
+    try:
+        rows = []
+        for n, adaptive in enumerate((False, True)):
+            plan = IncidentPlan(
+                adaptive=adaptive,
+                rate_per_s=args.rate,
+                before_s=args.before,
+                after_s=args.after,
+            )
+            run = await one_mode(server.url, plan, f"bp{n}")
+            rows.append(report("adaptive" if adaptive else "static", run))
+    finally:
+        server.stop()
+    header = [
+        "credits",
+        "p50 / p99 ms (all)",
+        "healthy p99 ms before -> after",
+        "slow stream peak",
+        "limit fell after",
+        "share after: healthy / slow",
+    ]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print(
+        f"slow-agent incident: 2 instances x 8 credits, {args.rate:g} req/s, "
+        f"20 ms -> 2 s at t={args.before:g} s, {args.after:g} s after"
+    )
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, default=40.0, help="requests per second")
+    parser.add_argument("--before", type=float, default=5.0, help="seconds before the slowdown")
+    parser.add_argument("--after", type=float, default=8.0, help="seconds after it")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    anyio.run(main, parse())
