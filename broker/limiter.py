@@ -6,13 +6,17 @@ Two moving averages of latency: a short one (the last few answers) and a long on
 agent's normal). Their ratio is the gradient, clamped to [0.5, 1], with ``slack_ms`` added to
 both so that a few milliseconds of jitter on a fast agent do not read as a slowdown:
 
-    new = limit × long / short + headroom          (headroom = √limit, room to probe upwards)
+    new = limit × gradient          when the gradient is under ``tolerance`` (congested)
+    new = limit + √limit            otherwise (probe upwards)
     limit ← limit × (1 − smoothing) + new × smoothing
 
 Steady latency, however jittery, keeps the gradient near 1 and the limit at its ceiling;
 when the model behind an agent slows down, the short average jumps, the gradient drops to
-0.5 and the limit falls within a few answers, so the agent stops being handed work it can
-only queue. An explicit "too busy" (429 / 503) halves the limit at once.
+0.5 and the limit falls by 15 % an answer, to the floor if the slowdown lasts, so the agent
+stops being handed work it can only queue. The headroom is added only while uncongested:
+added always (as ``Gradient2`` does) it holds the limit at a fixed point of 4 under any
+slowdown, so a small limit could never fall at all. An explicit "too busy" (429 / 503)
+halves the limit at once.
 
 A slowdown must not have to wait for its first slow answer to be seen: a call still running
 well past the agent's normal latency (:meth:`overdue_after_ms`) is counted once, at its age
@@ -32,6 +36,7 @@ class AdaptiveLimit:
     short_weight: float = 0.1  # EWMA weight of a new answer in the short average
     long_weight: float = 0.005  # ... and in the long one (about 200 answers)
     smoothing: float = 0.3
+    tolerance: float = 0.9  # a gradient at or above this is jitter, not congestion
     slack_ms: float = 25.0
     limit: float = field(init=False)
     short_ms: float | None = field(default=None, init=False)
@@ -54,7 +59,10 @@ class AdaptiveLimit:
         self.long_ms += (latency_ms - self.long_ms) * self.long_weight
         slack = self.slack_ms
         gradient = max(0.5, min(1.0, (self.long_ms + slack) / (self.short_ms + slack)))
-        target = self.limit * gradient + math.sqrt(self.limit)
+        if gradient < self.tolerance:
+            target = self.limit * gradient
+        else:
+            target = self.limit + math.sqrt(self.limit)
         self._set(self.limit * (1 - self.smoothing) + target * self.smoothing)
 
     def overdue_after_ms(self) -> float | None:

@@ -54,3 +54,17 @@ def test_a_call_running_past_normal_counts_once_before_it_answers() -> None:
     for _ in range(8):  # eight calls each seen running for 200 ms, none answered yet
         assert limit.on_overdue(200.0)
     assert limit.credits < 8
+
+
+def test_a_lasting_slowdown_takes_even_a_small_limit_to_the_floor() -> None:
+    for ceiling in (2, 4, 8, 64):
+        limit = AdaptiveLimit(ceiling=ceiling)
+        for _ in range(200):
+            limit.on_answer(20)
+        first = None
+        for n in range(1, 60):
+            limit.on_answer(2000)
+            if first is None and limit.credits < ceiling:
+                first = n
+        assert first is not None and first <= 3, (ceiling, first)
+        assert limit.credits == 1, ceiling
