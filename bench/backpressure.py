@@ -1,13 +1,17 @@
 """The slow-agent incident with static and with adaptive credits, side by side.
 
-Two instances of one capability, 8 credits each; producers submit at a steady rate; mid-run
-one agent's latency goes from 20 ms to 2 s. For each credit mode it prints: p50/p99 latency
+Two instances of one capability; producers submit at a steady rate; mid-run one agent's
+latency goes from 20 ms to 2 s. For each credit mode it prints: p50/p99 latency
 (all requests, and those served by the healthy instance before and after the slowdown), the
 slow agent's stream at its peak, how soon its effective limit fell, and each instance's share
 of the traffic after the slowdown.
 
-Usage: ``python -m bench.backpressure [--rate 40] [--before 5] [--after 8]``. One fresh
-redis-server on loopback; no threshold, CI never fails on a time.
+Two scenarios by default: 40 requests/s on 8 credits each (the healthy peer has room to
+spare) and 120 requests/s on 4 credits each (it is near its limit); ``--rate`` and
+``--credits`` run one of your own.
+
+Usage: ``python -m bench.backpressure [--rate R] [--credits C] [--before 5] [--after 8]``.
+One fresh redis-server on loopback; no threshold, CI never fails on a time.
 """
 
 from __future__ import annotations
@@ -58,41 +62,53 @@ def report(name: str, run: IncidentRun) -> list[str]:
     ]
 
 
+HEADER = [
+    "credits",
+    "p50 / p99 ms (all)",
+    "healthy p99 ms before -> after",
+    "slow stream peak",
+    "limit fell after",
+    "share after: healthy / slow",
+]
+# (requests/s, credits per instance): the healthy peer with room to spare, and near its limit
+SCENARIOS = [(40.0, 8), (120.0, 4)]
+
+
 async def main(args: argparse.Namespace) -> None:
+    if args.rate is None and args.credits is None:
+        scenarios = SCENARIOS
+    else:
+        scenarios = [(args.rate or SCENARIOS[0][0], args.credits or SCENARIOS[0][1])]
     server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-bench-")))
     try:
-        rows = []
-        for n, adaptive in enumerate((False, True)):
-            plan = IncidentPlan(
-                adaptive=adaptive,
-                rate_per_s=args.rate,
-                before_s=args.before,
-                after_s=args.after,
+        for k, (rate, credits) in enumerate(scenarios):
+            rows = []
+            for adaptive in (False, True):
+                plan = IncidentPlan(
+                    adaptive=adaptive,
+                    rate_per_s=rate,
+                    before_s=args.before,
+                    after_s=args.after,
+                    max_inflight=credits,
+                )
+                run = await one_mode(server.url, plan, f"bp{k}{int(adaptive)}")
+                rows.append(report("adaptive" if adaptive else "static", run))
+            print(
+                f"slow-agent incident: 2 instances x {credits} credits, {rate:g} req/s, "
+                f"20 ms -> 2 s at t={args.before:g} s, {args.after:g} s after"
             )
-            run = await one_mode(server.url, plan, f"bp{n}")
-            rows.append(report("adaptive" if adaptive else "static", run))
+            widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADER)]
+            for row in [HEADER, *rows]:
+                print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
+            print()
     finally:
         server.stop()
-    header = [
-        "credits",
-        "p50 / p99 ms (all)",
-        "healthy p99 ms before -> after",
-        "slow stream peak",
-        "limit fell after",
-        "share after: healthy / slow",
-    ]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print(
-        f"slow-agent incident: 2 instances x 8 credits, {args.rate:g} req/s, "
-        f"20 ms -> 2 s at t={args.before:g} s, {args.after:g} s after"
-    )
-    for row in [header, *rows]:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
 
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", type=float, default=40.0, help="requests per second")
+    parser.add_argument("--rate", type=float, help="requests per second (default: both scenarios)")
+    parser.add_argument("--credits", type=int, help="max_inflight of each instance")
     parser.add_argument("--before", type=float, default=5.0, help="seconds before the slowdown")
     parser.add_argument("--after", type=float, default=8.0, help="seconds after it")
     return parser.parse_args()
