@@ -44,7 +44,9 @@ async def test_429_with_retry_after_is_not_a_failure_and_the_message_completes_l
     ):
         message_id = await client.submit(echo(reply_to))
         (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
-        card = await conn.call("HMGET", conn.keys.card("a-1"), "error_rate", "backoff_until_ms")
+        card = await conn.call(
+            "HMGET", conn.keys.card("a-1"), "error_rate", "backoff_until_ms", "credits"
+        )
     assert result.stage is Stage.SUCCEEDED and result.id == message_id
     assert agent.log.calls[message_id] == 2
     timeline = await MessageStore(conn).get_timeline(message_id)
@@ -56,6 +58,7 @@ async def test_429_with_retry_after_is_not_a_failure_and_the_message_completes_l
     assert second_try.ts_ms - waited.ts_ms >= 900  # not back to it before Retry-After
     assert float(card[0]) == 0.0  # the agent's error rate was not charged
     assert int(card[1]) > 0
+    assert int(card[2]) < 4  # "too busy" cut the credit limit (halved, not yet regrown)
 
 
 async def test_bare_503_is_ambiguous_so_a_non_idempotent_message_is_parked(

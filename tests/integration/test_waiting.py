@@ -192,3 +192,29 @@ async def test_three_dispatchers_draining_one_waiting_set_assign_each_message_on
     for message_id in ids:
         stages = [e.stage for e in await store.get_timeline(message_id)]
         assert stages.count(Stage.RECEIVED) == 1 and stages[-1] is Stage.SUCCEEDED
+
+
+async def test_work_still_waiting_at_its_deadline_expires_and_is_never_dispatched(
+    conn: Connection,
+) -> None:
+    held = Gate()
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("a", behaviour=held) as agent,
+        running_sidecar(
+            conn, "a-1", ("text.echo",), url=agent.url, max_inflight=1, adaptive_credits=False
+        ),
+        running_dispatcher(conn),
+    ):
+        (busy,) = await client.submit_many([request("text.echo", reply_to)])
+        (late,) = await client.submit_many([request("text.echo", reply_to, timeout_s=1)])
+        expired = await client.wait_reply(reply_to, late, timeout_s=20)
+        held.open()
+        done = await client.wait_reply(reply_to, busy, timeout_s=20)
+    assert expired is not None and expired.stage is Stage.EXPIRED
+    assert expired.error == "waited_past_deadline"
+    assert done is not None and done.stage is Stage.SUCCEEDED
+    assert late not in agent.log.calls and agent.log.calls[busy] == 1
+    stages = [e.stage for e in await MessageStore(conn).get_timeline(late)]
+    assert stages == [Stage.ACCEPTED, Stage.WAITING, Stage.EXPIRED]
