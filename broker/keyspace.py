@@ -11,6 +11,7 @@ key                       type    holds
 ``P:f:{<inst>}``          set     in-flight ``id:attempt`` members = credits in use
 ``P:agents``              zset    instance -> last heartbeat (ms); the registry index
 ``P:w:{<capability>}``    zset    WAITING message ids, by priority then age
+``P:x:{<capability>}``    zset    WAITING ids no instance can take at all (same scores)
 ``P:waiting``             set     capabilities that have had waiting work
 ``P:due``                 zset    message id -> deadline (ms): waiting work that may expire
 ``P:s:{<session>}``        string  session -> instance (affinity), with a TTL
@@ -62,6 +63,9 @@ class Keyspace:
 
     def waiting(self, capability: str) -> str:
         return f"{self.prefix}:w:{{{capability}}}"
+
+    def unmatched(self, capability: str) -> str:
+        return f"{self.prefix}:x:{{{capability}}}"
 
     @property
     def waiting_index(self) -> str:

@@ -13,6 +13,7 @@ from .store import MessageStore, now_ms
 class CapabilityStats(msgspec.Struct, frozen=True):
     capability: str
     waiting: int
+    unmatched: int  # of those waiting, how many no registered instance can take at all
     oldest_waiting_s: float | None
     assigned_per_s: float
     instances: int
@@ -48,11 +49,12 @@ async def backlog_stats(conn: Connection) -> BacklogStats:
     rates = await store.assignment_rates(capabilities, now)
     rows = []
     for capability in capabilities:
-        depth, oldest_ms = await store.oldest_waiting(capability)
+        depth, unmatched, oldest_ms = await store.oldest_waiting(capability)
         rows.append(
             CapabilityStats(
                 capability=capability,
                 waiting=depth,
+                unmatched=unmatched,
                 oldest_waiting_s=None if oldest_ms is None else max(0, now - oldest_ms) / 1000,
                 assigned_per_s=round(rates[capability], 3),
                 instances=served.get(capability, 0),

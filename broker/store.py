@@ -243,21 +243,64 @@ class MessageStore:
         return heads
 
     async def unpark_many(self, capability: str, message_ids: list[str]) -> None:
-        if message_ids:
-            await self.conn.call("ZREM", self.keys.waiting(capability), *message_ids)
+        await self.run_all(self.unpark_commands({capability: message_ids}))
 
     def unpark_commands(self, removals: Mapping[str, list[str]]) -> list[tuple[Any, ...]]:
-        return [
-            ("ZREM", self.keys.waiting(capability), *ids)
-            for capability, ids in removals.items()
-            if ids
-        ]
+        """Remove waiting entries, wherever they are: the waiting set or the unmatched one."""
+        commands: list[tuple[Any, ...]] = []
+        for capability, ids in removals.items():
+            if ids:
+                commands += [
+                    ("ZREM", self.keys.waiting(capability), *ids),
+                    ("ZREM", self.keys.unmatched(capability), *ids),
+                ]
+        return commands
 
-    async def oldest_waiting(self, capability: str) -> tuple[int, int | None]:
-        """``(depth, accepted_ms of the oldest waiting message or None)``: the oldest is the
-        first of some priority band, so one look per band."""
-        key = self.keys.waiting(capability)
-        commands: list[tuple[Any, ...]] = [("ZCARD", key)] + [
+    def set_aside_commands(
+        self, capability: str, records: list[MessageRecord]
+    ) -> list[tuple[Any, ...]]:
+        """Move waiting messages no instance can take at all out of the waiting set, so they
+        do not stand in front of work that could be served (same score, other set)."""
+        return self._move_between(
+            self.keys.waiting(capability), self.keys.unmatched(capability), records
+        )
+
+    def restore_commands(
+        self, capability: str, records: list[MessageRecord]
+    ) -> list[tuple[Any, ...]]:
+        """Put set-aside messages back in the waiting set, in their place by priority and age."""
+        return self._move_between(
+            self.keys.unmatched(capability), self.keys.waiting(capability), records
+        )
+
+    def _move_between(
+        self, source: str, target: str, records: list[MessageRecord]
+    ) -> list[tuple[Any, ...]]:
+        if not records:
+            return []
+        scored: list[Any] = []
+        for r in records:
+            scored += [waiting_score(r.priority, r.accepted_ms), r.id]
+        return [("ZADD", target, *scored), ("ZREM", source, *(r.id for r in records))]
+
+    async def unmatched_heads(self, windows: Mapping[str, tuple[int, int]]) -> dict[str, list[str]]:
+        """Ids in each capability's unmatched set from ``(start, count)``: one round trip."""
+        capabilities = list(windows)
+        replies = await self.conn.call_many(
+            [
+                ("ZRANGE", self.keys.unmatched(c), windows[c][0], sum(windows[c]) - 1)
+                for c in capabilities
+            ]
+        )
+        for reply in replies:
+            _raise(reply)
+        return {c: [_text(i) for i in ids] for c, ids in zip(capabilities, replies, strict=True)}
+
+    async def oldest_waiting(self, capability: str) -> tuple[int, int, int | None]:
+        """``(depth, unmatched, accepted_ms of the oldest waiting message or None)``. The
+        oldest is the first of some priority band in one of the two sets: a look per band."""
+        keys = (self.keys.waiting(capability), self.keys.unmatched(capability))
+        commands: list[tuple[Any, ...]] = [("ZCARD", key) for key in keys] + [
             (
                 "ZRANGEBYSCORE",
                 key,
@@ -268,18 +311,21 @@ class MessageStore:
                 0,
                 1,
             )
+            for key in keys
             for band in range(10)
         ]
-        depth, *firsts = await self.conn.call_many(commands)
+        waiting, unmatched, *firsts = await self.conn.call_many(commands)
         ages = [split_score(float(f[1]))[1] for f in firsts if f]
-        return int(depth), min(ages) if ages else None
+        return int(waiting) + int(unmatched), int(unmatched), min(ages) if ages else None
 
     async def waiting_capabilities(self) -> list[str]:
         members = await self.conn.call("SMEMBERS", self.keys.waiting_index)
         return sorted(_text(m) for m in members)
 
     async def waiting_depth(self, capability: str) -> int:
-        return int(await self.conn.call("ZCARD", self.keys.waiting(capability)))
+        """Messages waiting for ``capability``: for a credit, and for any instance at all."""
+        keys = (self.keys.waiting(capability), self.keys.unmatched(capability))
+        return sum(int(n) for n in await self.conn.call_many([("ZCARD", k) for k in keys]))
 
     def count_assigned_commands(self, counts: Mapping[str, int], now: int) -> list[tuple[Any, ...]]:
         """Add to each capability's assignment counter for the current window."""

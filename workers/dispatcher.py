@@ -139,9 +139,7 @@ class Dispatcher:
         assigned = await self.assigner.assign(routed)
         if len(assigned) < len(routed):  # refused for want of a credit: now they wait
             taken = {r.message_id for r in assigned}
-            self.waiting.backlogged.update(
-                r.capability for r in routed if r.message_id not in taken
-            )
+            self.waiting.note_waiting({r.capability for r in routed if r.message_id not in taken})
         await ack(self.conn, self.keys.ingress, DISPATCH_GROUP, [e for e, _ in entries])
 
     def _decode(self, fields: dict[str, bytes], fallback_id: str) -> Envelope:
@@ -192,7 +190,7 @@ class Dispatcher:
         )
         if to_park:
             parked = {capability for capability, *_ in to_park}
-            self.waiting.backlogged.update(parked)
+            self.waiting.note_waiting(parked)
             self._drain_soon(parked)  # at once if credits are free: behind earlier work
         return routed
 
@@ -297,7 +295,9 @@ class Dispatcher:
                     next_sweep = anyio.current_time() + self.settings.sweep_interval_s
                     await self.refresh()
                     await self.waiting.expire_due()
-                    capabilities |= set(await self.store.waiting_capabilities())
+                    waiting = await self.store.waiting_capabilities()
+                    await self.waiting.reconsider_unmatched(waiting)
+                    capabilities |= set(waiting)
                 await self.drain(capabilities)
             except (RedisUnavailable, ResponseError) as exc:
                 log.warning("drain failed (the next sweep retries): %s", exc)

@@ -47,13 +47,17 @@ class RoutingTable:
 
     def decide(self, request: RouteRequest, *, now_ms: int) -> Decision:
         """Run the funnel; a routed decision counts one credit taken on its instance."""
-        decision = route(
-            request, self.index, self.inflight, now_ms=now_ms, rng=self.rng, policy=self.policy
-        )
+        decision = self.evaluate(request, now_ms=now_ms)
         if decision.outcome is Outcome.ROUTED and decision.instance is not None:
             inst = decision.instance.instance_id
             self.inflight[inst] = self.inflight.get(inst, 0) + 1
         return decision
+
+    def evaluate(self, request: RouteRequest, *, now_ms: int) -> Decision:
+        """Run the funnel without taking a credit: what would happen to this request now."""
+        return route(
+            request, self.index, self.inflight, now_ms=now_ms, rng=self.rng, policy=self.policy
+        )
 
     def unreserve(self, instance_id: str) -> None:
         """Give back a credit counted by :meth:`decide` that was not used."""

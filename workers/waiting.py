@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from broker.envelope import Envelope, load_envelope
 from broker.fairness import Rotation, fair_order
 from broker.records import MessageRecord
-from broker.routing import Outcome, route
+from broker.routing import Outcome
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move, now_ms
 
@@ -48,10 +49,11 @@ class WaitingRoom:
         self.assigner = Assigner(store, table)
         self.batch = batch
         self.rotation = Rotation()
-        # Capabilities this dispatcher last saw with waiting work: new arrivals for them wait
-        # their turn behind it instead of taking a credit that just freed.
+        # Capabilities this dispatcher last saw with work waiting for a credit: new arrivals
+        # for them wait their turn behind it instead of taking a credit that just freed.
         self.backlogged: set[str] = set()
         self.assigned = 0  # messages this room has assigned, over its life
+        self._review_from: dict[str, int] = {}  # where the next review of unmatched starts
 
     async def drain(self, capabilities: Iterable[str]) -> int:
         """Assign waiting messages of ``capabilities`` to free credits: the highest priority
@@ -77,7 +79,7 @@ class WaitingRoom:
             )
         )
         stale = {c: [i for c2, i in offer if c2 == c and not _may_wait(records[i])] for c in heads}
-        picks = await self._pick(
+        picks, unmatched = await self._pick(
             [
                 (c, r)
                 for c, i in offer
@@ -92,13 +94,21 @@ class WaitingRoom:
             self.rotation.served(a.capability)
         # Still indexed: the refused ones keep their waiting-set entry.
         removed = {c: [a.message_id for a in done if a.capability == c] + stale[c] for c in heads}
-        await self.store.run_all(self.store.unpark_commands(removed))
+        aside = {c: [r for c2, r in unmatched if c2 == c] for c in heads}
+        await self.store.run_all(
+            self.store.unpark_commands(removed)
+            + [
+                cmd
+                for c, records in aside.items()
+                for cmd in self.store.set_aside_commands(c, records)
+            ]
+        )
         for capability, head in heads.items():
-            emptied = len(head) < windows[capability] and len(removed[capability]) == len(head)
-            if emptied:
-                self.backlogged.discard(capability)
-            else:
-                self.backlogged.add(capability)
+            gone = len(removed[capability]) + len(aside[capability])
+            emptied = len(head) < windows[capability] and gone == len(head)
+            self.backlogged.discard(capability)
+            if not emptied:
+                self.note_waiting([capability])
         for capability, ids in removed.items():
             await self._repark_returned(capability, ids)
         return len(done)
@@ -117,21 +127,35 @@ class WaitingRoom:
             await self.store.park_many(
                 [(capability, r.id, r.priority, r.accepted_ms) for r in back]
             )
-            self.backlogged.add(capability)
+            self.note_waiting([capability])
 
-    async def _pick(self, waiting: list[tuple[str, MessageRecord]], now: int) -> list[Pick]:
-        """Route each offered message in turn while its capability has free credits."""
+    def note_waiting(self, capabilities: Iterable[str]) -> None:
+        """Work of these capabilities now waits. Those without a free credit are backlogged;
+        where credits are free, what waits could not use them (no instance matches its
+        selectors, say), and later arrivals must not queue behind it."""
+        now = now_ms()
+        self.backlogged.update(
+            c for c in capabilities if self.table.free_credits(c, now_ms=now) <= 0
+        )
+
+    async def _pick(
+        self, waiting: list[tuple[str, MessageRecord]], now: int
+    ) -> tuple[list[Pick], list[tuple[str, MessageRecord]]]:
+        """Route each offered message in turn while its capability has free credits. Returns
+        the picks, and the messages no instance can take at all (to be set aside)."""
         envelopes = [(c, load_envelope(r.envelope)) for c, r in waiting]
         sessions = await self.store.sessions(
             sorted({e.session_id for _, e in envelopes if e.session_id})
         )
-        picks = []
-        for capability, envelope in envelopes:
+        picks, unmatched = [], []
+        for (capability, envelope), (_, record) in zip(envelopes, waiting, strict=True):
             if self.table.free_credits(capability, now_ms=now) <= 0:
                 continue
             decision = self.table.decide(route_request(envelope, sessions), now_ms=now)
             instance_id = routed_instance(decision)
             if instance_id is None:
+                if decision.outcome in _EXPLAINED:  # no instance at all, credits or not
+                    unmatched.append((capability, record))
                 continue  # this one cannot go anywhere now; the next one may
             picks.append(
                 Pick(
@@ -144,7 +168,42 @@ class WaitingRoom:
             )
             if envelope.session_id:
                 sessions[envelope.session_id] = instance_id
-        return picks
+        return picks, unmatched
+
+    async def reconsider_unmatched(self, capabilities: Iterable[str]) -> int:
+        """Put back in their waiting sets the set-aside messages some instance can now take
+        (it registered, came back up, gained a tag). A window of each unmatched set per call,
+        moving on from where the last one ended, so a deep set is reviewed in turn. Returns
+        how many went back."""
+        now = now_ms()
+        windows = {c: (self._review_from.get(c, 0), self.batch) for c in capabilities}
+        if not windows:
+            return 0
+        heads = await self.store.unmatched_heads(windows)
+        ids = [i for head in heads.values() for i in head]
+        records = dict(zip(ids, await self.store.get_records(ids), strict=True))
+        commands: list[tuple[Any, ...]] = []
+        restored = 0
+        for capability, head in heads.items():
+            self._review_from[capability] = (
+                0 if len(head) < self.batch else sum(windows[capability])
+            )
+            stale = [i for i in head if not _may_wait(records[i])]
+            back = []
+            for i in head:
+                record = records[i]
+                if record is None or record.stage is not Stage.WAITING:
+                    continue
+                request = route_request(load_envelope(record.envelope), {})
+                decision = self.table.evaluate(request, now_ms=now)
+                if decision.outcome not in _EXPLAINED:
+                    back.append(record)
+            if stale:
+                commands.append(("ZREM", self.store.keys.unmatched(capability), *stale))
+            commands += self.store.restore_commands(capability, back)
+            restored += len(back)
+        await self.store.run_all(commands)
+        return restored
 
     async def _claim(self, picks: list[Pick]) -> list[Routed]:
         """WAITING -> ROUTED (a new attempt); the winners are this dispatcher's to assign."""
@@ -236,10 +295,7 @@ class WaitingRoom:
     def _why_unserved(self, record: MessageRecord, now: int) -> str:
         """Why a message is still waiting at its deadline, asked of the funnel again now."""
         envelope = load_envelope(record.envelope)
-        t = self.table
-        decision = route(
-            route_request(envelope, {}), t.index, t.inflight, now_ms=now, rng=t.rng, policy=t.policy
-        )
+        decision = self.table.evaluate(route_request(envelope, {}), now_ms=now)
         if decision.outcome in _EXPLAINED:
             return decision.reason
         return "waited_past_deadline"

@@ -208,6 +208,11 @@ async def test_work_still_waiting_at_its_deadline_expires_and_is_never_dispatche
         running_dispatcher(conn),
     ):
         (busy,) = await client.submit_many([request("text.echo", reply_to)])
+
+        async def agent_holds_it() -> bool:
+            return agent.log.calls[busy] == 1
+
+        await eventually(agent_holds_it)
         (late,) = await client.submit_many([request("text.echo", reply_to, timeout_s=1)])
         expired = await client.wait_reply(reply_to, late, timeout_s=20)
         held.open()
@@ -217,4 +222,41 @@ async def test_work_still_waiting_at_its_deadline_expires_and_is_never_dispatche
     assert done is not None and done.stage is Stage.SUCCEEDED
     assert late not in agent.log.calls and agent.log.calls[busy] == 1
     stages = [e.stage for e in await MessageStore(conn).get_timeline(late)]
-    assert stages == [Stage.ACCEPTED, Stage.WAITING, Stage.EXPIRED]
+    assert stages[0] is Stage.ACCEPTED and stages[-2:] == [Stage.WAITING, Stage.EXPIRED]
+    assert Stage.RECEIVED not in stages  # never handed to the agent's sidecar
+
+
+async def test_arrivals_do_not_queue_behind_waiting_work_no_instance_can_take(
+    conn: Connection,
+) -> None:
+    """Hundreds wait for an instance that is not there: they are set aside, so new work for
+    the one that is is served at once; when the missing instance registers, they run."""
+    client = Client(conn)
+    store = MessageStore(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("a") as agent,
+        http_agent("ghost") as ghost,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url, max_inflight=4),
+        running_dispatcher(conn),
+    ):
+        stranded = await submit_in_chunks(
+            client, [request("text.echo", reply_to, target="ghost-1") for _ in range(300)]
+        )
+
+        async def all_waiting() -> bool:
+            return await store.waiting_depth("text.echo") == 300
+
+        await eventually(all_waiting)
+        served = await client.submit_many([request("text.echo", reply_to) for _ in range(20)])
+        results = await collect_replies(conn, reply_to, 20, timeout_s=20)
+        still_waiting = await store.waiting_depth("text.echo")
+        set_aside = int(await conn.call("ZCARD", conn.keys.unmatched("text.echo")))
+        async with running_sidecar(conn, "ghost-1", ("text.echo",), url=ghost.url):
+            everything = await collect_replies(conn, reply_to, 320, timeout_s=60)
+    assert set(results) == set(served)
+    assert {r.stage for r in results.values()} == {Stage.SUCCEEDED}
+    assert still_waiting == 300 and not set(stranded) & set(agent.log.calls)
+    assert set_aside == 300  # out of the way of work that can be served
+    assert {r.stage for r in everything.values()} == {Stage.SUCCEEDED}
+    assert set(ghost.log.calls) == set(stranded)  # each went to the instance it named

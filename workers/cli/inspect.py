@@ -191,8 +191,9 @@ def print_agents(documents: list[dict[str, Any]]) -> None:
     help="Print again every SECONDS until interrupted.",
 )
 def stats(settings: Settings, as_json: bool, watch: float | None) -> None:
-    """Backpressure at a glance. Per capability: waiting depth, oldest waiting age, assignment
-    rate (last minute). Per instance: credits in use / effective limit / declared limit."""
+    """Backpressure at a glance. Per capability: waiting depth (and how many of those no
+    registered instance can take at all), oldest waiting age, assignment rate (last minute).
+    Per instance: credits in use / effective limit / declared limit, entries on its stream."""
 
     async def show() -> None:
         async with connected(settings) as conn:
@@ -215,13 +216,14 @@ def print_stats(found: BacklogStats) -> None:
         click.echo("nothing registered and nothing waiting")
         return
     click.echo(
-        f"{'CAPABILITY':<32} {'WAITING':>8} {'OLDEST':>9} {'ASSIGNED/S':>11} {'INSTANCES':>9}"
+        f"{'CAPABILITY':<32} {'WAITING':>8} {'UNMATCHED':>9} {'OLDEST':>9} {'ASSIGNED/S':>11}"
+        f" {'INSTANCES':>9}"
     )
     for c in found.capabilities:
         oldest = "-" if c.oldest_waiting_s is None else f"{c.oldest_waiting_s:.1f}s"
         click.echo(
-            f"{c.capability:<32} {c.waiting:>8} {oldest:>9} {c.assigned_per_s:>11.2f} "
-            f"{c.instances:>9}"
+            f"{c.capability:<32} {c.waiting:>8} {c.unmatched:>9} {oldest:>9} "
+            f"{c.assigned_per_s:>11.2f} {c.instances:>9}"
         )
     click.echo()
     click.echo(
