@@ -69,6 +69,9 @@ class Move(msgspec.Struct):
     fields: Mapping[str, str | bytes | int] | None = None
     return_field: str = ""
     only_from: Stage | None = None
+    # Explicit allowed sources, for an operator's repair outside the automatic lifecycle
+    # (replaying a dead-lettered message); replaces the table's sources when given.
+    any_of: frozenset[Stage] | None = None
 
 
 class MessageStore:
@@ -122,13 +125,19 @@ class MessageStore:
         replies = await self.conn.call_many([self._move_command(m) for m in moves])
         return [_moved(_raise(r)) for r in replies]
 
-    def _move_command(self, m: Move) -> tuple[Any, ...]:
+    def _sources_arg(self, m: Move) -> str:
+        if m.any_of is not None:
+            return ",".join(sorted(m.any_of))
         sources = self._joined.get((m.target, m.only_from))
         if sources is None:
             allowed = self._sources[m.target]
             if m.only_from is not None:
                 allowed = allowed & {m.only_from}
             sources = self._joined[(m.target, m.only_from)] = ",".join(sorted(allowed))
+        return sources
+
+    def _move_command(self, m: Move) -> tuple[Any, ...]:
+        sources = self._sources_arg(m)
         ttl = self.conn.settings.record_ttl_s if m.target in TERMINAL else ""
         args: list[Any] = [
             sources,

@@ -12,6 +12,7 @@
 -- ARGV[8]  reason for the timeline
 -- ARGV[9]  timeline cap (entries)
 -- ARGV[10] seconds to keep record and timeline (set when the new stage is terminal), or ""
+--          (then any expiry is removed: a replayed record lives until it ends anew)
 -- ARGV[11] a record field to return on success, or ""
 -- ARGV[12..] field, value pairs to write on success
 --
@@ -44,5 +45,8 @@ redis.call('LTRIM', KEYS[2], -tonumber(ARGV[9]), -1)
 if ARGV[10] ~= '' then
   redis.call('EXPIRE', rec, ARGV[10])
   redis.call('EXPIRE', KEYS[2], ARGV[10])
+elseif redis.call('PERSIST', rec) == 1 then
+  -- out of a terminal stage again (an operator's replay): keep it until it ends anew
+  redis.call('PERSIST', KEYS[2])
 end
 return {1, ARGV[4], new_attempt, new_instance, ARGV[11] ~= '' and cur[4] or false}
