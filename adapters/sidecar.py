@@ -11,6 +11,7 @@ attempt or instance is no longer the record's current one is dropped, never exec
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -27,6 +28,7 @@ from broker.errors import RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
 from broker.records import InstanceCard, InstanceState, Moved
 from broker.registry import Registry
+from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move, now_ms, trim_acknowledged
 from broker.streams import GroupReader, StreamEntry
@@ -74,6 +76,7 @@ class Sidecar:
         # counted as overdue by the credit limit.
         self._calls: dict[str, float] = {}
         self._overdue_counted: set[str] = set()
+        self._rng = random.Random()
         self.vitals = Vitals(
             conn.settings, credits=card.max_inflight, now_ms=now_ms(), adaptive=adaptive_credits
         )
@@ -420,18 +423,20 @@ class Sidecar:
             case Succeeded(result=result):
                 await self._settle(taken, envelope, Stage.SUCCEEDED, "", result=result)
             case Backoff(reason=reason):
-                await self._requeue(taken, envelope, reason)  # it did not take the work
+                # it did not take the work: not a failure, no back-off of our own
+                await self._requeue(taken, envelope, reason, back_off=False)
             case Failed(reason=reason):
                 await self._settle(taken, envelope, Stage.FAILED, reason, error=reason)
             case NotReached(reason=reason) if retries_left:
-                await self._requeue(taken, envelope, reason)
+                await self._requeue(taken, envelope, reason, back_off=True)
             case Ambiguous(reason=reason) if retries_left and self.card.idempotent:
-                await self._requeue(taken, envelope, reason)
+                await self._requeue(taken, envelope, reason, back_off=True)
             case Ambiguous(reason=reason) if not self.card.idempotent:
                 await self._settle(taken, envelope, Stage.NEEDS_CONFIRMATION, reason)
             case NotReached(reason=reason) | Ambiguous(reason=reason):
-                error = f"gave up after {taken.attempt} attempts: {reason}"
-                await self._settle(taken, envelope, Stage.FAILED, error, error=error)
+                await self._dead(
+                    taken, envelope, f"gave up after {taken.attempt} attempts: {reason}"
+                )
 
     async def _settle(
         self,
@@ -453,11 +458,24 @@ class Sidecar:
         reply = self._reply(envelope, stage, result, error) if stage in TERMINAL else None
         self._finished.append(Finished(taken, reply, settle))
 
-    async def _requeue(self, taken: Taken, envelope: Envelope, reason: str) -> None:
+    async def _requeue(
+        self, taken: Taken, envelope: Envelope, reason: str, *, back_off: bool
+    ) -> None:
         """The agent provably did not do the work (not reached, or busy), or is idempotent:
-        back to WAITING for another attempt, with the same idempotency key."""
+        back to WAITING for another attempt, with the same idempotency key — elsewhere if
+        another instance can take it, and after a back-off for a failure."""
+        fields: dict[str, str | bytes | int] = {"avoid": self.instance_id}
+        if back_off:
+            delay = retry_delay_ms(
+                taken.attempt,
+                base_ms=self.conn.settings.retry_backoff_ms,
+                jitter=self.conn.settings.retry_jitter,
+                rng=self._rng,
+            )
+            fields["retry_at_ms"] = now_ms() + delay
+            reason = f"{reason}; retry in {delay} ms"
         moved = await self.store.apply(
-            self._fenced(taken, Stage.WAITING, Stage.PROCESSING, reason=reason)
+            self._fenced(taken, Stage.WAITING, Stage.PROCESSING, reason=reason, fields=fields)
         )
         if moved.ok:
             accepted_ms = int((envelope.created_at or 0) * 1000)
@@ -465,6 +483,17 @@ class Sidecar:
                 envelope.capability, envelope.message_id, envelope.priority, accepted_ms
             )
         self._done(taken)
+
+    async def _dead(self, taken: Taken, envelope: Envelope, error: str) -> None:
+        """Out of attempts: DEAD, dead-lettered with the envelope and every reason on the way."""
+        moved = await self.store.apply(
+            self._fenced(taken, Stage.DEAD, Stage.PROCESSING, reason=error, fields={"error": error})
+        )
+        if moved.ok:
+            await self.store.dead_letter_message(envelope.message_id, error)
+            self._done(taken, self._reply(envelope, Stage.DEAD, None, error))
+        else:
+            self._done(taken)
 
     def _fenced(self, taken: Taken, target: Stage, source: Stage, **options: Any) -> Move:
         """A move allowed only from ``source``, at this entry's attempt, on this instance:

@@ -105,6 +105,9 @@ class MessageRecord(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     route_reason: str | None = None
     route_from: bytes | None = None  # JSON: the funnel, step by step
+    avoid: str = ""  # the instance that failed the last attempt: a retry goes elsewhere
+    retry_at_ms: int = 0  # a retry waits out its back-off until then (the reaper parks it)
+    extensions: int = 0  # times the reaper let a PROCESSING message run on ("running")
 
 
 class AssignResult(IntEnum):

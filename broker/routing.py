@@ -63,6 +63,7 @@ class RouteRequest:
     target: str | None = None
     session_instance: str | None = None
     budget: float | None = None
+    avoid: str | None = None  # an instance that just failed this message: elsewhere if possible
 
 
 @dataclass(slots=True)
@@ -262,6 +263,8 @@ def route(
     live = _live(selected, steps, now_ms, policy, fast)
     if not live:
         return Decision(Outcome.ALL_CANDIDATES_DOWN, None, "all_candidates_down", steps)
+    if request.avoid is not None and len(live) > 1:
+        live = _avoid(request.avoid, live, steps)
     fit = _load_cut(live, inflight, steps, policy)
     if not fit:
         return Decision(Outcome.NO_FREE_CREDIT, None, "no_free_credit", steps)
@@ -355,6 +358,17 @@ def _why_down(c: Candidate, silent_before: int) -> str:
     if c.credits <= 0:
         return "no credits"
     return "heartbeat lapsed"
+
+
+def _avoid(instance_id: str, live: list[Candidate], steps: list[Step]) -> list[Candidate]:
+    """A retry goes to another instance than the one that just failed it, where one exists."""
+    kept = [c for c in live if c.instance_id != instance_id]
+    if len(kept) == len(live):
+        return live
+    step = Step("avoid", len(kept))
+    step.exclude(instance_id, "failed this message's last attempt", 1)
+    steps.append(step)
+    return kept
 
 
 def _load_cut(

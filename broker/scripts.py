@@ -15,6 +15,7 @@ class ScriptName(StrEnum):
     RELEASE = "release"
     HEARTBEAT = "heartbeat"
     BACKLOG = "backlog"
+    CLAIM_DUE = "claim_due"
 
 
 @dataclass(frozen=True, slots=True)

@@ -217,12 +217,22 @@ class MessageStore:
             _raise(reply)
 
     def due_command(self, message_id: str, deadline_ms: int) -> tuple[Any, ...]:
-        """Index a message's deadline, so an expired waiting message is found and ended."""
+        """Set a message's next deadline in the reaper's clock (``P:due``), which indexes
+        every live message."""
         return ("ZADD", self.keys.due, deadline_ms, message_id)
 
-    async def due_now(self, now: int, count: int) -> list[str]:
-        ids = await self.conn.call("ZRANGEBYSCORE", self.keys.due, "-inf", now, "LIMIT", 0, count)
-        return [_text(i) for i in ids]
+    async def claim_due(self, now: int, lease_ms: int, count: int) -> list[str]:
+        """The messages whose next deadline has come, claimed for ``lease_ms`` (see
+        ``lua/claim_due.lua``): no other reaper sees them until this one reschedules them."""
+        command = self.conn.script_command(
+            ScriptName.CLAIM_DUE, (self.keys.due,), (now, lease_ms, count)
+        )
+        return [_text(i) for i in await self.conn.call(*command)]
+
+    def due_at_most_command(self, message_id: str, at_ms: int) -> tuple[Any, ...]:
+        """Bring a message's next deadline forward to ``at_ms`` (never later): the delivery
+        timeout of an assignment, say, comes before the message's own deadline."""
+        return ("ZADD", self.keys.due, "LT", at_ms, message_id)
 
     async def forget_due(self, message_ids: list[str]) -> None:
         if message_ids:
@@ -368,6 +378,23 @@ class MessageStore:
     async def send_reply(self, reply_to: str, fields: Mapping[str, str | bytes]) -> None:
         await self.conn.call("XADD", reply_to, "*", *_flat(fields))
 
+    async def dead_letter_message(self, message_id: str, reason: str) -> None:
+        """Dead-letter a record: its envelope, the final reason, and the chain of reasons on
+        its timeline (JSON ``[[stage, instance, attempt, reason], ...]``)."""
+        record = await self.get_record(message_id)
+        timeline = await self.get_timeline(message_id)
+        chain = [[e.stage.value, e.instance, e.attempt, e.reason] for e in timeline if e.reason]
+        await self.dead_letter(
+            {
+                "id": message_id,
+                "stage": record.stage.value if record else "DEAD",
+                "reason": reason,
+                "raw": record.envelope if record else b"",
+                "chain": msgspec.json.encode(chain),
+                "ts": str(now_ms()),
+            }
+        )
+
     async def dead_letter(self, fields: Mapping[str, str | bytes]) -> None:
         await self.conn.call("XADD", self.keys.dlq, "*", *_flat(fields))
 
@@ -458,6 +485,9 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
         error=_text(error) if error is not None else None,
         route_reason=_text(raw[b"route_reason"]) if b"route_reason" in raw else None,
         route_from=raw.get(b"route_from"),
+        avoid=_text(get("avoid")),
+        retry_at_ms=_int(get("retry_at_ms")),
+        extensions=_int(get("extensions")),
     )
 
 

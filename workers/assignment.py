@@ -38,13 +38,14 @@ class Routed:
     accepted_ms: int
 
 
-def route_request(envelope: Envelope, sessions: dict[str, str]) -> RouteRequest:
+def route_request(envelope: Envelope, sessions: dict[str, str], *, avoid: str = "") -> RouteRequest:
     return RouteRequest(
         capability=envelope.capability,
         tags=envelope.tags,
         target=envelope.target,
         session_instance=sessions.get(envelope.session_id) if envelope.session_id else None,
         budget=envelope.budget,
+        avoid=avoid or None,
     )
 
 

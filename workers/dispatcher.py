@@ -163,6 +163,7 @@ class Dispatcher:
             sorted({e.session_id for e in envelopes if e.session_id})
         )
         plans = [self._plan(envelope, now, sessions) for envelope in envelopes]
+        reaper_look = now + int(self.settings.delivery_timeout_s * 1000)
         results = await self.store.accept_many([a for a, _ in plans])
         routed: list[Routed] = []
         to_park: list[tuple[str, str, int, int]] = []
@@ -175,7 +176,8 @@ class Dispatcher:
                 # index writes for the record's stage are re-applied (each is idempotent).
                 await self._repair(plan.message_id)
                 continue
-            due.append(self.store.due_command(plan.message_id, plan.deadline_ms))
+            # the reaper's first look: when a delivery would be late, or the deadline
+            due.append(self.store.due_command(plan.message_id, min(plan.deadline_ms, reaper_look)))
             if plan.next_stage is Stage.ROUTED:
                 routed.append(
                     Routed(plan.message_id, plan.capability, plan.instance, 1, plan.priority, now)
@@ -294,7 +296,6 @@ class Dispatcher:
                 if anyio.current_time() >= next_sweep:
                     next_sweep = anyio.current_time() + self.settings.sweep_interval_s
                     await self.refresh()
-                    await self.waiting.expire_due()
                     waiting = await self.store.waiting_capabilities()
                     await self.waiting.reconsider_unmatched(waiting)
                     capabilities |= set(waiting)

@@ -3,9 +3,10 @@
 Several dispatchers may drain the same waiting set at once: the WAITING -> ROUTED
 compare-and-set lets exactly one win each message, and a waiting-set entry is removed only
 after a successful assignment (a stale one only once its record can no longer return to
-WAITING). A waiting message whose deadline passes ends EXPIRED — with the reason it could not
-be served (``no_capability_match`` and the nearest registered capabilities,
-``all_candidates_down``, or ``waited_past_deadline``) — and its producer is told.
+WAITING). A waiting message whose deadline passes is ended by the reaper through
+:meth:`WaitingRoom.expire`: EXPIRED, with the reason it could not be served
+(``no_capability_match`` and the nearest registered capabilities, ``all_candidates_down``, or
+``waited_past_deadline``), and its producer is told.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from broker.envelope import Envelope, load_envelope
 from broker.fairness import Rotation, fair_order
 from broker.records import MessageRecord
 from broker.routing import Outcome
-from broker.stages import TERMINAL, Stage
+from broker.stages import Stage
 from broker.store import MessageStore, Move, now_ms
 
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
@@ -29,7 +30,6 @@ log = logging.getLogger("agent_reach.waiting")
 
 # A waiting-set entry whose record is in one of these may still be needed: leave it.
 _MAY_RETURN_TO_WAITING = frozenset({Stage.ACCEPTED, Stage.WAITING, Stage.ROUTED})
-RECHECK_MS = 5_000
 _EXPLAINED = (Outcome.NO_CAPABILITY_MATCH, Outcome.NO_SELECTOR_MATCH, Outcome.ALL_CANDIDATES_DOWN)
 
 
@@ -49,6 +49,7 @@ class WaitingRoom:
         self.assigner = Assigner(store, table)
         self.batch = batch
         self.rotation = Rotation()
+        self.delivery_timeout_ms = int(store.conn.settings.delivery_timeout_s * 1000)
         # Capabilities this dispatcher last saw with work waiting for a credit: new arrivals
         # for them wait their turn behind it instead of taking a credit that just freed.
         self.backlogged: set[str] = set()
@@ -149,9 +150,10 @@ class WaitingRoom:
         )
         picks, unmatched = [], []
         for (capability, envelope), (_, record) in zip(envelopes, waiting, strict=True):
-            if self.table.free_credits(capability, now_ms=now) <= 0:
-                continue
-            decision = self.table.decide(route_request(envelope, sessions), now_ms=now)
+            if record.retry_at_ms > now or self.table.free_credits(capability, now_ms=now) <= 0:
+                continue  # still backing off after a failure; or no credit for it now
+            request = route_request(envelope, sessions, avoid=record.avoid)
+            decision = self.table.decide(request, now_ms=now)
             instance_id = routed_instance(decision)
             if instance_id is None:
                 if decision.outcome in _EXPLAINED:  # no instance at all, credits or not
@@ -236,41 +238,18 @@ class WaitingRoom:
                 )
             else:
                 self.table.unreserve(p.instance_id)
-        await self.store.bind_sessions(
-            [(p.envelope.session_id, p.instance_id) for p in picks if p.envelope.session_id]
+        # sessions bound, and the reaper's next look brought forward to the delivery timeout
+        look = now_ms() + self.delivery_timeout_ms
+        await self.store.run_all(
+            self.store.bind_session_commands(
+                [(p.envelope.session_id, p.instance_id) for p in picks if p.envelope.session_id]
+            )
+            + [self.store.due_at_most_command(r.message_id, look) for r in won]
         )
         return won
 
-    async def expire_due(self, *, limit: int = 500) -> int:
-        """End the waiting messages whose deadline has passed. A message past its deadline
-        but in flight keeps a due entry, checked again later: it may come back to WAITING."""
-        now = now_ms()
-        due = await self.store.due_now(now, limit)
-        if not due:
-            return 0
-        records = await self.store.get_records(due)
-        expired, finished, later = 0, [], []
-        for message_id, record in zip(due, records, strict=True):
-            if record is None:
-                finished.append(message_id)
-            elif record.stage is Stage.WAITING:
-                expired += await self._expire(record, now)
-                finished.append(message_id)
-            elif record.stage is Stage.EXPIRED:
-                await self._reply_expired(record, record.error or "waited_past_deadline")
-                finished.append(message_id)  # an earlier sweep failed after the write
-            elif record.stage in TERMINAL:
-                finished.append(message_id)
-            else:
-                later.append(message_id)
-        await self.store.forget_due(finished)
-        if later:
-            await self.store.conn.call_many(
-                [self.store.due_command(i, now + RECHECK_MS) for i in later]
-            )
-        return expired
-
-    async def _expire(self, record: MessageRecord, now: int) -> int:
+    async def expire(self, record: MessageRecord, now: int) -> bool:
+        """End a waiting message past its deadline: EXPIRED with why nothing served it."""
         reason = self._why_unserved(record, now)
         moved = await self.store.move(
             record.id,
@@ -280,13 +259,13 @@ class WaitingRoom:
             fields={"error": reason},
         )
         if not moved.ok:
-            return 0
-        await self._reply_expired(record, reason)
+            return False
+        await self.reply_expired(record, reason)
         await self.store.unpark_many(record.capability, [record.id])
         log.info("message %s expired: %s", record.id, reason)
-        return 1
+        return True
 
-    async def _reply_expired(self, record: MessageRecord, reason: str) -> None:
+    async def reply_expired(self, record: MessageRecord, reason: str) -> None:
         if record.reply_to:
             await self.store.send_reply(
                 record.reply_to, {"id": record.id, "stage": Stage.EXPIRED.value, "error": reason}

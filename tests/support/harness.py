@@ -14,13 +14,19 @@ from broker.client import Result, result_from_fields
 from broker.connection import Connection
 from broker.records import InstanceCard
 from workers.dispatcher import Dispatcher
+from workers.reaper import Reaper
 
 
 @asynccontextmanager
-async def running_dispatcher(conn: Connection, name: str = "d1") -> AsyncIterator[Dispatcher]:
+async def running_dispatcher(
+    conn: Connection, name: str = "d1", *, reaper: bool = True
+) -> AsyncIterator[Dispatcher]:
+    """A dispatcher, and (as ``agent-reach up`` runs them) a reaper beside it."""
     dispatcher = Dispatcher(conn, consumer=name)
     async with anyio.create_task_group() as tg:
         await tg.start(dispatcher.run)
+        if reaper:
+            await tg.start(Reaper(conn).run)
         yield dispatcher
         tg.cancel_scope.cancel()
 

@@ -21,6 +21,9 @@ PURE = [
     "errors",
     "failpoints",
     "health",
+    "limiter",
+    "fairness",
+    "retry",
 ]
 IO_LIBRARIES = {"redis", "httpx", "anyio"}
 PACKAGES = ["broker", "workers", "adapters"]

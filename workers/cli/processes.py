@@ -20,6 +20,7 @@ from broker.ids import new_message_id
 from broker.records import InstanceCard
 
 from ..dispatcher import Dispatcher
+from ..reaper import Reaper
 from ..runtime import connected, stop_on_signals
 from .common import check_id, parse_tags, redis_options, run
 
@@ -28,12 +29,13 @@ from .common import check_id, parse_tags, redis_options, run
 @redis_options
 @click.option("--consumer", default=None, help="Consumer name (default: host-pid).")
 def up(settings: Settings, consumer: str | None) -> None:
-    """Run the broker: dispatcher (and, as they arrive, reaper and notifier) in one process."""
+    """Run the broker: dispatcher and reaper (and, as it arrives, notifier) in one process."""
 
     async def serve() -> None:
         async with connected(settings) as conn, anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope.cancel, tg.cancel_scope)
             await tg.start(Dispatcher(conn, consumer=consumer).run)
+            await tg.start(Reaper(conn).run)
             click.echo(f"agent-reach up: dispatching from {conn.keys.ingress}", err=True)
 
     run(serve)

@@ -1,0 +1,56 @@
+"""Asking an agent what became of a message: ``GET {status_url}/{message id}``.
+
+The answer is JSON ``{"state": "done" | "running" | "failed" | "unknown", "result": ...,
+"error": ...}``; 404 means unknown. Anything else — no status endpoint, a connection error, a
+malformed answer — is ``unknown`` too: the reaper then falls back to what is safe without
+knowing (retry an idempotent agent, park the message for an operator otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import httpx
+import msgspec
+
+State = Literal["done", "running", "failed", "unknown"]
+
+
+class Status(msgspec.Struct, frozen=True):
+    state: State
+    result: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"null"))
+    error: str | None = None
+    why: str = ""  # for the timeline: how the answer was obtained
+
+    @property
+    def result_json(self) -> bytes:
+        return bytes(self.result)
+
+
+_decoder = msgspec.json.Decoder(Status)
+
+
+class StatusClient:
+    def __init__(self, *, timeout_s: float = 5.0) -> None:
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+
+    async def query(self, status_url: str, message_id: str) -> Status:
+        if not status_url:
+            return Status("unknown", why="the agent has no status endpoint")
+        url = f"{status_url.rstrip('/')}/{message_id}"
+        try:
+            response = await self._client.get(url, headers={"X-Reach-Message-Id": message_id})
+        except httpx.HTTPError as exc:
+            return Status("unknown", why=f"status query failed: {type(exc).__name__}")
+        if response.status_code == 404:
+            return Status("unknown", why="status endpoint: 404, message not known")
+        if response.status_code != 200:
+            return Status("unknown", why=f"status endpoint answered {response.status_code}")
+        try:
+            status = _decoder.decode(response.content)
+        except msgspec.DecodeError as exc:
+            return Status("unknown", why=f"status endpoint answer not understood: {exc}")
+        return msgspec.structs.replace(status, why=f"status endpoint: {status.state}")
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,455 @@
+"""The reaper, branch by branch, against real Redis and real HTTP agents on loopback.
+
+A "ghost" instance is a registered card whose sidecar is not running (or died): its heartbeat
+lapses, so it is DOWN after ``down_after_s``. Work is put in the stage a dying sidecar would
+have left it in with the same fenced moves the sidecar makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+import msgspec
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from broker.client import Client
+from broker.config import Settings
+from broker.connection import Connection, ensure_group, open_connection
+from broker.envelope import Envelope
+from broker.keyspace import SIDECAR_GROUP
+from broker.records import InstanceCard
+from broker.registry import Registry
+from broker.stages import Stage
+from broker.store import MessageStore, Move, now_ms
+from tests.support.agents import http_agent
+from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
+from workers.demo import serve_app
+from workers.reaper import Reaper
+
+StatusAnswer = Callable[[str], Awaitable[Response]]
+
+
+@pytest.fixture
+async def fast(settings: Settings) -> AsyncIterator[Connection]:
+    """Short clocks: an instance is DOWN after 1 s of silence; deliveries are late after 1 s."""
+    quick = msgspec.structs.replace(
+        settings,
+        heartbeat_s=0.2,
+        down_after_s=1.0,
+        delivery_timeout_s=1.0,
+        sync_call_timeout_s=2.0,
+        processing_grace_s=0.5,
+        retry_backoff_ms=300,
+        sweep_interval_s=0.1,
+    )
+    assert quick.redis_url is not None
+    async with open_connection(quick, quick.redis_url) as conn:
+        yield conn
+
+
+def request(reply_to: str, **fields: object) -> Envelope:
+    raw = msgspec.json.encode({"capability": "text.echo", "reply_to": reply_to, **fields})
+    return msgspec.json.decode(raw, type=Envelope)
+
+
+async def register_ghost(
+    conn: Connection, instance_id: str, *, status_url: str = "", idempotent: bool = False
+) -> None:
+    card = InstanceCard(
+        agent_id=instance_id.split("-")[0],
+        instance_id=instance_id,
+        capabilities=("text.echo",),
+        endpoint="http://127.0.0.1:9/",
+        max_inflight=4,
+        idempotent=idempotent,
+        status_url=status_url,
+    )
+    await Registry(conn).register(card, credits=4)
+    await ensure_group(conn, conn.keys.queue(instance_id), SIDECAR_GROUP)
+
+
+async def stage_of(conn: Connection, message_id: str) -> Stage | None:
+    record = await MessageStore(conn).get_record(message_id)
+    return record.stage if record else None
+
+
+async def routed_to_ghost(conn: Connection, client: Client, reply_to: str, **fields: object) -> str:
+    """Submit a message and wait until the dispatcher has routed it (to the only instance)."""
+    message_id = await client.submit(request(reply_to, **fields))
+
+    async def routed() -> bool:
+        return await stage_of(conn, message_id) is Stage.ROUTED
+
+    await eventually(routed)
+    return message_id
+
+
+async def ghost_takes(conn: Connection, message_id: str, instance_id: str, upto: Stage) -> None:
+    """The moves the ghost's sidecar made before it died: RECEIVED, then maybe PROCESSING."""
+    store = MessageStore(conn)
+    for stage, source in ((Stage.RECEIVED, Stage.ROUTED), (Stage.PROCESSING, Stage.RECEIVED)):
+        moved = await store.apply(
+            Move(
+                message_id,
+                stage,
+                only_from=source,
+                expect_attempt=1,
+                expect_instance=instance_id,
+                reason="taken by the ghost",
+            )
+        )
+        assert moved.ok
+        if stage is upto:
+            return
+
+
+@asynccontextmanager
+async def status_agent(answer: StatusAnswer) -> AsyncIterator[str]:
+    """An agent that only answers status queries; yields its status URL."""
+
+    async def status(request: Request) -> Response:
+        return await answer(request.path_params["message_id"])
+
+    app = Starlette(routes=[Route("/status/{message_id}", status, methods=["GET"])])
+    async with serve_app(app) as url:
+        yield f"{url}status"
+
+
+def stages(timeline: list[object]) -> list[Stage]:
+    return [e.stage for e in timeline]  # type: ignore[attr-defined]
+
+
+# -- the agent was never asked -------------------------------------------------------------
+
+
+async def test_work_routed_to_a_dead_instance_is_rerouted_at_once_and_the_stale_entry_dropped(
+    fast: Connection,
+) -> None:
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    await register_ghost(conn, "ghost-1")
+    async with running_dispatcher(conn):
+        message_id = await routed_to_ghost(conn, client, reply_to)
+        async with (
+            http_agent("a") as agent,
+            running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        ):
+            (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
+        async with (
+            http_agent("ghost") as ghost,
+            running_sidecar(conn, "ghost-1", ("text.echo",), url=ghost.url) as revived,
+        ):
+
+            async def stale_dropped() -> bool:
+                return int(await conn.call("SCARD", conn.keys.inflight("ghost-1"))) == 0
+
+            await eventually(stale_dropped)
+            del revived
+    assert result.stage is Stage.SUCCEEDED and agent.log.calls[message_id] == 1
+    assert ghost.log.total == 0  # the revived ghost read its old entry and did not run it
+    timeline = await MessageStore(conn).get_timeline(message_id)
+    rerouted = timeline[stages(timeline).index(Stage.WAITING)]
+    assert "ghost-1 is down: rerouted" in rerouted.reason
+    assert stages(timeline)[-1] is Stage.SUCCEEDED
+
+
+async def test_a_late_delivery_is_rerouted_after_the_delivery_timeout(fast: Connection) -> None:
+    """The instance heartbeats (its sidecar is alive) but never takes the work."""
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    await register_ghost(conn, "stuck-1")
+
+    async def keep_alive() -> None:
+        registry = Registry(conn)
+        while True:
+            view = next(v for v in await registry.snapshot() if v.instance_id == "stuck-1")
+            await registry.heartbeat("stuck-1", view.state, view.stats, hb_ms=now_ms())
+            await anyio.sleep(0.1)
+
+    async with anyio.create_task_group() as tg, running_dispatcher(conn):
+        tg.start_soon(keep_alive)
+        message_id = await routed_to_ghost(conn, client, reply_to)
+        async with (
+            http_agent("a") as agent,
+            running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        ):
+            (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
+        tg.cancel_scope.cancel()
+    assert result.stage is Stage.SUCCEEDED and agent.log.calls[message_id] == 1
+    timeline = await MessageStore(conn).get_timeline(message_id)
+    waited = timeline[stages(timeline).index(Stage.WAITING)]
+    assert "delivery timeout: stuck-1 did not take it within 1 s" in waited.reason
+
+
+async def test_received_but_not_processing_is_rerouted_even_for_a_non_idempotent_agent(
+    fast: Connection,
+) -> None:
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    await register_ghost(conn, "ghost-1", idempotent=False)
+    async with running_dispatcher(conn):
+        message_id = await routed_to_ghost(conn, client, reply_to)
+        await ghost_takes(conn, message_id, "ghost-1", Stage.RECEIVED)
+        async with (
+            http_agent("a") as agent,
+            running_sidecar(conn, "a-1", ("text.echo",), url=agent.url, idempotent=False),
+        ):
+            (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
+    assert result.stage is Stage.SUCCEEDED and agent.log.calls[message_id] == 1
+    timeline = await MessageStore(conn).get_timeline(message_id)
+    assert stages(timeline)[:5] == [
+        Stage.ACCEPTED,
+        Stage.ROUTED,
+        Stage.RECEIVED,
+        Stage.WAITING,
+        Stage.ROUTED,
+    ]
+
+
+async def test_work_the_agent_was_never_asked_about_expires_at_its_deadline(
+    fast: Connection,
+) -> None:
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    await register_ghost(conn, "ghost-1")
+    async with running_dispatcher(conn):
+        message_id = await routed_to_ghost(conn, client, reply_to, timeout_s=0.5)
+        (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
+    assert result.id == message_id and result.stage is Stage.EXPIRED
+    assert result.error == "deadline passed before the agent was asked"
+    assert int(await conn.call("SCARD", conn.keys.inflight("ghost-1"))) == 0  # credit returned
+
+
+# -- the agent may be working on it --------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("answered", "expected", "detail"),
+    [
+        ("done", Stage.SUCCEEDED, "status endpoint: done"),
+        ("failed", Stage.FAILED, "status endpoint: failed"),
+        ("unknown", Stage.NEEDS_CONFIRMATION, "not idempotent: parked for an operator"),
+        ("404", Stage.NEEDS_CONFIRMATION, "404, message not known"),
+    ],
+)
+async def test_processing_on_a_dead_instance_asks_the_agent_first(
+    fast: Connection, answered: str, expected: Stage, detail: str
+) -> None:
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    asked: list[str] = []
+
+    async def answer(message_id: str) -> Response:
+        asked.append(message_id)
+        if answered == "404":
+            return Response(status_code=404)
+        body: dict[str, object] = {"state": answered}
+        if answered == "done":
+            body["result"] = {"answer": 42}
+        if answered == "failed":
+            body["error"] = "model refused"
+        return JSONResponse(body)
+
+    async with status_agent(answer) as status_url, running_dispatcher(conn):
+        await register_ghost(conn, "ghost-1", status_url=status_url, idempotent=False)
+        message_id = await routed_to_ghost(conn, client, reply_to)
+        await ghost_takes(conn, message_id, "ghost-1", Stage.PROCESSING)
+
+        async def settled() -> bool:
+            return await stage_of(conn, message_id) is expected
+
+        try:
+            await eventually(settled, timeout_s=8)
+        except TimeoutError:
+            print(
+                "DEBUG",
+                [
+                    (e.stage, e.instance, e.reason)
+                    for e in await MessageStore(conn).get_timeline(message_id)
+                ],
+                asked,
+                await conn.call("ZSCORE", conn.keys.due, message_id),
+                now_ms(),
+            )
+            raise
+    record = await MessageStore(conn).get_record(message_id)
+    assert record is not None and asked and set(asked) == {message_id}
+    timeline = await MessageStore(conn).get_timeline(message_id)
+    assert detail in timeline[-1].reason and "instance down" in timeline[-1].reason
+    if expected is Stage.SUCCEEDED:
+        assert msgspec.json.decode(record.result or b"") == {"answer": 42}
+        (result,) = (await collect_replies(conn, reply_to, 1)).values()
+        assert result.stage is Stage.SUCCEEDED
+    if expected is Stage.FAILED:
+        assert record.error == "model refused"
+    assert int(await conn.call("SCARD", conn.keys.inflight("ghost-1"))) == 0
+
+
+async def test_a_running_answer_extends_then_done_records_the_result(fast: Connection) -> None:
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    answers = iter(["running", "running", "done"])
+
+    async def answer(message_id: str) -> Response:
+        state = next(answers, "done")
+        return JSONResponse({"state": state, "result": {"ok": True}})
+
+    async with status_agent(answer) as status_url, running_dispatcher(conn):
+        await register_ghost(conn, "ghost-1", status_url=status_url)
+        message_id = await routed_to_ghost(conn, client, reply_to)
+        await ghost_takes(conn, message_id, "ghost-1", Stage.PROCESSING)
+        (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=30)).values()
+    record = await MessageStore(conn).get_record(message_id)
+    assert result.stage is Stage.SUCCEEDED and record is not None and record.extensions == 2
+
+
+async def test_unknown_on_an_idempotent_agent_retries_with_the_same_key_elsewhere(
+    fast: Connection,
+) -> None:
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+
+    async def answer(message_id: str) -> Response:
+        return JSONResponse({"state": "unknown"})
+
+    async with status_agent(answer) as status_url, running_dispatcher(conn):
+        await register_ghost(conn, "ghost-1", status_url=status_url, idempotent=True)
+        message_id = await routed_to_ghost(conn, client, reply_to)
+        await ghost_takes(conn, message_id, "ghost-1", Stage.PROCESSING)
+        async with (
+            http_agent("a") as agent,
+            running_sidecar(conn, "a-1", ("text.echo",), url=agent.url, idempotent=True),
+        ):
+            (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
+    assert result.stage is Stage.SUCCEEDED
+    (headers,) = agent.log.headers
+    assert headers["x-reach-idempotency-key"] == message_id  # the same key as the first try
+    assert headers["x-reach-attempt"] == "2"
+    timeline = await MessageStore(conn).get_timeline(message_id)
+    assert any("retry in" in e.reason for e in timeline)
+
+
+async def test_an_idempotent_agent_out_of_attempts_is_dead_lettered_with_its_reasons(
+    fast: Connection,
+) -> None:
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    async with running_dispatcher(conn):
+        await register_ghost(conn, "ghost-1", idempotent=True)
+        message_id = await routed_to_ghost(conn, client, reply_to, max_attempts=1)
+        await ghost_takes(conn, message_id, "ghost-1", Stage.PROCESSING)
+        (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
+    assert result.stage is Stage.DEAD
+    assert result.error is not None and result.error.startswith("gave up after 1 attempts")
+    (letter,) = [
+        dict(zip(flat[::2], flat[1::2], strict=True))
+        for _, flat in await conn.call("XRANGE", conn.keys.dlq, "-", "+")
+    ]
+    assert letter[b"id"].decode() == message_id and letter[b"stage"] == b"DEAD"
+    chain = msgspec.json.decode(letter[b"chain"])
+    assert chain[-1][0] == "DEAD" and "no status endpoint" in chain[-1][3]
+    assert msgspec.json.decode(letter[b"raw"])["id"] == message_id
+
+
+async def test_processing_past_the_deadline_is_never_expired_and_the_producer_is_told(
+    fast: Connection,
+) -> None:
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+
+    async def answer(message_id: str) -> Response:
+        return JSONResponse({"state": "running"})
+
+    async with status_agent(answer) as status_url, running_dispatcher(conn):
+        await register_ghost(conn, "ghost-1", status_url=status_url)
+        message_id = await routed_to_ghost(conn, client, reply_to, timeout_s=1)
+        await ghost_takes(conn, message_id, "ghost-1", Stage.PROCESSING)
+        (notice,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
+
+        async def extended() -> bool:
+            record = await MessageStore(conn).get_record(message_id)
+            return record is not None and record.extensions >= 1
+
+        await eventually(extended, timeout_s=20)
+        still = await stage_of(conn, message_id)
+    assert notice.stage is Stage.PROCESSING and notice.error is not None
+    assert "deadline passed" in notice.error
+    assert still is Stage.PROCESSING  # the agent may still be working: not EXPIRED
+
+
+# -- retries -------------------------------------------------------------------------------
+
+
+async def test_an_unreachable_agent_is_retried_elsewhere_after_a_back_off(fast: Connection) -> None:
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("b") as agent_b,
+        running_sidecar(conn, "down-1", ("text.echo",), url="http://127.0.0.1:9/"),
+        running_dispatcher(conn),
+    ):
+        message_id = await client.submit(request(reply_to))
+
+        async def failed_once() -> bool:
+            record = await MessageStore(conn).get_record(message_id)
+            return record is not None and record.retry_at_ms > 0
+
+        await eventually(failed_once)
+        async with running_sidecar(conn, "b-1", ("text.echo",), url=agent_b.url):
+            (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
+    assert result.stage is Stage.SUCCEEDED and agent_b.log.calls[message_id] == 1
+    timeline = await MessageStore(conn).get_timeline(message_id)
+    waited = timeline[stages(timeline).index(Stage.WAITING)]
+    assert "retry in" in waited.reason and waited.instance == "down-1"
+    second = [e for e in timeline if e.stage is Stage.ROUTED][-1]
+    assert second.instance == "b-1"  # the retry avoided the instance that failed it
+    assert second.ts_ms - waited.ts_ms >= 300 * 0.8  # and waited out its back-off
+
+
+# -- several reapers -----------------------------------------------------------------------
+
+
+async def test_reapers_working_at_once_handle_each_due_message_once(fast: Connection) -> None:
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    n = 300
+    async with running_dispatcher(conn, reaper=False):
+        ids = await client.submit_many([request(reply_to, timeout_s=0.3) for _ in range(n)])
+
+        async def all_waiting() -> bool:
+            return await MessageStore(conn).waiting_depth("text.echo") == n
+
+        await eventually(all_waiting)
+
+    async def all_past_deadline() -> bool:
+        records = await MessageStore(conn).get_records(ids)
+        return max(r.deadline_ms for r in records if r) < now_ms()
+
+    await eventually(all_past_deadline)
+    reapers = [Reaper(conn) for _ in range(3)]
+    async with anyio.create_task_group() as tg:
+        for reaper in reapers:
+            tg.start_soon(reaper.tick)
+    results = await collect_replies(conn, reply_to, n)
+    assert {r.stage for r in results.values()} == {Stage.EXPIRED}
+    assert sum(r.handled.get("expired", 0) for r in reapers) == n
+    replies = int(await conn.call("XLEN", reply_to))
+    assert replies == n  # one reply each: no message was expired by two reapers

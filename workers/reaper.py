@@ -1,0 +1,331 @@
+"""The reaper owns time: it finds messages whose next deadline has come and resolves them by
+their stage, never running a non-idempotent action twice.
+
+Every live message has an entry in ``P:due`` (message id -> next time to look at it). Any
+number of reapers share it: ``claim_due.lua`` leases a batch to one of them at a time. What
+each stage gets when its time comes:
+
+- WAITING past its deadline: EXPIRED (``waited_past_deadline``, or why nothing could serve
+  it), the producer told.
+- ACCEPTED for longer than the delivery timeout (its dispatcher died before routing it):
+  WAITING, parked.
+- ROUTED or RECEIVED — the agent has not been contacted — past the delivery timeout, or on an
+  instance that is down: back to WAITING for another instance (the stale stream entry is
+  dropped by fencing if its sidecar ever reads it), or EXPIRED past the message's deadline.
+- PROCESSING past the call timeout (plus grace), or on an instance that is down: the agent's
+  status endpoint is asked first. ``done`` records the result; ``running`` lets it run on
+  (a bounded number of times); ``failed`` is FAILED (retried only for an idempotent agent
+  with attempts left); ``unknown`` retries an idempotent agent with the same idempotency key
+  and parks anything else as NEEDS_CONFIRMATION. A message past its own deadline in
+  PROCESSING is never EXPIRED — its producer is told the deadline passed.
+- NEEDS_CONFIRMATION stays visible (and in ``P:due``) until an operator resolves it.
+
+Retries back off (``broker/retry.py``), avoid the instance that failed, and stop at the
+envelope's ``max_attempts``: DEAD, dead-lettered with the chain of reasons.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+from redis.exceptions import ResponseError
+
+from adapters.status import StatusClient
+from broker.connection import Connection
+from broker.envelope import Envelope, load_envelope
+from broker.errors import RedisUnavailable
+from broker.health import observed_state
+from broker.records import InstanceState, InstanceView, MessageRecord
+from broker.registry import Registry
+from broker.retry import retry_delay_ms
+from broker.stages import TERMINAL, Stage
+from broker.store import MessageStore, Move, now_ms
+
+from .routing_table import RoutingTable, routing_policy
+from .waiting import WaitingRoom
+
+log = logging.getLogger("agent_reach.reaper")
+
+LEASE_MS = 30_000
+CLAIM_BATCH = 200
+MAX_EXTENSIONS = 5  # "running" answers before the reaper treats the agent as not knowing
+PARKED_RECHECK_MS = 3_600_000
+_AGENT_NOT_ASKED = (Stage.ROUTED, Stage.RECEIVED)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What the reaper did with one message, and when to look at it again (None: never)."""
+
+    action: str
+    next_due_ms: int | None
+
+
+class Reaper:
+    def __init__(self, conn: Connection, *, status: StatusClient | None = None) -> None:
+        self.conn = conn
+        self.settings = conn.settings
+        self.store = MessageStore(conn)
+        self.registry = Registry(conn)
+        self.table = RoutingTable(routing_policy(conn.settings))
+        self.waiting = WaitingRoom(self.store, self.table, batch=conn.settings.dispatch_batch)
+        self.status = status or StatusClient()
+        self.views: dict[str, InstanceView] = {}
+        self.rng = random.Random()
+        self.delivery_timeout_ms = int(conn.settings.delivery_timeout_s * 1000)
+        self.processing_timeout_ms = int(
+            (conn.settings.sync_call_timeout_s + conn.settings.processing_grace_s) * 1000
+        )
+        self.handled: dict[str, int] = {}  # action -> count, over this reaper's life
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            while True:
+                try:
+                    await self.tick()
+                except (RedisUnavailable, ResponseError) as exc:
+                    log.warning("reaper tick failed (the next one retries): %s", exc)
+                await anyio.sleep(self.settings.sweep_interval_s)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.status.aclose()
+
+    async def tick(self) -> int:
+        """One pass: refresh the registry, resolve what is due. Returns how many were due."""
+        await self.refresh()
+        total = 0
+        while True:
+            now = now_ms()
+            ids = await self.store.claim_due(now, LEASE_MS, CLAIM_BATCH)
+            if not ids:
+                return total
+            total += len(ids)
+            records = await self.store.get_records(ids)
+            commands: list[tuple[Any, ...]] = []
+            for message_id, record in zip(ids, records, strict=True):
+                verdict = await self.resolve(message_id, record, now)
+                self.handled[verdict.action] = self.handled.get(verdict.action, 0) + 1
+                if verdict.next_due_ms is None:
+                    commands.append(("ZREM", self.conn.keys.due, message_id))
+                else:
+                    commands.append(self.store.due_command(message_id, verdict.next_due_ms))
+            await self.store.run_all(commands)
+            if len(ids) < CLAIM_BATCH:
+                return total
+
+    async def refresh(self) -> None:
+        views = await self.registry.snapshot()
+        self.table.load(views)
+        self.views = {v.instance_id: v for v in views}
+
+    def instance_down(self, instance_id: str, now: int) -> bool:
+        view = self.views.get(instance_id)
+        if view is None:
+            return True
+        state = observed_state(view, now_ms=now, down_after_ms=self.table.policy.down_after_ms)
+        return state is InstanceState.DOWN
+
+    async def resolve(self, message_id: str, record: MessageRecord | None, now: int) -> Verdict:
+        if record is not None and record.stage is Stage.EXPIRED:
+            # ended by a reaper that may have stopped before telling the producer: again
+            await self.waiting.reply_expired(record, record.error or "waited_past_deadline")
+        if record is None or record.stage in TERMINAL:
+            return Verdict("forgotten", None)
+        match record.stage:
+            case Stage.WAITING:
+                return await self._waiting(record, now)
+            case Stage.ACCEPTED:
+                return await self._accepted(record, now)
+            case Stage.ROUTED | Stage.RECEIVED:
+                return await self._not_asked(record, now)
+            case Stage.PROCESSING:
+                return await self._processing(record, now)
+        return Verdict("parked", now + PARKED_RECHECK_MS)  # NEEDS_CONFIRMATION, CALLBACK_...
+
+    # -- the agent was never asked ---------------------------------------------------------
+
+    async def _waiting(self, record: MessageRecord, now: int) -> Verdict:
+        if now < record.deadline_ms:
+            return Verdict("waiting", record.deadline_ms)
+        if await self.waiting.expire(record, now):
+            return Verdict("expired", None)
+        return Verdict("raced", now + 1_000)  # it just left WAITING: look again shortly
+
+    async def _accepted(self, record: MessageRecord, now: int) -> Verdict:
+        if now - record.updated_ms < self.delivery_timeout_ms:
+            return Verdict("accepted", record.updated_ms + self.delivery_timeout_ms)
+        moved = await self.store.move(
+            record.id,
+            Stage.WAITING,
+            only_from=Stage.ACCEPTED,
+            reason="accepted but never routed (its dispatcher stopped): waiting",
+        )
+        if moved.ok:
+            await self.store.park(record.capability, record.id, record.priority, record.accepted_ms)
+        return Verdict("parked accepted", record.deadline_ms)
+
+    async def _not_asked(self, record: MessageRecord, now: int) -> Verdict:
+        down = self.instance_down(record.instance, now)
+        late = now - record.updated_ms >= self.delivery_timeout_ms
+        if now >= record.deadline_ms:
+            ended = await self._end(
+                record, Stage.EXPIRED, "deadline passed before the agent was asked"
+            )
+            return Verdict("expired", None if ended else now + 1_000)
+        if not (down or late):
+            due = min(record.updated_ms + self.delivery_timeout_ms, record.deadline_ms)
+            return Verdict("in time", due)
+        why = (
+            f"{record.instance} is down: rerouted"
+            if down
+            else f"delivery timeout: {record.instance} did not take it within "
+            f"{self.settings.delivery_timeout_s:g} s: rerouted"
+        )
+        moved = await self.store.apply(
+            self._fenced(record, Stage.WAITING, reason=why, fields={"avoid": record.instance})
+        )
+        if moved.ok:
+            await self._release(record)
+            await self.store.park(record.capability, record.id, record.priority, record.accepted_ms)
+            return Verdict("rerouted", record.deadline_ms)
+        return Verdict("raced", now + 1_000)
+
+    # -- the agent may be working on it ----------------------------------------------------
+
+    async def _processing(self, record: MessageRecord, now: int) -> Verdict:
+        down = self.instance_down(record.instance, now)
+        late = now - record.updated_ms >= self.processing_timeout_ms
+        if now >= record.deadline_ms and record.reply_to:
+            await self._tell_deadline_passed(record)
+        if not (down or late):
+            return Verdict("in time", record.updated_ms + self.processing_timeout_ms)
+        view = self.views.get(record.instance)
+        status = await self.status.query(view.card.status_url if view else "", record.id)
+        idempotent = view is not None and view.card.idempotent
+        envelope = load_envelope(record.envelope)
+        attempts_left = record.attempt < envelope.max_attempts
+        why = "instance down" if down else "no answer in time"
+        match status.state:
+            case "done":
+                ended = await self._end(
+                    record, Stage.SUCCEEDED, f"{why}; {status.why}", result=status.result_json
+                )
+                return Verdict("recovered result", None if ended else now + 1_000)
+            case "running" if record.extensions < MAX_EXTENSIONS:
+                await self.conn.call("HINCRBY", self.conn.keys.record(record.id), "extensions", 1)
+                return Verdict("extended", now + self.processing_timeout_ms)
+            case "failed" if not (idempotent and attempts_left):
+                error = status.error or "the agent reported failure"
+                ended = await self._end(record, Stage.FAILED, f"{why}; {status.why}", error=error)
+                return Verdict("failed", None if ended else now + 1_000)
+        reason = f"{why}; {status.why or status.state}"
+        if idempotent and attempts_left:
+            return await self._retry(record, envelope, reason, now)
+        if idempotent:
+            error = f"gave up after {record.attempt} attempts: {reason}"
+            ended = await self._end(record, Stage.DEAD, error, error=error)
+            return Verdict("dead", None if ended else now + 1_000)
+        moved = await self.store.apply(
+            self._fenced(
+                record,
+                Stage.NEEDS_CONFIRMATION,
+                reason=f"{reason}; the agent is not idempotent: parked for an operator",
+            )
+        )
+        if moved.ok:
+            await self._release(record)
+        return Verdict("needs confirmation", now + PARKED_RECHECK_MS)
+
+    async def _retry(
+        self, record: MessageRecord, envelope: Envelope, reason: str, now: int
+    ) -> Verdict:
+        """Another attempt with the same idempotency key, after a back-off, elsewhere."""
+        delay = retry_delay_ms(
+            record.attempt,
+            base_ms=self.settings.retry_backoff_ms,
+            jitter=self.settings.retry_jitter,
+            rng=self.rng,
+        )
+        moved = await self.store.apply(
+            self._fenced(
+                record,
+                Stage.WAITING,
+                reason=f"{reason}; retry in {delay} ms (idempotent agent)",
+                fields={"avoid": record.instance, "retry_at_ms": now + delay},
+            )
+        )
+        if not moved.ok:
+            return Verdict("raced", now + 1_000)
+        await self._release(record)
+        await self.store.park(envelope.capability, record.id, record.priority, record.accepted_ms)
+        return Verdict("retried", record.deadline_ms if record.deadline_ms > now else now + delay)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _fenced(self, record: MessageRecord, target: Stage, **options: Any) -> Move:
+        """A move only from the stage, attempt and instance the reaper looked at."""
+        return Move(
+            record.id,
+            target,
+            only_from=record.stage,
+            expect_attempt=record.attempt,
+            expect_instance=record.instance,
+            **options,
+        )
+
+    async def _end(
+        self,
+        record: MessageRecord,
+        stage: Stage,
+        reason: str,
+        *,
+        result: bytes | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """A terminal outcome: recorded (fenced), the credit returned, the producer told."""
+        fields: dict[str, str | bytes | int] = {}
+        if result is not None:
+            fields["result"] = result
+        if error is not None or stage is Stage.EXPIRED:
+            fields["error"] = error or reason
+        moved = await self.store.apply(self._fenced(record, stage, reason=reason, fields=fields))
+        if not moved.ok:
+            return False
+        await self._release(record)
+        if stage is Stage.DEAD:  # dead-lettered before the producer hears of it
+            await self.store.dead_letter_message(record.id, str(fields["error"]))
+        if record.reply_to:
+            reply: dict[str, str | bytes] = {"id": record.id, "stage": stage.value}
+            if result is not None:
+                reply["result"] = result
+            else:
+                reply["error"] = str(fields.get("error", reason))
+            await self.store.send_reply(record.reply_to, reply)
+        return True
+
+    async def _release(self, record: MessageRecord) -> None:
+        """Return the credit the abandoned attempt held on its instance."""
+        if record.instance:
+            await self.conn.call(
+                "SREM", self.conn.keys.inflight(record.instance), f"{record.id}:{record.attempt}"
+            )
+
+    async def _tell_deadline_passed(self, record: MessageRecord) -> None:
+        """Once: the producer learns its deadline passed while the agent may still work."""
+        key = self.conn.keys.record(record.id)
+        if await self.conn.call("HSETNX", key, "deadline_told", 1):
+            await self.store.send_reply(
+                record.reply_to,
+                {
+                    "id": record.id,
+                    "stage": Stage.PROCESSING.value,
+                    "notice": "deadline_passed",
+                    "error": "the deadline passed while the agent may still be working on it",
+                },
+            )
