@@ -64,14 +64,17 @@ class Client:
     async def wait_reply(
         self, reply_to: str, message_id: str, *, timeout_s: float
     ) -> Result | None:
-        """Block on a reply stream until ``message_id``'s result arrives, or the timeout."""
+        """Block on a reply stream until ``message_id``'s result arrives, or the timeout.
+        Notices on the way (``deadline_passed`` while the agent still works) are skipped:
+        only the outcome is returned."""
         last = "0"
         async with self.conn.reader() as reader:
             with anyio.move_on_after(timeout_s):
                 while True:
                     for entry_id, fields in await reader.read_stream(reply_to, last, block_ms=1000):
                         last = entry_id
-                        if fields.get("id", b"").decode() == message_id:
+                        mine = fields.get("id", b"").decode() == message_id
+                        if mine and "notice" not in fields:
                             return result_from_fields(fields)
         return None
 

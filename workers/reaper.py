@@ -40,11 +40,12 @@ from broker.connection import Connection
 from broker.envelope import Envelope, load_envelope
 from broker.errors import RedisUnavailable
 from broker.health import observed_state
+from broker.keyspace import SIDECAR_GROUP
 from broker.records import InstanceState, InstanceView, MessageRecord
 from broker.registry import Registry
 from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
-from broker.store import MessageStore, Move, now_ms
+from broker.store import MessageStore, Move, now_ms, pairs
 
 from .routing_table import RoutingTable, routing_policy
 from .waiting import WaitingRoom
@@ -97,9 +98,10 @@ class Reaper:
                 await self.status.aclose()
 
     async def tick(self) -> int:
-        """One pass: refresh the registry, resolve what is due. Returns how many were due."""
+        """One pass: refresh the registry, take over the work of dead instances, resolve what
+        is due. Returns how many messages were looked at."""
         await self.refresh()
-        total = 0
+        total = await self.dead_instances(now_ms())
         while True:
             now = now_ms()
             ids = await self.store.claim_due(now, LEASE_MS, CLAIM_BATCH)
@@ -118,6 +120,60 @@ class Reaper:
             await self.store.run_all(commands)
             if len(ids) < CLAIM_BATCH:
                 return total
+
+    async def dead_instances(self, now: int) -> int:
+        """The work of instances that are down, at once (not at its delivery timeout): every
+        credit they hold names a message attempt, resolved through the record's stage; then
+        their stream's pending entries are claimed (``XAUTOCLAIM``) and acknowledged, each
+        resolved the same way first."""
+        total = 0
+        for instance_id in [i for i in self.views if self.instance_down(i, now)]:
+            members = await self.conn.call("SMEMBERS", self.conn.keys.inflight(instance_id))
+            ids = sorted({m.decode().rpartition(":")[0] for m in members})
+            total += await self._resolve_now(ids, instance_id, now)
+            total += await self._claim_pending(instance_id, now)
+        return total
+
+    async def _resolve_now(self, ids: list[str], instance_id: str, now: int) -> int:
+        if not ids:
+            return 0
+        commands: list[tuple[Any, ...]] = []
+        for message_id, record in zip(ids, await self.store.get_records(ids), strict=True):
+            if record is None or record.instance != instance_id:
+                continue
+            if record.stage in _AGENT_NOT_ASKED:
+                verdict = await self.resolve(message_id, record, now)
+                self.handled[verdict.action] = self.handled.get(verdict.action, 0) + 1
+                if verdict.next_due_ms is not None:
+                    commands.append(self.store.due_command(message_id, verdict.next_due_ms))
+            elif record.stage is Stage.PROCESSING:
+                # due now: this tick's claim asks the agent, and reschedules what runs on
+                commands.append(self.store.due_at_most_command(message_id, now))
+            elif record.stage in TERMINAL:
+                # finished, but the sidecar died before it returned the credit — and maybe
+                # before the reply left: send it (at least once; it carries the id)
+                await self._release(record)
+                await self._reply(record, record.stage, record.result, record.error)
+        await self.store.run_all(commands)
+        return len(ids)
+
+    async def _claim_pending(self, instance_id: str, now: int) -> int:
+        """Entries a dead sidecar read and never acknowledged: claim, resolve, acknowledge."""
+        queue = self.conn.keys.queue(instance_id)
+        idle_ms = self.table.policy.down_after_ms
+        try:
+            reply = await self.conn.call(
+                "XAUTOCLAIM", queue, SIDECAR_GROUP, "reaper", idle_ms, "0-0", "COUNT", CLAIM_BATCH
+            )
+        except ResponseError:
+            return 0  # no stream or no group: nothing was ever assigned there
+        entries = [(e[0].decode(), pairs(e[1])) for e in reply[1] if e and e[1]]
+        if not entries:
+            return 0
+        ids = sorted({f[b"id"].decode() for _, f in entries})
+        await self._resolve_now(ids, instance_id, now)
+        await self.conn.call("XACK", queue, SIDECAR_GROUP, *(e for e, _ in entries))
+        return len(entries)
 
     async def refresh(self) -> None:
         views = await self.registry.snapshot()
@@ -300,14 +356,20 @@ class Reaper:
         await self._release(record)
         if stage is Stage.DEAD:  # dead-lettered before the producer hears of it
             await self.store.dead_letter_message(record.id, str(fields["error"]))
-        if record.reply_to:
-            reply: dict[str, str | bytes] = {"id": record.id, "stage": stage.value}
-            if result is not None:
-                reply["result"] = result
-            else:
-                reply["error"] = str(fields.get("error", reason))
-            await self.store.send_reply(record.reply_to, reply)
+        await self._reply(record, stage, result, str(fields.get("error", reason)))
         return True
+
+    async def _reply(
+        self, record: MessageRecord, stage: Stage, result: bytes | None, error: str | None
+    ) -> None:
+        if not record.reply_to:
+            return
+        reply: dict[str, str | bytes] = {"id": record.id, "stage": stage.value}
+        if result is not None:
+            reply["result"] = result
+        else:
+            reply["error"] = error or ""
+        await self.store.send_reply(record.reply_to, reply)
 
     async def _release(self, record: MessageRecord) -> None:
         """Return the credit the abandoned attempt held on its instance."""

@@ -390,6 +390,8 @@ async def test_processing_past_the_deadline_is_never_expired_and_the_producer_is
         still = await stage_of(conn, message_id)
     assert notice.stage is Stage.PROCESSING and notice.error is not None
     assert "deadline passed" in notice.error
+    # a producer waiting for the outcome is not handed the notice as if it were one
+    assert await client.wait_reply(reply_to, message_id, timeout_s=0.3) is None
     assert still is Stage.PROCESSING  # the agent may still be working: not EXPIRED
 
 
@@ -453,3 +455,46 @@ async def test_reapers_working_at_once_handle_each_due_message_once(fast: Connec
     assert sum(r.handled.get("expired", 0) for r in reapers) == n
     replies = int(await conn.call("XLEN", reply_to))
     assert replies == n  # one reply each: no message was expired by two reapers
+
+
+# -- dead processes ------------------------------------------------------------------------
+
+
+async def test_a_dead_instance_s_work_is_taken_over_at_once_and_its_pending_entries_claimed(
+    fast: Connection,
+) -> None:
+    """Delivery timeout a minute; the ghost read its entry (pending) and died. Its work is
+    rerouted as soon as it is DOWN, and the reaper claims and acknowledges its entry."""
+    slow_clock = msgspec.structs.replace(fast.settings, delivery_timeout_s=60.0)
+    assert slow_clock.redis_url is not None
+    async with open_connection(slow_clock, slow_clock.redis_url) as conn:
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        await register_ghost(conn, "ghost-1")
+        queue = conn.keys.queue("ghost-1")
+        async with running_dispatcher(conn):
+            message_id = await routed_to_ghost(conn, client, reply_to)
+
+            async def assigned() -> bool:
+                return int(await conn.call("XLEN", queue)) == 1
+
+            await eventually(assigned)
+            read = await conn.call(
+                "XREADGROUP", "GROUP", SIDECAR_GROUP, "ghost-1", "STREAMS", queue, ">"
+            )
+            assert read  # the ghost's sidecar took the entry, then died
+            started = anyio.current_time()
+            async with (
+                http_agent("a") as agent,
+                running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+            ):
+                (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
+            took = anyio.current_time() - started
+
+            async def claimed() -> bool:
+                summary = await conn.call("XPENDING", queue, SIDECAR_GROUP)
+                return int(summary[0]) == 0
+
+            await eventually(claimed)
+    assert result.stage is Stage.SUCCEEDED and agent.log.calls[message_id] == 1
+    assert took < 15  # at DOWN (1 s of silence), not at the 60 s delivery timeout
