@@ -41,7 +41,7 @@ def test_every_command_has_help(argv: list[str]) -> None:
 
 
 def test_commands_that_talk_to_redis_take_a_redis_url() -> None:
-    for name in ("up", "sidecar", "send", "trace", "agents", "stats", "demo"):
+    for name in "up sidecar send trace agents stats demo stuck replay resolve dlq cancel".split():
         assert "--redis URL" in CliRunner().invoke(main, [name, "--help"]).output, name
 
 
@@ -264,3 +264,9 @@ async def test_stats_shows_waiting_work_and_credits(conn: Connection, settings: 
         results = await collect_replies(conn, reply_to, 10)
     assert {r.stage for r in results.values()} == {Stage.SUCCEEDED}
     assert agent.log.peak_concurrent == 2
+
+
+async def test_an_error_inside_a_command_is_one_line_not_a_traceback(settings: Settings) -> None:
+    code, out = await cli(settings, "weight", "nobody-1", "1")
+    assert code == 1 and "unknown instance 'nobody-1'" in out
+    assert "Traceback" not in out and "ExceptionGroup" not in out

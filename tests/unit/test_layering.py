@@ -24,6 +24,7 @@ PURE = [
     "limiter",
     "fairness",
     "retry",
+    "durations",
 ]
 IO_LIBRARIES = {"redis", "httpx", "anyio"}
 PACKAGES = ["broker", "workers", "adapters"]

@@ -1,4 +1,5 @@
-"""The ``agent-reach`` command line: run the broker and sidecars, send, trace, inspect."""
+"""The ``agent-reach`` command line: run the broker and sidecars, send, trace, inspect,
+repair."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import click
 from ..runtime import configure_logging
 from .inspect import agents, config, drain, redis_url_command, schema, stats, trace, weight
 from .processes import demo, demo_agent, sidecar, up
+from .repair import cancel, dlq, replay, resolve, stuck
 from .send import send
 
 __all__ = ["main"]
@@ -34,5 +36,10 @@ for command in (
     config,
     schema,
     redis_url_command,
+    stuck,
+    replay,
+    resolve,
+    dlq,
+    cancel,
 ):
     main.add_command(command)

@@ -27,6 +27,24 @@ def run(main: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T
         raise click.UsageError(str(exc)) from exc
     except ReachError as exc:
         raise click.ClickException(str(exc)) from exc
+    except BaseExceptionGroup as group:
+        # a task group wraps what a command raised inside it: show the one clear error
+        lone = _lone(group)
+        if isinstance(lone, click.ClickException):
+            raise lone from None
+        if isinstance(lone, ReachError):
+            raise click.ClickException(str(lone)) from None
+        raise
+
+
+def _lone(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The single exception at the bottom of nested groups, if there is exactly one."""
+    inner: BaseException = group
+    while isinstance(inner, BaseExceptionGroup):
+        if len(inner.exceptions) != 1:
+            return None
+        inner = inner.exceptions[0]
+    return inner
 
 
 def redis_options(command: Callable[..., Any]) -> Callable[..., Any]:
