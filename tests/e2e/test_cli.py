@@ -41,7 +41,9 @@ def test_every_command_has_help(argv: list[str]) -> None:
 
 
 def test_commands_that_talk_to_redis_take_a_redis_url() -> None:
-    for name in "up sidecar send trace agents stats demo stuck replay resolve dlq cancel".split():
+    names = "up dispatcher reaper sidecar send trace agents stats demo"
+    names += " stuck replay resolve dlq cancel"
+    for name in names.split():
         assert "--redis URL" in CliRunner().invoke(main, [name, "--help"]).output, name
 
 

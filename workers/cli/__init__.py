@@ -7,7 +7,7 @@ import click
 
 from ..runtime import configure_logging
 from .inspect import agents, config, drain, redis_url_command, schema, stats, trace, weight
-from .processes import demo, demo_agent, sidecar, up
+from .processes import demo, demo_agent, dispatcher, reaper, sidecar, up
 from .repair import cancel, dlq, replay, resolve, stuck
 from .send import send
 
@@ -24,6 +24,8 @@ def main(verbose: int) -> None:
 
 for command in (
     up,
+    dispatcher,
+    reaper,
     sidecar,
     demo,
     demo_agent,

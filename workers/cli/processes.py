@@ -25,20 +25,43 @@ from ..runtime import connected, stop_on_signals
 from .common import check_id, parse_tags, redis_options, run
 
 
+def serve_roles(settings: Settings, consumer: str | None, *, dispatch: bool, reap: bool) -> None:
+    """Run broker roles in one process until SIGINT / SIGTERM."""
+
+    async def serve() -> None:
+        async with connected(settings) as conn, anyio.create_task_group() as tg:
+            tg.start_soon(stop_on_signals, tg.cancel_scope.cancel, tg.cancel_scope)
+            if dispatch:
+                await tg.start(Dispatcher(conn, consumer=consumer).run)
+                click.echo(f"agent-reach: dispatching from {conn.keys.ingress}", err=True)
+            if reap:
+                await tg.start(Reaper(conn).run)
+                click.echo(f"agent-reach: reaping {conn.keys.due}", err=True)
+
+    run(serve)
+
+
 @click.command()
 @redis_options
 @click.option("--consumer", default=None, help="Consumer name (default: host-pid).")
 def up(settings: Settings, consumer: str | None) -> None:
     """Run the broker: dispatcher and reaper (and, as it arrives, notifier) in one process."""
+    serve_roles(settings, consumer, dispatch=True, reap=True)
 
-    async def serve() -> None:
-        async with connected(settings) as conn, anyio.create_task_group() as tg:
-            tg.start_soon(stop_on_signals, tg.cancel_scope.cancel, tg.cancel_scope)
-            await tg.start(Dispatcher(conn, consumer=consumer).run)
-            await tg.start(Reaper(conn).run)
-            click.echo(f"agent-reach up: dispatching from {conn.keys.ingress}", err=True)
 
-    run(serve)
+@click.command()
+@redis_options
+@click.option("--consumer", default=None, help="Consumer name (default: host-pid).")
+def dispatcher(settings: Settings, consumer: str | None) -> None:
+    """Run a dispatcher alone (scale out: any number share the ingress consumer group)."""
+    serve_roles(settings, consumer, dispatch=True, reap=False)
+
+
+@click.command()
+@redis_options
+def reaper(settings: Settings) -> None:
+    """Run a reaper alone (any number share the due clock: each due message goes to one)."""
+    serve_roles(settings, None, dispatch=False, reap=True)
 
 
 def load_python_agent(spec: str) -> Agent:
