@@ -69,6 +69,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     retry_backoff_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 200
     retry_jitter: Ratio = 0.2
     delivery_timeout_s: Positive = 30.0
+    # ingress entries pending this long with a dispatcher are taken over by another one
+    claim_idle_s: Positive = 30.0
     # past the sidecar's own call timeout, before the reaper asks after a PROCESSING message
     processing_grace_s: Positive = 5.0
     callback_timeout_s: Positive = 600.0

@@ -81,9 +81,15 @@ class GroupReader:
 def parse_read_reply(reply: Any) -> list[StreamEntry]:
     if not reply:
         return []
+    return parse_entries(reply[0][1])
+
+
+def parse_entries(raw: Any) -> list[StreamEntry]:
+    """``[[id, [field, value, ...]], ...]`` (XRANGE, XAUTOCLAIM) as ``(id, fields)`` pairs;
+    entries deleted while pending come back without fields and are skipped."""
     entries: list[StreamEntry] = []
-    for entry_id, flat in reply[0][1]:
-        if flat is None:  # trimmed or deleted while pending
+    for entry_id, flat in raw:
+        if flat is None:
             continue
         fields = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
         entries.append((entry_id.decode(), fields))

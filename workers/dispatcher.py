@@ -42,7 +42,7 @@ from broker.registry import Registry
 from broker.routing import Decision
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore, ack, now_ms, trim_acknowledged
-from broker.streams import GroupReader, StreamEntry, Subscriber
+from broker.streams import GroupReader, StreamEntry, Subscriber, parse_entries
 
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
 from .routing_table import RoutingTable, routing_policy
@@ -102,6 +102,26 @@ class Dispatcher:
         if entries:
             log.info("recovering %d pending ingress entries", len(entries))
             await self.handle_batch(entries, recovering=True)
+
+    async def claim_abandoned(self) -> int:
+        """Take over ingress entries another dispatcher read and never finished (it died, and
+        did not come back under its name): ``XAUTOCLAIM`` after ``claim_idle_s``. Handling
+        an entry twice is harmless: a record is created once per id."""
+        reply = await self.conn.call(
+            "XAUTOCLAIM",
+            self.keys.ingress,
+            DISPATCH_GROUP,
+            self.consumer,
+            int(self.settings.claim_idle_s * 1000),
+            "0-0",
+            "COUNT",
+            self.settings.dispatch_batch,
+        )
+        entries = parse_entries(reply[1])
+        if entries:
+            log.info("claimed %d ingress entries abandoned by another dispatcher", len(entries))
+            await self.handle_batch(entries, recovering=True)
+        return len(entries)
 
     async def _ingress_loop(self, reader: GroupReader) -> None:
         backoff = 0.1
@@ -296,6 +316,7 @@ class Dispatcher:
                 if anyio.current_time() >= next_sweep:
                     next_sweep = anyio.current_time() + self.settings.sweep_interval_s
                     await self.refresh()
+                    await self.claim_abandoned()
                     waiting = await self.store.waiting_capabilities()
                     await self.waiting.reconsider_unmatched(waiting)
                     capabilities |= set(waiting)

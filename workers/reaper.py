@@ -45,7 +45,8 @@ from broker.records import InstanceState, InstanceView, MessageRecord
 from broker.registry import Registry
 from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
-from broker.store import MessageStore, Move, now_ms, pairs
+from broker.store import MessageStore, Move, now_ms
+from broker.streams import parse_entries
 
 from .routing_table import RoutingTable, routing_policy
 from .waiting import WaitingRoom
@@ -167,10 +168,10 @@ class Reaper:
             )
         except ResponseError:
             return 0  # no stream or no group: nothing was ever assigned there
-        entries = [(e[0].decode(), pairs(e[1])) for e in reply[1] if e and e[1]]
+        entries = parse_entries(reply[1])
         if not entries:
             return 0
-        ids = sorted({f[b"id"].decode() for _, f in entries})
+        ids = sorted({f["id"].decode() for _, f in entries})
         await self._resolve_now(ids, instance_id, now)
         await self.conn.call("XACK", queue, SIDECAR_GROUP, *(e for e, _ in entries))
         return len(entries)

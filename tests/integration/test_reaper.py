@@ -498,3 +498,26 @@ async def test_a_dead_instance_s_work_is_taken_over_at_once_and_its_pending_entr
             await eventually(claimed)
     assert result.stage is Stage.SUCCEEDED and agent.log.calls[message_id] == 1
     assert took < 15  # at DOWN (1 s of silence), not at the 60 s delivery timeout
+
+
+async def test_ingress_a_dead_dispatcher_read_is_claimed_by_another(fast: Connection) -> None:
+    quick_claim = msgspec.structs.replace(fast.settings, claim_idle_s=0.5)
+    assert quick_claim.redis_url is not None
+    async with open_connection(quick_claim, quick_claim.redis_url) as conn:
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        await ensure_group(conn, conn.keys.ingress, "dispatch")
+        message_id = await client.submit(request(reply_to))
+        taken = await conn.call(
+            "XREADGROUP", "GROUP", "dispatch", "gone-1", "STREAMS", conn.keys.ingress, ">"
+        )
+        assert taken  # read by a dispatcher that then died, never to return under its name
+        async with (
+            http_agent("a") as agent,
+            running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+            running_dispatcher(conn, "d2"),
+        ):
+            (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
+        pending = await conn.call("XPENDING", conn.keys.ingress, "dispatch")
+    assert result.id == message_id and result.stage is Stage.SUCCEEDED
+    assert agent.log.calls[message_id] == 1 and int(pending[0]) == 0
