@@ -34,6 +34,7 @@ from broker.store import MessageStore, Move, now_ms, trim_acknowledged
 from broker.streams import GroupReader, StreamEntry
 
 from .outcome import Ambiguous, Backoff, Failed, NotReached, Outcome, Succeeded
+from .status import StatusClient
 from .transport import Transport
 from .vitals import Vitals
 from .workpool import WorkPool
@@ -77,6 +78,7 @@ class Sidecar:
         self._calls: dict[str, float] = {}
         self._overdue_counted: set[str] = set()
         self._rng = random.Random()
+        self._status = StatusClient()
         self.vitals = Vitals(
             conn.settings, credits=card.max_inflight, now_ms=now_ms(), adaptive=adaptive_credits
         )
@@ -91,18 +93,22 @@ class Sidecar:
         log.info(
             "instance %s registered for %s", self.instance_id, ",".join(self.card.capabilities)
         )
-        async with self.conn.reader() as reader, anyio.create_task_group() as outer:
-            outer.start_soon(self._heartbeat_loop)
-            outer.start_soon(self._finish_loop)
-            outer.start_soon(self._overdue_loop)
-            task_status.started()
-            async with anyio.create_task_group() as work:
-                pool = self._pool = WorkPool(work, self.card.max_inflight)
-                await self._take(pool, await self._read(reader, pending=True))
-                await self._consume(reader, pool)
-                await self._wait_idle(pool, work)
-            await self._finish_now()
-            outer.cancel_scope.cancel()
+        try:
+            async with self.conn.reader() as reader, anyio.create_task_group() as outer:
+                outer.start_soon(self._heartbeat_loop)
+                outer.start_soon(self._finish_loop)
+                outer.start_soon(self._overdue_loop)
+                task_status.started()
+                async with anyio.create_task_group() as work:
+                    pool = self._pool = WorkPool(work, self.card.max_inflight)
+                    await self._take(pool, await self._read(reader, pending=True))
+                    await self._consume(reader, pool)
+                    await self._wait_idle(pool, work)
+                await self._finish_now()
+                outer.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._status.aclose()
         await self.registry.deregister(self.instance_id)
         log.info("instance %s deregistered", self.instance_id)
         self.stopped.set()
@@ -419,6 +425,8 @@ class Sidecar:
 
     async def _record(self, taken: Taken, envelope: Envelope, outcome: Outcome) -> None:
         retries_left = taken.attempt < envelope.max_attempts
+        if isinstance(outcome, Ambiguous) and self.card.status_url:
+            outcome = await self._ask_status(taken, outcome, retries_left)
         match outcome:
             case Succeeded(result=result):
                 await self._settle(taken, envelope, Stage.SUCCEEDED, "", result=result)
@@ -437,6 +445,16 @@ class Sidecar:
                 await self._dead(
                     taken, envelope, f"gave up after {taken.attempt} attempts: {reason}"
                 )
+
+    async def _ask_status(self, taken: Taken, outcome: Ambiguous, retries_left: bool) -> Outcome:
+        """No answer in time: before guessing, ask the agent what became of the message."""
+        status = await self._status.query(self.card.status_url, taken.message_id)
+        why = f"{outcome.reason}; {status.why}"
+        if status.state == "done":
+            return Succeeded(status.result_json)
+        if status.state == "failed" and not (self.card.idempotent and retries_left):
+            return Failed(status.error or why)
+        return Ambiguous(why)
 
     async def _settle(
         self,

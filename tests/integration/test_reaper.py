@@ -18,6 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from adapters.http import HttpTransport
+from adapters.sidecar import Sidecar
 from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection, ensure_group, open_connection
@@ -521,3 +523,54 @@ async def test_ingress_a_dead_dispatcher_read_is_claimed_by_another(fast: Connec
         pending = await conn.call("XPENDING", conn.keys.ingress, "dispatch")
     assert result.id == message_id and result.stage is Stage.SUCCEEDED
     assert agent.log.calls[message_id] == 1 and int(pending[0]) == 0
+
+
+async def test_a_hanging_agent_is_asked_for_its_status_before_anything_is_guessed(
+    fast: Connection,
+) -> None:
+    """The call times out (2 s); the live sidecar asks the status endpoint, which says done:
+    the result is recorded, the non-idempotent agent ran it once, nothing was parked."""
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    calls: list[str] = []
+    never = anyio.Event()
+
+    async def execute(request: Request) -> Response:
+        calls.append(request.headers["x-reach-message-id"])
+        await never.wait()  # hangs: the answer never comes back
+        return JSONResponse({})
+
+    async def status(request: Request) -> Response:
+        if request.path_params["message_id"] in calls:
+            return JSONResponse({"state": "done", "result": {"made": "it"}})
+        return Response(status_code=404)
+
+    app = Starlette(
+        routes=[
+            Route("/", execute, methods=["POST"]),
+            Route("/status/{message_id}", status, methods=["GET"]),
+        ]
+    )
+    async with serve_app(app) as url:
+        card = InstanceCard(
+            agent_id="hang",
+            instance_id="hang-1",
+            capabilities=("text.echo",),
+            endpoint=url,
+            max_inflight=2,
+            status_url=f"{url}status",
+        )
+        transport = HttpTransport(
+            url, timeout_s=conn.settings.sync_call_timeout_s, max_connections=2
+        )
+        sidecar = Sidecar(conn, card, transport, grace_s=1.0)
+        async with anyio.create_task_group() as tg, running_dispatcher(conn):
+            await tg.start(sidecar.run)
+            message_id = await client.submit(request(reply_to))
+            (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
+            never.set()
+            tg.cancel_scope.cancel()
+        await transport.aclose()
+    assert result.id == message_id and result.stage is Stage.SUCCEEDED
+    assert result.result == {"made": "it"} and calls == [message_id]
