@@ -310,7 +310,8 @@ class Sidecar:
                 [(f"{i.taken.message_id}:{i.taken.attempt}", i.taken.entry_id) for i in batch],
             )
             await self.conn.call(*release)
-        except RedisUnavailable:
+        except Exception:
+            # anything that stopped the round trip: the batch is finished again next time
             self._finished = batch + self._finished
             raise
         self._held.difference_update(item.taken.entry_id for item in batch)

@@ -40,7 +40,7 @@ class StatusClient:
         url = f"{status_url.rstrip('/')}/{message_id}"
         try:
             response = await self._client.get(url, headers={"X-Reach-Message-Id": message_id})
-        except httpx.HTTPError as exc:
+        except Exception as exc:  # any failure to ask is "unknown", never a crash
             return Status("unknown", why=f"status query failed: {type(exc).__name__}")
         if response.status_code == 404:
             return Status("unknown", why="status endpoint: 404, message not known")

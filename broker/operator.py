@@ -281,26 +281,31 @@ class Operator:
     async def _replay_one(self, record: MessageRecord, by: str) -> Action:
         timeout_s = load_envelope(record.envelope).timeout_s
         deadline_ms = now_ms() + int(timeout_s * 1000)
+        # indexed for the reaper first: a stop between the two writes leaves a message the
+        # reaper looks at, never a live one nobody will
+        await self.conn.call(*self.store.due_command(record.id, deadline_ms))
         moved = await self.store.apply(
             Move(
                 record.id,
                 Stage.WAITING,
-                any_of=REPLAYABLE,
+                # exactly what was planned (and confirmed): not a later state of the message
+                any_of=frozenset({record.stage}) & REPLAYABLE,
+                expect_attempt=record.attempt,
                 reason=f"replayed by {by}",
                 # a fresh start: no back-off pending, no instance to steer away from
-                fields={"deadline_ms": deadline_ms, "error": "", "avoid": "", "retry_at_ms": 0},
+                fields={
+                    "deadline_ms": deadline_ms,
+                    "error": "",
+                    "avoid": "",
+                    "retry_at_ms": 0,
+                    "extensions": 0,
+                },
             )
         )
         if not moved.ok:
             return _refused(record.id, moved.stage, _no_replay(record.id, moved.stage))
-        await self.store.run_all(
-            [
-                *self.store.park_commands(
-                    [(record.capability, record.id, record.priority, record.accepted_ms)]
-                ),
-                self.store.due_command(record.id, deadline_ms),
-            ]
-        )
+        await self.conn.call("HDEL", self.conn.keys.record(record.id), "deadline_told")
+        await self.store.park(record.capability, record.id, record.priority, record.accepted_ms)
         return Action(record.id, True, Stage.WAITING, f"{record.id} (was {record.stage})")
 
     # -- resolve, cancel -------------------------------------------------------------------

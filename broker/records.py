@@ -108,6 +108,7 @@ class MessageRecord(msgspec.Struct, frozen=True, kw_only=True):
     avoid: str = ""  # the instance that failed the last attempt: a retry goes elsewhere
     retry_at_ms: int = 0  # a retry waits out its back-off until then (the reaper parks it)
     extensions: int = 0  # times the reaper let a PROCESSING message run on ("running")
+    reply_pending: bool = False  # ended by the reaper, the producer not yet told
 
 
 class AssignResult(IntEnum):

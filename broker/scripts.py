@@ -16,6 +16,7 @@ class ScriptName(StrEnum):
     HEARTBEAT = "heartbeat"
     BACKLOG = "backlog"
     CLAIM_DUE = "claim_due"
+    RESCHEDULE_DUE = "reschedule_due"
 
 
 @dataclass(frozen=True, slots=True)

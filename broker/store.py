@@ -229,6 +229,17 @@ class MessageStore:
         )
         return [_text(i) for i in await self.conn.call(*command)]
 
+    async def reschedule_due(self, lease_score: int, verdicts: list[tuple[str, int | None]]) -> int:
+        """Write each leased message's next look (``None``: it ended, forget it), only where
+        the lease still stands (see ``lua/reschedule_due.lua``)."""
+        if not verdicts:
+            return 0
+        args: list[Any] = [lease_score]
+        for message_id, next_ms in verdicts:
+            args += [message_id, "" if next_ms is None else next_ms]
+        command = self.conn.script_command(ScriptName.RESCHEDULE_DUE, (self.keys.due,), args)
+        return int(await self.conn.call(*command))
+
     def due_at_most_command(self, message_id: str, at_ms: int) -> tuple[Any, ...]:
         """Bring a message's next deadline forward to ``at_ms`` (never later): the delivery
         timeout of an assignment, say, comes before the message's own deadline."""
@@ -488,6 +499,7 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
         avoid=_text(get("avoid")),
         retry_at_ms=_int(get("retry_at_ms")),
         extensions=_int(get("extensions")),
+        reply_pending=bool(get("reply_pending")),
     )
 
 

@@ -121,6 +121,9 @@ class Dispatcher:
         if entries:
             log.info("claimed %d ingress entries abandoned by another dispatcher", len(entries))
             await self.handle_batch(entries, recovering=True)
+        gone = [e[0] for e in reply[1] if e and not e[1]]  # deleted while pending (Redis 6.2)
+        if gone:
+            await ack(self.conn, self.keys.ingress, DISPATCH_GROUP, [g.decode() for g in gone])
         return len(entries)
 
     async def _ingress_loop(self, reader: GroupReader) -> None:

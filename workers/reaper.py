@@ -39,9 +39,8 @@ from adapters.status import StatusClient
 from broker.connection import Connection
 from broker.envelope import Envelope, load_envelope
 from broker.errors import RedisUnavailable
-from broker.health import observed_state
 from broker.keyspace import SIDECAR_GROUP
-from broker.records import InstanceState, InstanceView, MessageRecord
+from broker.records import InstanceView, MessageRecord
 from broker.registry import Registry
 from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
@@ -55,9 +54,11 @@ log = logging.getLogger("agent_reach.reaper")
 
 LEASE_MS = 30_000
 CLAIM_BATCH = 200
+RESOLVE_CONCURRENCY = 32  # with 3 s status queries, a batch of 200 ends well inside its lease
 MAX_EXTENSIONS = 5  # "running" answers before the reaper treats the agent as not knowing
 PARKED_RECHECK_MS = 3_600_000
 _AGENT_NOT_ASKED = (Stage.ROUTED, Stage.RECEIVED)
+_HOLDS_CREDIT = (Stage.ROUTED, Stage.RECEIVED, Stage.PROCESSING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,7 @@ class Reaper:
         self.registry = Registry(conn)
         self.table = RoutingTable(routing_policy(conn.settings))
         self.waiting = WaitingRoom(self.store, self.table, batch=conn.settings.dispatch_batch)
-        self.status = status or StatusClient()
+        self.status = status or StatusClient(timeout_s=3.0)
         self.views: dict[str, InstanceView] = {}
         self.rng = random.Random()
         self.delivery_timeout_ms = int(conn.settings.delivery_timeout_s * 1000)
@@ -84,6 +85,7 @@ class Reaper:
             (conn.settings.sync_call_timeout_s + conn.settings.processing_grace_s) * 1000
         )
         self.handled: dict[str, int] = {}  # action -> count, over this reaper's life
+        self._limit = anyio.CapacityLimiter(RESOLVE_CONCURRENCY)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -109,18 +111,32 @@ class Reaper:
             if not ids:
                 return total
             total += len(ids)
-            records = await self.store.get_records(ids)
-            commands: list[tuple[Any, ...]] = []
-            for message_id, record in zip(ids, records, strict=True):
-                verdict = await self.resolve(message_id, record, now)
-                self.handled[verdict.action] = self.handled.get(verdict.action, 0) + 1
-                if verdict.next_due_ms is None:
-                    commands.append(("ZREM", self.conn.keys.due, message_id))
-                else:
-                    commands.append(self.store.due_command(message_id, verdict.next_due_ms))
-            await self.store.run_all(commands)
+            verdicts = await self._judge_all(ids, now)
+            await self.store.reschedule_due(now + LEASE_MS, verdicts)
             if len(ids) < CLAIM_BATCH:
                 return total
+
+    async def _judge_all(self, ids: list[str], now: int) -> list[tuple[str, int | None]]:
+        """Resolve a leased batch concurrently: a slow status endpoint must not hold the rest
+        past their lease. Returns each message's next look (``None``: forget it)."""
+        verdicts: list[tuple[str, int | None]] = []
+        records = await self.store.get_records(ids)
+        async with anyio.create_task_group() as tg:
+            for message_id, record in zip(ids, records, strict=True):
+                tg.start_soon(self._judge, message_id, record, now, verdicts)
+        return verdicts
+
+    async def _judge(
+        self,
+        message_id: str,
+        record: MessageRecord | None,
+        now: int,
+        verdicts: list[tuple[str, int | None]],
+    ) -> None:
+        async with self._limit:
+            verdict = await self.resolve(message_id, record, now)
+        self.handled[verdict.action] = self.handled.get(verdict.action, 0) + 1
+        verdicts.append((message_id, verdict.next_due_ms))
 
     async def dead_instances(self, now: int) -> int:
         """The work of instances that are down, at once (not at its delivery timeout): every
@@ -129,17 +145,23 @@ class Reaper:
         resolved the same way first."""
         total = 0
         for instance_id in [i for i in self.views if self.instance_down(i, now)]:
-            members = await self.conn.call("SMEMBERS", self.conn.keys.inflight(instance_id))
-            ids = sorted({m.decode().rpartition(":")[0] for m in members})
-            total += await self._resolve_now(ids, instance_id, now)
+            raw = await self.conn.call("SMEMBERS", self.conn.keys.inflight(instance_id))
+            members = {m.decode() for m in raw}
+            ids = sorted({m.rpartition(":")[0] for m in members})
+            total += await self._resolve_now(ids, instance_id, now, members)
             total += await self._claim_pending(instance_id, now)
         return total
 
-    async def _resolve_now(self, ids: list[str], instance_id: str, now: int) -> int:
+    async def _resolve_now(
+        self, ids: list[str], instance_id: str, now: int, members: set[str] | None = None
+    ) -> int:
         if not ids:
             return 0
         commands: list[tuple[Any, ...]] = []
         for message_id, record in zip(ids, await self.store.get_records(ids), strict=True):
+            leaked = _stale_credits(message_id, record, instance_id, members or set())
+            if leaked:
+                commands.append(("SREM", self.conn.keys.inflight(instance_id), *leaked))
             if record is None or record.instance != instance_id:
                 continue
             if record.stage in _AGENT_NOT_ASKED:
@@ -168,13 +190,14 @@ class Reaper:
             )
         except ResponseError:
             return 0  # no stream or no group: nothing was ever assigned there
-        entries = parse_entries(reply[1])
-        if not entries:
+        claimed = [e[0] for e in reply[1] if e]
+        if not claimed:
             return 0
+        entries = parse_entries(reply[1])  # without the entries deleted while pending
         ids = sorted({f["id"].decode() for _, f in entries})
         await self._resolve_now(ids, instance_id, now)
-        await self.conn.call("XACK", queue, SIDECAR_GROUP, *(e for e, _ in entries))
-        return len(entries)
+        await self.conn.call("XACK", queue, SIDECAR_GROUP, *claimed)
+        return len(claimed)
 
     async def refresh(self) -> None:
         views = await self.registry.snapshot()
@@ -182,15 +205,17 @@ class Reaper:
         self.views = {v.instance_id: v for v in views}
 
     def instance_down(self, instance_id: str, now: int) -> bool:
+        """Its sidecar is gone: deregistered, or silent past ``down_after_s``. Only the
+        heartbeat counts — a live sidecar reporting DOWN (errors) or DRAINING still owns its
+        work; a dead one that was DRAINING does not."""
         view = self.views.get(instance_id)
-        if view is None:
-            return True
-        state = observed_state(view, now_ms=now, down_after_ms=self.table.policy.down_after_ms)
-        return state is InstanceState.DOWN
+        return view is None or now - view.heartbeat_ms > self.table.policy.down_after_ms
 
     async def resolve(self, message_id: str, record: MessageRecord | None, now: int) -> Verdict:
-        if record is not None and record.stage is Stage.EXPIRED:
-            # ended by a reaper that may have stopped before telling the producer: again
+        if record is not None and record.stage in TERMINAL and record.reply_pending:
+            # ended by a reaper that stopped before telling the producer (or dead-lettering)
+            await self._finish_telling(record)
+        elif record is not None and record.stage is Stage.EXPIRED:
             await self.waiting.reply_expired(record, record.error or "waited_past_deadline")
         if record is None or record.stage in TERMINAL:
             return Verdict("forgotten", None)
@@ -209,7 +234,16 @@ class Reaper:
 
     async def _waiting(self, record: MessageRecord, now: int) -> Verdict:
         if now < record.deadline_ms:
-            return Verdict("waiting", record.deadline_ms)
+            # whoever moved it to WAITING may have stopped before indexing it: index it
+            # (unless it was set aside as unmatched; a drain then finds it either way)
+            set_aside = await self.conn.call(
+                "ZSCORE", self.conn.keys.unmatched(record.capability), record.id
+            )
+            if set_aside is None:
+                await self.store.park(
+                    record.capability, record.id, record.priority, record.accepted_ms
+                )
+            return Verdict("waiting", min(record.deadline_ms, now + self.delivery_timeout_ms))
         if await self.waiting.expire(record, now):
             return Verdict("expired", None)
         return Verdict("raced", now + 1_000)  # it just left WAITING: look again shortly
@@ -225,7 +259,7 @@ class Reaper:
         )
         if moved.ok:
             await self.store.park(record.capability, record.id, record.priority, record.accepted_ms)
-        return Verdict("parked accepted", record.deadline_ms)
+        return Verdict("parked accepted", self._next_look(record, now))
 
     async def _not_asked(self, record: MessageRecord, now: int) -> Verdict:
         down = self.instance_down(record.instance, now)
@@ -250,7 +284,7 @@ class Reaper:
         if moved.ok:
             await self._release(record)
             await self.store.park(record.capability, record.id, record.priority, record.accepted_ms)
-            return Verdict("rerouted", record.deadline_ms)
+            return Verdict("rerouted", self._next_look(record, now))
         return Verdict("raced", now + 1_000)
 
     # -- the agent may be working on it ----------------------------------------------------
@@ -321,9 +355,14 @@ class Reaper:
             return Verdict("raced", now + 1_000)
         await self._release(record)
         await self.store.park(envelope.capability, record.id, record.priority, record.accepted_ms)
-        return Verdict("retried", record.deadline_ms if record.deadline_ms > now else now + delay)
+        return Verdict("retried", max(now + delay, self._next_look(record, now)))
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _next_look(self, record: MessageRecord, now: int) -> int:
+        """After the reaper sent a message back to WAITING: soon enough to see it through
+        (parked, routed, delivered), or at its deadline if that comes first."""
+        return min(record.deadline_ms, now + self.delivery_timeout_ms)
 
     def _fenced(self, record: MessageRecord, target: Stage, **options: Any) -> Move:
         """A move only from the stage, attempt and instance the reaper looked at."""
@@ -346,7 +385,7 @@ class Reaper:
         error: str | None = None,
     ) -> bool:
         """A terminal outcome: recorded (fenced), the credit returned, the producer told."""
-        fields: dict[str, str | bytes | int] = {}
+        fields: dict[str, str | bytes | int] = {"reply_pending": 1}
         if result is not None:
             fields["result"] = result
         if error is not None or stage is Stage.EXPIRED:
@@ -358,7 +397,14 @@ class Reaper:
         if stage is Stage.DEAD:  # dead-lettered before the producer hears of it
             await self.store.dead_letter_message(record.id, str(fields["error"]))
         await self._reply(record, stage, result, str(fields.get("error", reason)))
+        await self.conn.call("HDEL", self.conn.keys.record(record.id), "reply_pending")
         return True
+
+    async def _finish_telling(self, record: MessageRecord) -> None:
+        if record.stage is Stage.DEAD:
+            await self.store.dead_letter_message(record.id, record.error or "dead")
+        await self._reply(record, record.stage, record.result, record.error)
+        await self.conn.call("HDEL", self.conn.keys.record(record.id), "reply_pending")
 
     async def _reply(
         self, record: MessageRecord, stage: Stage, result: bytes | None, error: str | None
@@ -373,8 +419,10 @@ class Reaper:
         await self.store.send_reply(record.reply_to, reply)
 
     async def _release(self, record: MessageRecord) -> None:
-        """Return the credit the abandoned attempt held on its instance."""
-        if record.instance:
+        """Return the credit the abandoned attempt held on a dead instance. A live sidecar
+        returns its own when it reads (and drops) or finishes the entry: taken back here, the
+        instance could be handed more than its limit while its call still runs."""
+        if record.instance and self.instance_down(record.instance, now_ms()):
             await self.conn.call(
                 "SREM", self.conn.keys.inflight(record.instance), f"{record.id}:{record.attempt}"
             )
@@ -392,3 +440,15 @@ class Reaper:
                     "error": "the deadline passed while the agent may still be working on it",
                 },
             )
+
+
+def _stale_credits(
+    message_id: str, record: MessageRecord | None, instance_id: str, members: set[str]
+) -> list[str]:
+    """The message's credits on the instance that no live attempt there holds any more."""
+    live = (
+        f"{message_id}:{record.attempt}"
+        if record is not None and record.instance == instance_id and record.stage in _HOLDS_CREDIT
+        else None
+    )
+    return [m for m in members if m.rpartition(":")[0] == message_id and m != live]
