@@ -380,6 +380,10 @@ class Sidecar:
         envelope = load_envelope(record.envelope)
         if moved.stage is Stage.RECEIVED:
             await self._execute(taken, envelope, Stage.RECEIVED, "resumed after restart")
+        elif moved.stage is Stage.PROCESSING and self.card.status_url:
+            # the agent may have finished meanwhile: ask before re-running or parking
+            unknown = Ambiguous("sidecar restarted while the agent was processing")
+            await self._record(taken, envelope, unknown)
         elif moved.stage is Stage.PROCESSING and self.card.idempotent:
             await self._execute(
                 taken,

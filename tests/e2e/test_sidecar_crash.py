@@ -8,6 +8,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from broker.client import Client
 from broker.config import Settings
@@ -18,6 +22,7 @@ from broker.store import MessageStore
 from tests.support.agents import RunningAgent, http_agent
 from tests.support.harness import collect_replies, eventually, running_dispatcher
 from tests.support.processes import process_env, start, stop
+from workers.demo import serve_app
 
 
 def sidecar_args(agent: RunningAgent, *extra: str) -> list[str]:
@@ -157,3 +162,29 @@ async def test_sigterm_drains_and_deregisters(
         assert stop(process) == 0
     assert await conn.call("EXISTS", conn.keys.card("crash-1")) == 0
     assert await conn.call("ZSCORE", conn.keys.agents, "crash-1") is None
+
+
+@pytest.mark.timeout(120)
+async def test_restarted_after_processing_asks_the_status_endpoint_before_parking(
+    conn: Connection, settings: Settings, tmp_path: Path
+) -> None:
+    """Killed after PROCESSING; on restart the sidecar asks the agent's status endpoint, which
+    says done: the result is recorded instead of parking the message for an operator."""
+
+    async def status(request: Request) -> Response:
+        return JSONResponse({"state": "done", "result": {"agent": "crash", "echo": {"n": 1}}})
+
+    app = Starlette(routes=[Route("/status/{message_id}", status, methods=["GET"])])
+    async with serve_app(app) as url:
+        agent, message_id, timeline, at_crash = await crash_then_restart(
+            conn,
+            settings,
+            tmp_path,
+            "sidecar.after_processing",
+            "--status-url",
+            f"{url}status",
+        )
+    assert at_crash is Stage.PROCESSING
+    assert timeline[-1] is Stage.SUCCEEDED and Stage.NEEDS_CONFIRMATION not in timeline
+    # killed before its call: the agent was never called again — the result came from status
+    assert agent.log.calls[message_id] == 0
