@@ -111,6 +111,22 @@ async def ghost_takes(conn: Connection, message_id: str, instance_id: str, upto:
             return
 
 
+async def processing_on_ghost(
+    conn: Connection,
+    client: Client,
+    reply_to: str,
+    *,
+    status_url: str = "",
+    idempotent: bool = False,
+    **fields: object,
+) -> str:
+    """A message the ghost (registered now) took to PROCESSING before it died."""
+    await register_ghost(conn, "ghost-1", status_url=status_url, idempotent=idempotent)
+    message_id = await routed_to_ghost(conn, client, reply_to, **fields)
+    await ghost_takes(conn, message_id, "ghost-1", Stage.PROCESSING)
+    return message_id
+
+
 @asynccontextmanager
 async def status_agent(answer: StatusAnswer) -> AsyncIterator[str]:
     """An agent that only answers status queries; yields its status URL."""
@@ -270,9 +286,9 @@ async def test_processing_on_a_dead_instance_asks_the_agent_first(
         return JSONResponse(body)
 
     async with status_agent(answer) as status_url, running_dispatcher(conn):
-        await register_ghost(conn, "ghost-1", status_url=status_url, idempotent=False)
-        message_id = await routed_to_ghost(conn, client, reply_to)
-        await ghost_takes(conn, message_id, "ghost-1", Stage.PROCESSING)
+        message_id = await processing_on_ghost(
+            conn, client, reply_to, status_url=status_url, idempotent=False
+        )
 
         async def settled() -> bool:
             return await stage_of(conn, message_id) is expected
@@ -315,9 +331,7 @@ async def test_a_running_answer_extends_then_done_records_the_result(fast: Conne
         return JSONResponse({"state": state, "result": {"ok": True}})
 
     async with status_agent(answer) as status_url, running_dispatcher(conn):
-        await register_ghost(conn, "ghost-1", status_url=status_url)
-        message_id = await routed_to_ghost(conn, client, reply_to)
-        await ghost_takes(conn, message_id, "ghost-1", Stage.PROCESSING)
+        message_id = await processing_on_ghost(conn, client, reply_to, status_url=status_url)
         (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=30)).values()
     record = await MessageStore(conn).get_record(message_id)
     assert result.stage is Stage.SUCCEEDED and record is not None and record.extensions == 2
@@ -334,9 +348,9 @@ async def test_unknown_on_an_idempotent_agent_retries_with_the_same_key_elsewher
         return JSONResponse({"state": "unknown"})
 
     async with status_agent(answer) as status_url, running_dispatcher(conn):
-        await register_ghost(conn, "ghost-1", status_url=status_url, idempotent=True)
-        message_id = await routed_to_ghost(conn, client, reply_to)
-        await ghost_takes(conn, message_id, "ghost-1", Stage.PROCESSING)
+        message_id = await processing_on_ghost(
+            conn, client, reply_to, status_url=status_url, idempotent=True
+        )
         async with (
             http_agent("a") as agent,
             running_sidecar(conn, "a-1", ("text.echo",), url=agent.url, idempotent=True),
@@ -357,9 +371,9 @@ async def test_an_idempotent_agent_out_of_attempts_is_dead_lettered_with_its_rea
     client = Client(conn)
     reply_to = client.new_reply_stream()
     async with running_dispatcher(conn):
-        await register_ghost(conn, "ghost-1", idempotent=True)
-        message_id = await routed_to_ghost(conn, client, reply_to, max_attempts=1)
-        await ghost_takes(conn, message_id, "ghost-1", Stage.PROCESSING)
+        message_id = await processing_on_ghost(
+            conn, client, reply_to, idempotent=True, max_attempts=1
+        )
         (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
     assert result.stage is Stage.DEAD
     assert result.error is not None and result.error.startswith("gave up after 1 attempts")
@@ -384,9 +398,9 @@ async def test_processing_past_the_deadline_is_never_expired_and_the_producer_is
         return JSONResponse({"state": "running"})
 
     async with status_agent(answer) as status_url, running_dispatcher(conn):
-        await register_ghost(conn, "ghost-1", status_url=status_url)
-        message_id = await routed_to_ghost(conn, client, reply_to, timeout_s=1)
-        await ghost_takes(conn, message_id, "ghost-1", Stage.PROCESSING)
+        message_id = await processing_on_ghost(
+            conn, client, reply_to, status_url=status_url, timeout_s=1
+        )
         (notice,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
 
         async def extended() -> bool:
