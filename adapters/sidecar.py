@@ -28,6 +28,7 @@ from broker.errors import RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
 from broker.records import InstanceCard, InstanceState, Moved
 from broker.registry import Registry
+from broker.results import Command, delivery_commands
 from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move, now_ms, trim_acknowledged
@@ -298,12 +299,14 @@ class Sidecar:
                 id(item) for item, m in zip(settles, moved, strict=True) if self._recorded(item, m)
             }
             replying = [
-                item
+                (item.taken.message_id, command)
                 for item in batch
-                if item.reply is not None and (item.settle is None or id(item) in recorded)
+                if item.settle is None or id(item) in recorded
+                for command in item.replies
             ]
-            replies = await self.conn.call_many([item.reply for item in replying])  # type: ignore[misc]
-            await self._undeliverable(replying, replies)
+            commands = [command for _, command in replying]
+            replies = await self.conn.call_many(commands)
+            await self.store.refused_deliveries([m for m, _ in replying], commands, replies)
             release = self.store.release_command(
                 self.instance_id,
                 SIDECAR_GROUP,
@@ -315,23 +318,6 @@ class Sidecar:
             self._finished = batch + self._finished
             raise
         self._held.difference_update(item.taken.entry_id for item in batch)
-
-    async def _undeliverable(self, replying: list[Finished], replies: list[Any]) -> None:
-        """A reply Redis refused for good (``reply_to`` names a key that is not a stream, say)
-        is dead-lettered with its reason, and the entry still finishes: one producer's bad
-        ``reply_to`` must not stop the sidecar or hold its credit."""
-        for item, reply in zip(replying, replies, strict=True):
-            if isinstance(reply, RedisUnavailable):
-                raise reply
-            if isinstance(reply, Exception):
-                log.warning("message %s: reply undeliverable: %s", item.taken.message_id, reply)
-                await self.store.dead_letter(
-                    {
-                        "id": item.taken.message_id,
-                        "reason": f"reply_undeliverable: {reply}",
-                        "ts": str(now_ms()),
-                    }
-                )
 
     def _recorded(self, item: Finished, moved: Moved) -> bool:
         """The outcome is on the record: written now, or by an earlier try of this batch."""
@@ -478,8 +464,8 @@ class Sidecar:
         if error is not None:
             fields["error"] = error
         settle = self._fenced(taken, stage, Stage.PROCESSING, reason=reason, fields=fields)
-        reply = self._reply(envelope, stage, result, error) if stage in TERMINAL else None
-        self._finished.append(Finished(taken, reply, settle))
+        replies = self._reply(envelope, stage, result, error) if stage in TERMINAL else []
+        self._finished.append(Finished(taken, replies, settle))
 
     async def _requeue(
         self, taken: Taken, envelope: Envelope, reason: str, *, back_off: bool
@@ -530,23 +516,15 @@ class Sidecar:
             **options,
         )
 
-    def _done(self, taken: Taken, reply: tuple[Any, ...] | None = None) -> None:
-        """Queue the entry for the next release round trip (credit, ack, reply)."""
-        self._finished.append(Finished(taken, reply))
+    def _done(self, taken: Taken, replies: list[Command] | None = None) -> None:
+        """Queue the entry for the next release round trip (credit, ack, replies)."""
+        self._finished.append(Finished(taken, replies or []))
 
     def _reply(
         self, envelope: Envelope, stage: Stage, result: bytes | None, error: str | None
-    ) -> tuple[Any, ...] | None:
-        """The ``XADD`` of the result to ``reply_to`` (fields ``id``, ``stage``, ``result`` or
-        ``error``), or ``None`` when the producer asked for no reply."""
-        if not envelope.reply_to:
-            return None
-        fields: list[str | bytes] = ["id", envelope.message_id, "stage", stage.value]
-        if result is not None:
-            fields += ["result", result]
-        if error is not None:
-            fields += ["error", error]
-        return ("XADD", envelope.reply_to, "*", *fields)
+    ) -> list[Command]:
+        """The commands that tell the producer (:mod:`broker.results`)."""
+        return delivery_commands(self.conn.keys, envelope, stage, result, error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -563,5 +541,5 @@ class Finished:
     """An entry done with the agent: its outcome to record, reply to send, credit to return."""
 
     taken: Taken
-    reply: tuple[Any, ...] | None
+    replies: list[Command]
     settle: Move | None = None

@@ -74,6 +74,15 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     # past the sidecar's own call timeout, before the reaper asks after a PROCESSING message
     processing_grace_s: Positive = 5.0
     callback_timeout_s: Positive = 600.0
+    # async agents: the largest result an agent may POST to a sidecar's callback endpoint
+    max_callback_bytes: Annotated[int, msgspec.Meta(ge=256, le=64 * 1024 * 1024)] = 1024 * 1024
+    # result delivery (the notifier): webhooks to `callback_url`
+    webhook_secret: str | None = None  # HMAC-SHA256 key; no secret, no webhooks
+    callback_hosts: list[str] = msgspec.field(default_factory=list)  # allowed webhook hosts
+    webhook_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 6
+    webhook_backoff_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 500
+    webhook_backoff_max_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 60_000
+    webhook_timeout_s: Positive = 10.0
 
 
 FIELDS: tuple[str, ...] = Settings.__struct_fields__
@@ -126,7 +135,10 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def _env_value(key: str, value: str) -> Any:
-    """Maps come as JSON: ``AGENT_REACH_CAPABILITY_ALIASES='{"a.b": "c.d"}'``."""
+    """Maps come as JSON: ``AGENT_REACH_CAPABILITY_ALIASES='{"a.b": "c.d"}'``; lists as
+    comma-separated words: ``AGENT_REACH_CALLBACK_HOSTS=hooks.example.com,127.0.0.1``."""
+    if key == "callback_hosts":
+        return [host.strip() for host in value.split(",") if host.strip()]
     if key == "capability_aliases":
         try:
             return msgspec.json.decode(value)

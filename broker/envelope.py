@@ -55,6 +55,8 @@ class Envelope(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     traceparent: str | None = None
     headers: dict[str, str] = msgspec.field(default_factory=dict)
     created_at: float | None = None
+    # Set by the broker on the children of a broadcast; a producer's envelope never has it.
+    parent: MessageId | None = None
 
     def payload_json(self) -> Any:
         """The payload decoded from JSON (the broker itself never decodes it)."""

@@ -17,6 +17,7 @@ key                       type    holds
 ``P:s:{<session>}``        string  session -> instance (affinity), with a TTL
 ``P:n:{<capability>}:<w>``  string  assignments in 10-second window ``w`` (expires)
 ``P:dlq``                 stream  dead letters with their reason
+``P:outbox``              stream  webhook deliveries; consumer group ``notify``
 ``P:reply:<name>``        stream  results for one producer
 ``P:credit``              pubsub  instance ids whose credits were just released
 ``P:registry``            pubsub  instance ids whose card just changed
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 DISPATCH_GROUP = "dispatch"
 SIDECAR_GROUP = "sidecar"
+NOTIFY_GROUP = "notify"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,10 @@ class Keyspace:
     @property
     def dlq(self) -> str:
         return f"{self.prefix}:dlq"
+
+    @property
+    def outbox(self) -> str:
+        return f"{self.prefix}:outbox"
 
     @property
     def reply_prefix(self) -> str:

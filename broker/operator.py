@@ -383,10 +383,10 @@ class Operator:
         self, record: MessageRecord, stage: Stage, fields: Mapping[str, bytes]
     ) -> None:
         """The message has ended: tell its producer, and drop its deadline entry."""
-        if record.reply_to:
-            await self.store.send_reply(
-                record.reply_to, {"id": record.id, "stage": stage.value, **fields}
-            )
+        error = fields.get("error")
+        await self.store.deliver(
+            record.envelope, stage, fields.get("result"), error.decode() if error else None
+        )
         await self.store.forget_due([record.id])
 
     # -- dead letters ----------------------------------------------------------------------

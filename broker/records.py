@@ -82,8 +82,11 @@ class InstanceView(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TimelineEntry(msgspec.Struct, frozen=True):
+    """One step of a message's life: a stage it entered, or an event that changed no stage
+    (``CALLBACK_DELIVERED``: its result reached the producer's webhook)."""
+
     ts_ms: int
-    stage: Stage
+    stage: Stage | str  # a Stage, or the name of an event
     instance: str
     attempt: int
     reason: str

@@ -16,8 +16,11 @@ import msgspec
 from redis.exceptions import ResponseError
 
 from .connection import Connection
+from .envelope import Envelope, load_envelope
+from .errors import RedisUnavailable
 from .fairness import PRIORITY_SPAN, split_score, waiting_score
 from .records import Accepted, AssignResult, MessageRecord, Moved, TimelineEntry
+from .results import Command, delivery_commands
 from .scripts import ScriptName
 from .stages import TERMINAL, Stage, sources_for
 
@@ -394,7 +397,7 @@ class MessageStore:
         its timeline (JSON ``[[stage, instance, attempt, reason], ...]``)."""
         record = await self.get_record(message_id)
         timeline = await self.get_timeline(message_id)
-        chain = [[e.stage.value, e.instance, e.attempt, e.reason] for e in timeline if e.reason]
+        chain = [[e.stage, e.instance, e.attempt, e.reason] for e in timeline if e.reason]
         await self.dead_letter(
             {
                 "id": message_id,
@@ -408,6 +411,40 @@ class MessageStore:
 
     async def dead_letter(self, fields: Mapping[str, str | bytes]) -> None:
         await self.conn.call("XADD", self.keys.dlq, "*", *_flat(fields))
+
+    async def deliver(
+        self,
+        envelope: Envelope | bytes,
+        stage: Stage,
+        result: bytes | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Tell the producer how the message ended (:mod:`broker.results`), in one round trip."""
+        if isinstance(envelope, bytes):
+            envelope = load_envelope(envelope)
+        commands = delivery_commands(self.keys, envelope, stage, result, error)
+        if commands:
+            owners = [envelope.message_id] * len(commands)
+            await self.refused_deliveries(owners, commands, await self.conn.call_many(commands))
+
+    async def refused_deliveries(
+        self, owners: list[str], commands: list[Command], replies: list[Any]
+    ) -> None:
+        """A delivery Redis refused for good (``reply_to`` names a key that is not a stream,
+        say) is dead-lettered with its reason: one producer's bad ``reply_to`` must not stop
+        the process that ended the message. A lost connection is raised: it is sent again."""
+        for message_id, command, reply in zip(owners, commands, replies, strict=True):
+            if isinstance(reply, RedisUnavailable):
+                raise reply
+            if isinstance(reply, Exception):
+                what = "reply" if command[1] != self.keys.outbox else "webhook"
+                await self.dead_letter(
+                    {
+                        "id": message_id,
+                        "reason": f"{what}_undeliverable: {reply}",
+                        "ts": str(now_ms()),
+                    }
+                )
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -506,11 +543,18 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
 _timeline_item = msgspec.json.Decoder(tuple[str, str, str, str, str])
 
 
+_STAGES = {stage.value: stage for stage in Stage}
+
+
 def timeline_entry(raw: bytes) -> TimelineEntry:
     """One timeline item: the JSON array ``[ts, stage, instance, attempt, reason]``."""
     ts, stage, instance, attempt, reason = _timeline_item.decode(raw)
     return TimelineEntry(
-        ts_ms=int(ts), stage=Stage(stage), instance=instance, attempt=int(attempt), reason=reason
+        ts_ms=int(ts),
+        stage=_STAGES.get(stage, stage),
+        instance=instance,
+        attempt=int(attempt),
+        reason=reason,
     )
 
 

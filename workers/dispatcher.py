@@ -43,6 +43,7 @@ from broker.routing import Decision
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore, ack, now_ms, trim_acknowledged
 from broker.streams import GroupReader, StreamEntry, Subscriber, parse_entries
+from broker.webhooks import callback_problem
 
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
 from .routing_table import RoutingTable, routing_policy
@@ -174,6 +175,14 @@ class Dispatcher:
         envelope = decode_envelope(
             raw, max_bytes=self.settings.max_envelope_bytes, reply_prefix=self.keys.reply_prefix
         )
+        if envelope.parent is not None:
+            raise InvalidEnvelope("invalid envelope: `parent` is set by the broker only", raw)
+        if envelope.callback_url is not None and (
+            problem := callback_problem(
+                envelope.callback_url, self.settings.callback_hosts, self.settings.webhook_secret
+            )
+        ):
+            raise InvalidEnvelope(problem, raw)
         if envelope.id is None:
             envelope = msgspec.structs.replace(envelope, id=fallback_id)
         return complete(envelope)

@@ -414,14 +414,7 @@ class Reaper:
     async def _reply(
         self, record: MessageRecord, stage: Stage, result: bytes | None, error: str | None
     ) -> None:
-        if not record.reply_to:
-            return
-        reply: dict[str, str | bytes] = {"id": record.id, "stage": stage.value}
-        if result is not None:
-            reply["result"] = result
-        else:
-            reply["error"] = error or ""
-        await self.store.send_reply(record.reply_to, reply)
+        await self.store.deliver(record.envelope, stage, result, error)
 
     async def _release(self, record: MessageRecord) -> None:
         """Return the credit the abandoned attempt held on a dead instance. A live sidecar

@@ -266,10 +266,7 @@ class WaitingRoom:
         return True
 
     async def reply_expired(self, record: MessageRecord, reason: str) -> None:
-        if record.reply_to:
-            await self.store.send_reply(
-                record.reply_to, {"id": record.id, "stage": Stage.EXPIRED.value, "error": reason}
-            )
+        await self.store.deliver(record.envelope, Stage.EXPIRED, None, reason)
 
     def _why_unserved(self, record: MessageRecord, now: int) -> str:
         """Why a message is still waiting at its deadline, asked of the funnel again now."""

@@ -143,3 +143,27 @@ async def _until_dead_letter(conn: Connection) -> None:
         return bool(await dead_letters(conn))
 
     await eventually(present, timeout_s=10)
+
+
+async def test_callback_url_outside_the_allow_list_is_rejected_with_the_reason(
+    conn: Connection,
+) -> None:
+    reply_to = conn.keys.reply("hooks")
+    raw = msgspec.json.encode(
+        {"capability": "text.echo", "reply_to": reply_to, "callback_url": "http://evil.example/h"}
+    )
+    async with running_dispatcher(conn):
+        await conn.call("XADD", conn.keys.ingress, "*", "envelope", raw)
+        results = await collect_replies(conn, reply_to, 1)
+    (result,) = results.values()
+    assert result.stage is Stage.REJECTED
+    assert "host 'evil.example' is not allowed" in (result.error or "")
+
+
+async def test_a_producer_cannot_pose_as_a_broadcast_child(conn: Connection) -> None:
+    raw = msgspec.json.encode({"capability": "text.echo", "parent": "someone-else"})
+    async with running_dispatcher(conn):
+        await conn.call("XADD", conn.keys.ingress, "*", "envelope", raw)
+        await _until_dead_letter(conn)
+    (letter,) = await dead_letters(conn)
+    assert letter["reason"] == b"invalid envelope: `parent` is set by the broker only"

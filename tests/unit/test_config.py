@@ -258,3 +258,16 @@ def test_a_prefix_with_a_trailing_newline_is_refused() -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_settings(environ={"AGENT_REACH_PREFIX": "reach\n"})
     assert excinfo.value.key == "prefix"
+
+
+def test_callback_hosts_come_from_the_environment_as_a_comma_separated_list() -> None:
+    settings = load_settings(
+        environ={
+            "AGENT_REACH_CALLBACK_HOSTS": " hooks.example.com, 127.0.0.1 ,",
+            "AGENT_REACH_WEBHOOK_SECRET": "s3cret",
+        }
+    )
+
+    assert settings.callback_hosts == ["hooks.example.com", "127.0.0.1"]
+    assert settings.webhook_secret == "s3cret"
+    assert Settings().callback_hosts == [] and Settings().webhook_secret is None

@@ -25,6 +25,8 @@ PURE = [
     "fairness",
     "retry",
     "durations",
+    "results",
+    "webhooks",
 ]
 IO_LIBRARIES = {"redis", "httpx", "anyio"}
 PACKAGES = ["broker", "workers", "adapters"]
