@@ -1,15 +1,17 @@
 """The sidecar runtime and the transports it reaches agents through."""
 
-from .http import HttpTransport
-from .outcome import Ambiguous, Failed, NotReached, Outcome, Succeeded
+from .http import HttpAsyncTransport, HttpTransport
+from .outcome import Accepted, Ambiguous, Failed, NotReached, Outcome, Succeeded
 from .python import Agent
 from .sidecar import Sidecar
 from .transport import Transport
 
 __all__ = [
+    "Accepted",
     "Agent",
     "Ambiguous",
     "Failed",
+    "HttpAsyncTransport",
     "HttpTransport",
     "NotReached",
     "Outcome",

@@ -1,4 +1,6 @@
-"""The ``http`` adapter: POST the envelope, a 2xx JSON body is the result.
+"""The ``http`` adapter: POST the envelope, a 2xx JSON body is the result; and ``http-async``:
+a 202 means the agent took the work and will POST the result to the sidecar's callback
+endpoint (:mod:`adapters.callbacks`).
 
 Errors are sorted by what they prove: a failure to connect means the agent never saw the
 request (safe to retry anywhere); a timeout or a broken connection after sending is
@@ -16,7 +18,8 @@ import msgspec
 
 from broker.envelope import Envelope, encode_envelope
 
-from .outcome import Ambiguous, Backoff, Failed, NotReached, Outcome, Succeeded
+from .callbacks import TOKEN_HEADER, URL_HEADER, CallbackTokens
+from .outcome import Accepted, Ambiguous, Backoff, Failed, NotReached, Outcome, Succeeded
 from .transport import reach_headers
 
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol)
@@ -33,8 +36,7 @@ class HttpTransport:
         )
 
     async def deliver(self, envelope: Envelope, attempt: int) -> Outcome:
-        headers = reach_headers(envelope, attempt)
-        headers["Content-Type"] = "application/json"
+        headers = self.headers(envelope, attempt)
         try:
             response = await self._client.post(
                 self.url, content=encode_envelope(envelope), headers=headers
@@ -45,8 +47,53 @@ class HttpTransport:
             return Ambiguous(f"no answer from {self.url}: {type(exc).__name__}: {exc}")
         return _from_response(response)
 
+    def headers(self, envelope: Envelope, attempt: int) -> dict[str, str]:
+        headers = reach_headers(envelope, attempt)
+        headers["Content-Type"] = "application/json"
+        return headers
+
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+class HttpAsyncTransport(HttpTransport):
+    """POST the envelope with where and how to call back; 202 is "taken, will call back"
+    (its JSON body may name the agent's own ``task_id``). Any other answer means what it means
+    to the ``http`` adapter: an agent may still answer at once."""
+
+    wants_callbacks = True
+
+    def __init__(self, url: str, *, timeout_s: float, max_connections: int) -> None:
+        super().__init__(url, timeout_s=timeout_s, max_connections=max_connections)
+        self._base = ""
+        self._tokens: CallbackTokens | None = None
+
+    def bind_callbacks(self, base_url: str, tokens: CallbackTokens) -> None:
+        """Where the sidecar's callback endpoint listens, and its tokens (known at its start)."""
+        self._base = base_url.rstrip("/")
+        self._tokens = tokens
+
+    def headers(self, envelope: Envelope, attempt: int) -> dict[str, str]:
+        assert self._tokens is not None, "callbacks not bound: the sidecar binds them at start"
+        headers = super().headers(envelope, attempt)
+        headers[URL_HEADER] = f"{self._base}/callbacks/{envelope.message_id}"
+        headers[TOKEN_HEADER] = self._tokens.token(envelope.message_id, attempt)
+        return headers
+
+    async def deliver(self, envelope: Envelope, attempt: int) -> Outcome:
+        outcome = await super().deliver(envelope, attempt)
+        if isinstance(outcome, Succeeded) and outcome.status == 202:
+            return Accepted(_task_id(outcome.result))
+        return outcome
+
+
+def _task_id(body: bytes) -> str:
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return ""
+    task = data.get("task_id") if isinstance(data, dict) else None
+    return str(task)[:200] if task is not None else ""
 
 
 DEFAULT_RETRY_AFTER_S = 1.0
@@ -83,7 +130,7 @@ def _from_response(response: httpx.Response) -> Outcome:
             msgspec.json.decode(body)
         except msgspec.DecodeError:
             return Failed(f"agent answered {status} with a body that is not JSON")
-        return Succeeded(body)
+        return Succeeded(body, status)
     snippet = response.text[:200]
     reason = f"agent answered {status}: {snippet}" if snippet else f"agent answered {status}"
     return Failed(reason, fault=status >= 500)

@@ -1,7 +1,8 @@
 """What a delivery attempt tells the sidecar, as data.
 
 The kinds differ in what is known about the agent: it answered (``Succeeded``, ``Failed``),
-it asked for time (``Backoff``: 429 / 503, it did not take the work), it was provably never
+it asked for time (``Backoff``: 429 / 503, it did not take the work), it took the work and
+will call back (``Accepted``: 202, async agents), it was provably never
 reached (``NotReached``: a retry is always safe), or the request left and no answer came back
 (``Ambiguous``: only an idempotent agent may be retried).
 """
@@ -13,6 +14,7 @@ import msgspec
 
 class Succeeded(msgspec.Struct, frozen=True, tag=True):
     result: bytes  # JSON
+    status: int = 200  # the HTTP status it came with (202 is an async agent's "taken")
 
 
 class Failed(msgspec.Struct, frozen=True, tag=True):
@@ -35,4 +37,10 @@ class Backoff(msgspec.Struct, frozen=True, tag=True):
     retry_after_s: float
 
 
-Outcome = Succeeded | Failed | NotReached | Ambiguous | Backoff
+class Accepted(msgspec.Struct, frozen=True, tag=True):
+    """The agent took the work (202) and will call back with the result."""
+
+    task_id: str = ""
+
+
+Outcome = Succeeded | Failed | NotReached | Ambiguous | Backoff | Accepted

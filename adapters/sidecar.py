@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -26,7 +27,7 @@ from broker.connection import Connection, ensure_group
 from broker.envelope import Envelope, load_envelope
 from broker.errors import RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
-from broker.records import InstanceCard, InstanceState, Moved
+from broker.records import InstanceCard, InstanceState, MessageRecord, Moved
 from broker.registry import Registry
 from broker.results import Command, delivery_commands
 from broker.retry import retry_delay_ms
@@ -34,7 +35,9 @@ from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move, now_ms, trim_acknowledged
 from broker.streams import GroupReader, StreamEntry
 
-from .outcome import Ambiguous, Backoff, Failed, NotReached, Outcome, Succeeded
+from .asgi import serve_app
+from .callbacks import Answer, CallbackTokens, callback_app
+from .outcome import Accepted, Ambiguous, Backoff, Failed, NotReached, Outcome, Succeeded
 from .status import StatusClient
 from .transport import Transport
 from .vitals import Vitals
@@ -55,6 +58,9 @@ class Sidecar:
         *,
         grace_s: float = 40.0,
         adaptive_credits: bool = True,
+        callback_host: str = "127.0.0.1",
+        callback_port: int = 0,
+        callback_public_url: str | None = None,
     ) -> None:
         self.conn = conn
         self.card = card
@@ -80,8 +86,21 @@ class Sidecar:
         self._overdue_counted: set[str] = set()
         self._rng = random.Random()
         self._status = StatusClient()
+        # Async agents answer by callback: the entries held for them (by message id), those
+        # waiting for their callback (and since when), and those a callback is finishing.
+        self._wants_callbacks = bool(getattr(transport, "wants_callbacks", False))
+        self._callback_bind = (callback_host, callback_port, callback_public_url)
+        self._tokens: CallbackTokens | None = None
+        self.callback_url = ""
+        self._by_message: dict[str, Taken] = {}
+        self._awaiting: dict[str, float] = {}
+        self._finishing: set[str] = set()
         self.vitals = Vitals(
-            conn.settings, credits=card.max_inflight, now_ms=now_ms(), adaptive=adaptive_credits
+            conn.settings,
+            credits=card.max_inflight,
+            now_ms=now_ms(),
+            # an async agent's latency is its callback's: minutes, not a congestion signal
+            adaptive=adaptive_credits and not self._wants_callbacks,
         )
 
     def stop(self) -> None:
@@ -99,6 +118,9 @@ class Sidecar:
                 outer.start_soon(self._heartbeat_loop)
                 outer.start_soon(self._finish_loop)
                 outer.start_soon(self._overdue_loop)
+                if self._wants_callbacks:
+                    await outer.start(self._serve_callbacks)
+                    outer.start_soon(self._watch_callbacks)
                 task_status.started()
                 async with anyio.create_task_group() as work:
                     pool = self._pool = WorkPool(work, self.card.max_inflight)
@@ -230,6 +252,7 @@ class Sidecar:
         }
         for t, m in zip(taken, received, strict=True):
             self._held.add(t.entry_id)
+            self._by_message[t.message_id] = t
             if t.entry_id not in ready:
                 pool.submit(partial(self._guarded, t, partial(self._resume, t, m)))
             elif ready[t.entry_id][1]:
@@ -246,6 +269,9 @@ class Sidecar:
         pool.close()
         with anyio.move_on_after(self.grace_s):
             await pool.join()
+            # callbacks still to come in: polled, a drain is rare and lasts seconds
+            while self._awaiting or self._finishing:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
         work.cancel_scope.cancel()
 
     async def _reroute_unread(self) -> None:
@@ -318,6 +344,13 @@ class Sidecar:
             self._finished = batch + self._finished
             raise
         self._held.difference_update(item.taken.entry_id for item in batch)
+        for item in batch:
+            self._forget(item.taken)
+
+    def _forget(self, taken: Taken) -> None:
+        if self._by_message.get(taken.message_id) == taken:
+            del self._by_message[taken.message_id]
+        self._finishing.discard(taken.message_id)
 
     def _recorded(self, item: Finished, moved: Moved) -> bool:
         """The outcome is on the record: written now, or by an earlier try of this batch."""
@@ -327,6 +360,170 @@ class Sidecar:
             and moved.attempt == item.taken.attempt
             and moved.instance == self.instance_id
         )
+
+    # -- async agents: callbacks -----------------------------------------------------------
+
+    async def _serve_callbacks(self, *, task_status: TaskStatus[None]) -> None:
+        """The callback endpoint, on an ASGI server, for as long as the sidecar runs."""
+        key = self.conn.keys.callback_key(self.instance_id)
+        await self.conn.call("SET", key, secrets.token_hex(32), "NX")
+        self._tokens = CallbackTokens(await self.conn.call("GET", key))
+        host, port, public_url = self._callback_bind
+        app = callback_app(self.on_callback, max_bytes=self.conn.settings.max_callback_bytes)
+        async with serve_app(app, host, port) as url:
+            self.callback_url = (public_url or url).rstrip("/")
+            self.transport.bind_callbacks(self.callback_url, self._tokens)  # type: ignore[attr-defined]
+            log.info("instance %s takes callbacks at %s", self.instance_id, self.callback_url)
+            task_status.started()
+            await anyio.sleep_forever()
+
+    async def _await_callback(self, taken: Taken, task_id: str) -> None:
+        """The agent took the work (202): it stays PROCESSING, its credit held, until the
+        callback comes (or the reaper, asking the status endpoint, settles it)."""
+        since = anyio.current_time()
+        reason = "accepted by the agent (202)" + (f", task {task_id}" if task_id else "")
+        moved = await self.store.apply(
+            self._fenced(
+                taken,
+                Stage.PROCESSING,
+                Stage.PROCESSING,
+                reason=f"{reason}; awaiting its callback",
+                fields={"awaiting_callback": 1, "agent_task": task_id},
+            )
+        )
+        if moved.ok and taken.message_id not in self._finishing:
+            self._awaiting[taken.message_id] = since
+        elif not moved.ok and moved.stage is not Stage.CALLBACK_RECEIVED:
+            self._done(taken)  # settled meanwhile by someone else: let go of it
+        # CALLBACK_RECEIVED: the callback beat the 202 here, and is finishing it
+
+    async def on_callback(self, message_id: str, token: str, outcome: Succeeded | Failed) -> Answer:
+        """An agent's callback: checked against the token and the record, then recorded
+        (CALLBACK_RECEIVED, write-ahead) before it is answered; the outcome follows."""
+        assert self._tokens is not None
+        record = await self.store.get_record(message_id)
+        if record is None or record.attempt < 1:
+            return Answer(404, {"error": f"unknown message {message_id}"})
+        attempt = self._tokens.attempt_of(token, message_id, record.attempt)
+        if attempt is None:
+            return Answer(401, {"error": "callback token does not match"})
+        if record.stage in TERMINAL or record.stage is Stage.CALLBACK_RECEIVED:
+            return _duplicate(message_id, record.stage)
+        if attempt != record.attempt or record.instance != self.instance_id:
+            why = f"attempt {attempt} is no longer current (now {record.attempt})"
+            return Answer(409, {"error": why, "stage": record.stage.value})
+        if record.stage not in (Stage.PROCESSING, Stage.NEEDS_CONFIRMATION):
+            why = f"message is {record.stage.value}, not awaiting a result"
+            return Answer(409, {"error": why, "stage": record.stage.value})
+        late = now_ms() - record.updated_ms
+        fields: dict[str, str | bytes] = (
+            {"result": outcome.result}
+            if isinstance(outcome, Succeeded)
+            else {"error": outcome.reason}
+        )
+        moved = await self.store.apply(
+            Move(
+                message_id,
+                Stage.CALLBACK_RECEIVED,
+                any_of=frozenset({Stage.PROCESSING, Stage.NEEDS_CONFIRMATION}),
+                expect_attempt=attempt,
+                expect_instance=self.instance_id,
+                reason=f"callback from the agent, {late / 1000:.1f} s after the last step",
+                fields=fields,
+            )
+        )
+        if not moved.ok:  # raced: another callback, or the reaper
+            if moved.stage is not None and (
+                moved.stage in TERMINAL or moved.stage is Stage.CALLBACK_RECEIVED
+            ):
+                return _duplicate(message_id, moved.stage)
+            return Answer(409, {"error": f"message is {moved.stage}", "stage": str(moved.stage)})
+        since = self._awaiting.pop(message_id, None)
+        if since is not None:
+            self.vitals.record(
+                outcome, latency_ms=(anyio.current_time() - since) * 1000, now_ms=now_ms()
+            )
+        envelope = load_envelope(record.envelope)
+        taken = self._by_message.get(message_id)
+        if taken is not None and taken.attempt == attempt:
+            self._finish_callback(taken, envelope, outcome)
+        else:  # parked for an operator, its entry long released: settle it here
+            await self._settle_unheld(envelope, attempt, outcome)
+        return Answer(200, {"id": message_id, "stage": Stage.CALLBACK_RECEIVED.value})
+
+    def _finish_callback(
+        self, taken: Taken, envelope: Envelope, outcome: Succeeded | Failed
+    ) -> None:
+        """CALLBACK_RECEIVED -> SUCCEEDED / FAILED in the next finishing round trip, with the
+        producer told, the credit returned and the entry acknowledged."""
+        self._finishing.add(taken.message_id)
+        self._awaiting.pop(taken.message_id, None)
+        stage, result, error = _ending(outcome)
+        fields: dict[str, str | bytes] = {"result": result} if result is not None else {}
+        settle = self._fenced(
+            taken,
+            stage,
+            Stage.CALLBACK_RECEIVED,
+            reason="result from the agent's callback",
+            fields=fields,
+        )
+        self._finished.append(Finished(taken, self._reply(envelope, stage, result, error), settle))
+        self._finished_ready.set()
+
+    async def _settle_unheld(
+        self, envelope: Envelope, attempt: int, outcome: Succeeded | Failed
+    ) -> None:
+        stage, result, error = _ending(outcome)
+        moved = await self.store.apply(
+            Move(
+                envelope.message_id,
+                stage,
+                only_from=Stage.CALLBACK_RECEIVED,
+                expect_attempt=attempt,
+                expect_instance=self.instance_id,
+                reason="result from the agent's callback",
+            )
+        )
+        if moved.ok:
+            await self.store.deliver(envelope, stage, result, error)
+
+    async def _watch_callbacks(self) -> None:
+        while True:
+            await anyio.sleep(self.conn.settings.sweep_interval_s)
+            try:
+                await self._check_awaited()
+            except (RedisUnavailable, ResponseError) as exc:
+                log.warning("callback watch failed (the next one retries): %s", exc)
+
+    async def _check_awaited(self) -> None:
+        """Let go of messages awaited in vain: the reaper (asking the status endpoint) or an
+        operator settled them, and told their producers."""
+        ids = [m for m in self._awaiting if m not in self._finishing]
+        if not ids:
+            return
+        states = await self.conn.call_many(
+            [("HMGET", self.conn.keys.record(m), "stage", "attempt", "instance") for m in ids]
+        )
+        received: list[Taken] = []
+        for message_id, state in zip(ids, states, strict=True):
+            taken = self._by_message.get(message_id)
+            if taken is None or message_id not in self._awaiting or isinstance(state, Exception):
+                continue
+            stage, attempt, instance = (v.decode() if v else "" for v in state)
+            mine = attempt == str(taken.attempt) and instance == self.instance_id
+            if mine and stage == Stage.PROCESSING.value:
+                continue
+            if mine and stage == Stage.CALLBACK_RECEIVED.value:
+                received.append(taken)  # recorded, but its finishing was lost
+                continue
+            del self._awaiting[message_id]
+            self._done(taken)
+            self._finished_ready.set()
+        for taken in received:
+            record = await self.store.get_record(taken.message_id)
+            if record is not None and record.stage is Stage.CALLBACK_RECEIVED:
+                envelope = load_envelope(record.envelope)
+                self._finish_callback(taken, envelope, _callback_outcome(record))
 
     # -- one message -----------------------------------------------------------------------
 
@@ -347,6 +544,8 @@ class Sidecar:
 
     def _release_hold(self, taken: Taken) -> None:
         self._held.discard(taken.entry_id)
+        self._awaiting.pop(taken.message_id, None)
+        self._forget(taken)
         self._recheck_pending = True
 
     async def _resume(self, taken: Taken, moved: Moved) -> None:
@@ -366,24 +565,10 @@ class Sidecar:
         envelope = load_envelope(record.envelope)
         if moved.stage is Stage.RECEIVED:
             await self._execute(taken, envelope, Stage.RECEIVED, "resumed after restart")
-        elif moved.stage is Stage.PROCESSING and self.card.status_url:
-            # the agent may have finished meanwhile: ask before re-running or parking
-            unknown = Ambiguous("sidecar restarted while the agent was processing")
-            await self._record(taken, envelope, unknown)
-        elif moved.stage is Stage.PROCESSING and self.card.idempotent:
-            await self._execute(
-                taken,
-                envelope,
-                Stage.PROCESSING,
-                "resumed after restart; agent is idempotent, same idempotency key",
-            )
+        elif moved.stage is Stage.CALLBACK_RECEIVED:
+            self._finish_callback(taken, envelope, _callback_outcome(record))
         elif moved.stage is Stage.PROCESSING:
-            await self._settle(
-                taken,
-                envelope,
-                Stage.NEEDS_CONFIRMATION,
-                "sidecar restarted while the agent was processing; agent is not idempotent",
-            )
+            await self._resume_processing(taken, envelope, record)
         elif moved.stage in TERMINAL:
             self._done(taken, self._reply(envelope, moved.stage, record.result, record.error))
         else:
@@ -392,6 +577,32 @@ class Sidecar:
                     record.capability, record.id, record.priority, record.accepted_ms
                 )
             self._done(taken)
+
+    async def _resume_processing(
+        self, taken: Taken, envelope: Envelope, record: MessageRecord
+    ) -> None:
+        """Restarted while the agent had the message: wait for an async agent's callback;
+        otherwise ask the status endpoint, or re-run an idempotent agent, or park it."""
+        if record.awaiting_callback:
+            self._awaiting[taken.message_id] = anyio.current_time()  # its callback is to come
+        elif self.card.status_url:
+            # the agent may have finished meanwhile: ask before re-running or parking
+            unknown = Ambiguous("sidecar restarted while the agent was processing")
+            await self._record(taken, envelope, unknown)
+        elif self.card.idempotent:
+            await self._execute(
+                taken,
+                envelope,
+                Stage.PROCESSING,
+                "resumed after restart; agent is idempotent, same idempotency key",
+            )
+        else:
+            await self._settle(
+                taken,
+                envelope,
+                Stage.NEEDS_CONFIRMATION,
+                "sidecar restarted while the agent was processing; agent is not idempotent",
+            )
 
     async def _execute(self, taken: Taken, envelope: Envelope, source: Stage, reason: str) -> None:
         processing = await self.store.apply(
@@ -419,6 +630,8 @@ class Sidecar:
         if isinstance(outcome, Ambiguous) and self.card.status_url:
             outcome = await self._ask_status(taken, outcome, retries_left)
         match outcome:
+            case Accepted(task_id=task_id):
+                await self._await_callback(taken, task_id)
             case Succeeded(result=result):
                 await self._settle(taken, envelope, Stage.SUCCEEDED, "", result=result)
             case Backoff(reason=reason):
@@ -525,6 +738,23 @@ class Sidecar:
     ) -> list[Command]:
         """The commands that tell the producer (:mod:`broker.results`)."""
         return delivery_commands(self.conn.keys, envelope, stage, result, error)
+
+
+def _duplicate(message_id: str, stage: Stage) -> Answer:
+    return Answer(200, {"id": message_id, "stage": stage.value, "duplicate": True})
+
+
+def _ending(outcome: Succeeded | Failed) -> tuple[Stage, bytes | None, str | None]:
+    if isinstance(outcome, Succeeded):
+        return Stage.SUCCEEDED, outcome.result, None
+    return Stage.FAILED, None, outcome.reason
+
+
+def _callback_outcome(record: MessageRecord) -> Succeeded | Failed:
+    """The outcome a callback left on the record (CALLBACK_RECEIVED)."""
+    if record.result is not None:
+        return Succeeded(record.result)
+    return Failed(record.error or "the agent reported failure")
 
 
 @dataclass(frozen=True, slots=True)

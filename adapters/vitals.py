@@ -19,7 +19,7 @@ from broker.health import (
 from broker.limiter import AdaptiveLimit
 from broker.records import CircuitState, InstanceState, InstanceStats
 
-from .outcome import Ambiguous, Backoff, Failed, NotReached, Outcome
+from .outcome import Accepted, Ambiguous, Backoff, Failed, NotReached, Outcome
 
 
 def is_agent_fault(outcome: Outcome) -> bool:
@@ -73,6 +73,8 @@ class Vitals:
         """One outcome; true when something dispatchers should learn now changed: the
         circuit, the cooldown, the credit limit, a back-off."""
         before = self.effective_credits
+        if isinstance(outcome, Accepted):
+            return False  # an async agent took it: its answer is the callback, counted then
         if isinstance(outcome, Backoff):
             self.backoff_until_ms = now_ms + int(outcome.retry_after_s * 1000)
             if self.limit is not None:

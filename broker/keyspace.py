@@ -9,6 +9,7 @@ key                       type    holds
 ``P:a:{<inst>}``          hash    instance card, live stats and state
 ``P:q:{<inst>}``          stream  work for one instance; consumer group ``sidecar``
 ``P:f:{<inst>}``          set     in-flight ``id:attempt`` members = credits in use
+``P:k:{<inst>}``          string  the key of the instance's callback tokens (async agents)
 ``P:agents``              zset    instance -> last heartbeat (ms); the registry index
 ``P:w:{<capability>}``    zset    WAITING message ids, by priority then age
 ``P:x:{<capability>}``    zset    WAITING ids no instance can take at all (same scores)
@@ -58,6 +59,9 @@ class Keyspace:
 
     def inflight(self, instance_id: str) -> str:
         return f"{self.prefix}:f:{{{instance_id}}}"
+
+    def callback_key(self, instance_id: str) -> str:
+        return f"{self.prefix}:k:{{{instance_id}}}"
 
     @property
     def agents(self) -> str:

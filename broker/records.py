@@ -112,6 +112,8 @@ class MessageRecord(msgspec.Struct, frozen=True, kw_only=True):
     retry_at_ms: int = 0  # a retry waits out its back-off until then (the reaper parks it)
     extensions: int = 0  # times the reaper let a PROCESSING message run on ("running")
     reply_pending: bool = False  # ended by the reaper, the producer not yet told
+    awaiting_callback: bool = False  # an async agent took it (202) and will call back
+    agent_task: str = ""  # the async agent's own id for the work, when it gave one
 
 
 class AssignResult(IntEnum):

@@ -64,8 +64,16 @@ TRANSITIONS: dict[Stage, frozenset[Stage]] = {
         }
     ),
     Stage.CALLBACK_RECEIVED: frozenset({Stage.SUCCEEDED, Stage.FAILED}),
+    # NEEDS_CONFIRMATION -> CALLBACK_RECEIVED: an async agent's late callback settles it.
     Stage.NEEDS_CONFIRMATION: frozenset(
-        {Stage.SUCCEEDED, Stage.FAILED, Stage.WAITING, Stage.ROUTED, Stage.CANCELLED}
+        {
+            Stage.SUCCEEDED,
+            Stage.FAILED,
+            Stage.CALLBACK_RECEIVED,
+            Stage.WAITING,
+            Stage.ROUTED,
+            Stage.CANCELLED,
+        }
     ),
     Stage.SUCCEEDED: frozenset(),
     Stage.FAILED: frozenset(),

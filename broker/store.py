@@ -537,6 +537,8 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
         retry_at_ms=_int(get("retry_at_ms")),
         extensions=_int(get("extensions")),
         reply_pending=bool(get("reply_pending")),
+        awaiting_callback=bool(get("awaiting_callback")),
+        agent_task=_text(get("agent_task")),
     )
 
 

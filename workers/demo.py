@@ -10,15 +10,11 @@ terminal nor visibly parked.
 from __future__ import annotations
 
 import random
-import socket
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
 import msgspec
-import uvicorn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -27,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from adapters.asgi import serve_app
 from adapters.http import HttpTransport
 from adapters.sidecar import Sidecar
 from broker.client import Client
@@ -70,31 +67,6 @@ def demo_agent_app(delay_s: float, fail_rate: float, *, seed: int = 7) -> Starle
         return JSONResponse({"echo": envelope.get("payload")})
 
     return Starlette(routes=[Route("/", handle, methods=["POST"])])
-
-
-@asynccontextmanager
-async def serve_app(app: Starlette, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
-    """Serve an ASGI app with uvicorn in this event loop; yields its URL."""
-    # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
-    # and accepted sockets inherit it. Without it, a response written in two parts waits on
-    # the client's delayed ACK: 40 ms a call.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    bound = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
-    )
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: server.serve(sockets=[sock]))
-        with anyio.fail_after(10):
-            while not server.started:  # noqa: ASYNC110 - uvicorn offers no started event
-                await anyio.sleep(0.01)
-        try:
-            yield f"http://{host}:{bound}/"
-        finally:
-            server.should_exit = True
-    sock.close()
 
 
 async def serve_demo_agent(host: str, port: int, delay_s: float, fail_rate: float) -> None:

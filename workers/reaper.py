@@ -18,6 +18,10 @@ each stage gets when its time comes:
   with attempts left); ``unknown`` retries an idempotent agent with the same idempotency key
   and parks anything else as NEEDS_CONFIRMATION. A message past its own deadline in
   PROCESSING is never EXPIRED — its producer is told the deadline passed.
+- PROCESSING awaiting an async agent's callback (it answered 202): the same, past
+  ``callback_timeout_s``. A callback that comes later, while the message is not terminal, is
+  still taken (also from NEEDS_CONFIRMATION).
+- CALLBACK_RECEIVED whose sidecar stopped before finishing it: ended with the recorded result.
 - NEEDS_CONFIRMATION stays visible (and in ``P:due``) until an operator resolves it.
 
 Retries back off (``broker/retry.py``), avoid the instance that failed, and stop at the
@@ -84,6 +88,7 @@ class Reaper:
         self.processing_timeout_ms = int(
             (conn.settings.sync_call_timeout_s + conn.settings.processing_grace_s) * 1000
         )
+        self.callback_timeout_ms = int(conn.settings.callback_timeout_s * 1000)
         self.handled: dict[str, int] = {}  # action -> count, over this reaper's life
         self._limit = anyio.CapacityLimiter(RESOLVE_CONCURRENCY)
 
@@ -228,7 +233,9 @@ class Reaper:
                 return await self._not_asked(record, now)
             case Stage.PROCESSING:
                 return await self._processing(record, now)
-        return Verdict("parked", now + PARKED_RECHECK_MS)  # NEEDS_CONFIRMATION, CALLBACK_...
+            case Stage.CALLBACK_RECEIVED:
+                return await self._callback_received(record, now)
+        return Verdict("parked", now + PARKED_RECHECK_MS)  # NEEDS_CONFIRMATION
 
     # -- the agent was never asked ---------------------------------------------------------
 
@@ -290,18 +297,28 @@ class Reaper:
     # -- the agent may be working on it ----------------------------------------------------
 
     async def _processing(self, record: MessageRecord, now: int) -> Verdict:
+        # an async agent took it (202): its answer is a callback, due within callback_timeout_s
+        timeout_ms = (
+            self.callback_timeout_ms if record.awaiting_callback else self.processing_timeout_ms
+        )
         down = self.instance_down(record.instance, now)
-        late = now - record.updated_ms >= self.processing_timeout_ms
+        late = now - record.updated_ms >= timeout_ms
         if now >= record.deadline_ms and record.reply_to:
             await self._tell_deadline_passed(record)
         if not (down or late):
-            return Verdict("in time", record.updated_ms + self.processing_timeout_ms)
+            return Verdict("in time", record.updated_ms + timeout_ms)
         view = self.views.get(record.instance)
         status = await self.status.query(view.card.status_url if view else "", record.id)
         idempotent = view is not None and view.card.idempotent
         envelope = load_envelope(record.envelope)
         attempts_left = record.attempt < envelope.max_attempts
-        why = "instance down" if down else "no answer in time"
+        why = (
+            "instance down"
+            if down
+            else "callback late"
+            if record.awaiting_callback
+            else "no answer in time"
+        )
         match status.state:
             case "done":
                 ended = await self._end(
@@ -310,7 +327,7 @@ class Reaper:
                 return Verdict("recovered result", None if ended else now + 1_000)
             case "running" if record.extensions < MAX_EXTENSIONS:
                 await self.conn.call("HINCRBY", self.conn.keys.record(record.id), "extensions", 1)
-                return Verdict("extended", now + self.processing_timeout_ms)
+                return Verdict("extended", now + timeout_ms)
             case "failed" if not (idempotent and attempts_left):
                 error = status.error or "the agent reported failure"
                 ended = await self._end(record, Stage.FAILED, f"{why}; {status.why}", error=error)
@@ -332,6 +349,19 @@ class Reaper:
         if moved.ok:
             await self._release(record)
         return Verdict("needs confirmation", now + PARKED_RECHECK_MS)
+
+    async def _callback_received(self, record: MessageRecord, now: int) -> Verdict:
+        """An async agent's result is on the record, and its sidecar stopped before it
+        finished the message: finish it here (the result is known, nothing runs again)."""
+        stale = now - record.updated_ms >= self.delivery_timeout_ms
+        if not (stale or self.instance_down(record.instance, now)):
+            return Verdict("in time", record.updated_ms + self.delivery_timeout_ms)
+        reason = "callback received; finished by the reaper (its sidecar stopped)"
+        if record.result is not None:
+            ended = await self._end(record, Stage.SUCCEEDED, reason, result=record.result)
+        else:
+            ended = await self._end(record, Stage.FAILED, reason, error=record.error or "failed")
+        return Verdict("finished callback", None if ended else now + 1_000)
 
     async def _retry(
         self, record: MessageRecord, envelope: Envelope, reason: str, now: int

@@ -38,6 +38,7 @@ def card(
     max_inflight: int = 16,
     idempotent: bool = False,
     endpoint: str = "",
+    status_url: str = "",
 ) -> InstanceCard:
     return InstanceCard(
         agent_id=instance_id.split("-")[0],
@@ -46,6 +47,7 @@ def card(
         endpoint=endpoint,
         max_inflight=max_inflight,
         idempotent=idempotent,
+        status_url=status_url,
     )
 
 
@@ -60,6 +62,8 @@ async def running_sidecar(
     max_inflight: int = 16,
     idempotent: bool = False,
     adaptive_credits: bool = True,
+    status_url: str = "",
+    callback_port: int = 0,
 ) -> AsyncIterator[Sidecar]:
     if transport is None:
         assert url is not None
@@ -74,10 +78,12 @@ async def running_sidecar(
             max_inflight=max_inflight,
             idempotent=idempotent,
             endpoint=url or "python",
+            status_url=status_url,
         ),
         transport,
         grace_s=5.0,
         adaptive_credits=adaptive_credits,
+        callback_port=callback_port,
     )
     async with anyio.create_task_group() as tg:
         await tg.start(sidecar.run)

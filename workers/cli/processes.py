@@ -10,7 +10,7 @@ import anyio
 import click
 import msgspec
 
-from adapters.http import HttpTransport
+from adapters.http import HttpAsyncTransport, HttpTransport
 from adapters.python import Agent
 from adapters.sidecar import Sidecar
 from adapters.transport import Transport
@@ -89,7 +89,17 @@ def load_python_agent(spec: str) -> Agent:
     required=True,
     help="A capability served, e.g. order.query (repeatable).",
 )
-@click.option("--http", "http_url", metavar="URL", help="The agent's HTTP endpoint (http adapter).")
+@click.option(
+    "--adapter",
+    type=click.Choice(["http", "http-async", "python"]),
+    default=None,
+    help="How to reach the agent (default: http with --http, python with --python). "
+    "http-async: the agent answers 202 and POSTs its result to this sidecar's callback "
+    "endpoint later.",
+)
+@click.option(
+    "--http", "http_url", metavar="URL", help="The agent's HTTP endpoint (http, http-async)."
+)
 @click.option(
     "--python", "python_spec", metavar="MODULE:ATTR", help="An in-process Agent (python adapter)."
 )
@@ -129,6 +139,26 @@ def load_python_agent(spec: str) -> Agent:
     "--max-inflight; static: always --max-inflight.",
 )
 @click.option(
+    "--callback-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="http-async: the address the callback endpoint listens on.",
+)
+@click.option(
+    "--callback-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="http-async: the callback endpoint's port (0: any free one).",
+)
+@click.option(
+    "--callback-public-url",
+    default=None,
+    metavar="URL",
+    help="http-async: the callback endpoint's URL as agents reach it, when not "
+    "http://HOST:PORT (behind a proxy or NAT).",
+)
+@click.option(
     "--grace",
     "grace_s",
     type=float,
@@ -139,6 +169,7 @@ def sidecar(
     settings: Settings,
     agent_id: str,
     capabilities: tuple[str, ...],
+    adapter: str | None,
     http_url: str | None,
     python_spec: str | None,
     max_inflight: int,
@@ -150,11 +181,18 @@ def sidecar(
     status_url: str,
     cost: float,
     credits_mode: str,
+    callback_host: str,
+    callback_port: int,
+    callback_public_url: str | None,
     grace_s: float | None,
 ) -> None:
     """Run a sidecar for one agent instance: register, heartbeat, consume, deliver."""
     if (http_url is None) == (python_spec is None):
         raise click.UsageError("give exactly one of --http URL or --python MODULE:ATTR")
+    adapter = adapter or ("http" if http_url is not None else "python")
+    if (adapter == "python") != (python_spec is not None):
+        needs = "--python MODULE:ATTR" if adapter == "python" else "--http URL"
+        raise click.UsageError(f"--adapter {adapter} needs {needs}")
     for capability in capabilities:
         if problem := capability_problem(capability):
             raise click.BadParameter(problem, param_hint="--capability")
@@ -174,7 +212,11 @@ def sidecar(
         status_url=status_url,
     )
     transport: Transport
-    if http_url is not None:
+    if adapter == "http-async":
+        transport = HttpAsyncTransport(
+            http_url or "", timeout_s=settings.sync_call_timeout_s, max_connections=max_inflight
+        )
+    elif http_url is not None:
         transport = HttpTransport(
             http_url, timeout_s=settings.sync_call_timeout_s, max_connections=max_inflight
         )
@@ -185,11 +227,22 @@ def sidecar(
     async def serve() -> None:
         async with connected(settings) as conn, anyio.create_task_group() as tg:
             runner = Sidecar(
-                conn, card, transport, grace_s=grace, adaptive_credits=credits_mode == "adaptive"
+                conn,
+                card,
+                transport,
+                grace_s=grace,
+                adaptive_credits=credits_mode == "adaptive",
+                callback_host=callback_host,
+                callback_port=callback_port,
+                callback_public_url=callback_public_url,
             )
             tg.start_soon(stop_on_signals, runner.stop, tg.cancel_scope)
             await tg.start(runner.run)
             click.echo(f"sidecar {card.instance_id} serving {', '.join(capabilities)}", err=True)
+            if runner.callback_url:
+                click.echo(
+                    f"sidecar {card.instance_id} callbacks at {runner.callback_url}", err=True
+                )
             await runner.stopped.wait()
             tg.cancel_scope.cancel()
         await transport.aclose()

@@ -1,0 +1,345 @@
+"""Async agents (``http-async``): 202 now, the result later on the sidecar's callback endpoint.
+
+A late answer is never thrown away: a callback is taken as long as the message is not
+terminal, past the sync call timeout and past the callback timeout alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import msgspec
+import pytest
+
+from adapters.http import HttpAsyncTransport
+from adapters.sidecar import Sidecar
+from broker.client import Client
+from broker.connection import Connection, open_connection
+from broker.envelope import Envelope
+from broker.records import MessageRecord
+from broker.stages import Stage
+from broker.store import MessageStore
+from tests.support.async_agents import AsyncAgent, async_agent
+from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
+
+INSTANCE = "thinker-1"
+
+
+@asynccontextmanager
+async def clocks(conn: Connection, **changes: float) -> AsyncIterator[Connection]:
+    quick = msgspec.structs.replace(conn.settings, **changes)
+    assert quick.redis_url is not None
+    async with open_connection(quick, quick.redis_url) as changed:
+        yield changed
+
+
+@asynccontextmanager
+async def async_sidecar(
+    conn: Connection,
+    agent: AsyncAgent,
+    *,
+    status: bool = False,
+    idempotent: bool = False,
+    callback_port: int = 0,
+) -> AsyncIterator[Sidecar]:
+    transport = HttpAsyncTransport(
+        agent.url, timeout_s=conn.settings.sync_call_timeout_s, max_connections=8
+    )
+    async with running_sidecar(
+        conn,
+        INSTANCE,
+        ("text.think",),
+        transport=transport,
+        url=agent.url,
+        status_url=agent.status_url if status else "",
+        idempotent=idempotent,
+        callback_port=callback_port,
+    ) as sidecar:
+        yield sidecar
+
+
+def envelope(reply_to: str, payload: object = "hello") -> Envelope:
+    raw = msgspec.json.encode(
+        {"capability": "text.think", "reply_to": reply_to, "payload": payload}
+    )
+    return msgspec.json.decode(raw, type=Envelope)
+
+
+async def record_of(conn: Connection, message_id: str) -> MessageRecord:
+    record = await MessageStore(conn).get_record(message_id)
+    assert record is not None
+    return record
+
+
+async def stages_of(conn: Connection, message_id: str) -> list[str]:
+    return [str(e.stage) for e in await MessageStore(conn).get_timeline(message_id)]
+
+
+async def taken_by_agent(agent: AsyncAgent, conn: Connection, message_id: str) -> None:
+    """Until the agent has the request and the record says it awaits the callback."""
+
+    async def awaiting() -> bool:
+        if message_id not in agent.received:
+            return False
+        return (await record_of(conn, message_id)).awaiting_callback
+
+    await eventually(awaiting, timeout_s=20)
+
+
+async def credits_in_use(conn: Connection) -> int:
+    return int(await conn.call("SCARD", conn.keys.inflight(INSTANCE)))
+
+
+def subsequence(wanted: list[str], stages: list[str]) -> bool:
+    rest = iter(stages)
+    return all(stage in rest for stage in wanted)
+
+
+async def test_a_callback_after_the_sync_timeout_is_delivered_not_dropped(
+    conn: Connection,
+) -> None:
+    """The agent calls back after 4 s; the sync call timeout is 3 s."""
+    async with (
+        clocks(conn, sync_call_timeout_s=3.0, processing_grace_s=0.5) as conn,
+        async_agent(call_back_after_s=4.0) as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent, status=True),
+    ):
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        message_id = await client.submit(envelope(reply_to, {"question": 42}))
+        await taken_by_agent(agent, conn, message_id)
+        assert await credits_in_use(conn) == 1  # the agent has it: its credit stays taken
+        replies = await collect_replies(conn, reply_to, 1, timeout_s=30)
+
+        result = replies[message_id]
+        assert result.stage is Stage.SUCCEEDED
+        assert result.result == {"echo": {"question": 42}}
+        assert [c.status for c in agent.callbacks] == [200]
+        stages = await stages_of(conn, message_id)
+        assert subsequence(["PROCESSING", "CALLBACK_RECEIVED", "SUCCEEDED"], stages), stages
+        assert stages.count("SUCCEEDED") == 1
+        record = await record_of(conn, message_id)
+        assert record.agent_task == f"task-{message_id}"
+
+        async def credit_returned() -> bool:
+            return await credits_in_use(conn) == 0
+
+        await eventually(credit_returned, timeout_s=10)
+
+
+async def test_forged_token_is_refused_and_changes_nothing(conn: Connection) -> None:
+    async with (
+        async_agent() as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent),
+    ):
+        client = Client(conn)
+        message_id = await client.submit(envelope(client.new_reply_stream()))
+        await taken_by_agent(agent, conn, message_id)
+        before = await record_of(conn, message_id)
+        timeline = await stages_of(conn, message_id)
+
+        forged = await agent.call_back(message_id, {"result": "evil"}, token="0" * 64)
+        missing = await agent.client.post(agent.received[message_id].callback_url, json={})
+
+        assert forged.status == 401
+        assert missing.status_code == 401
+        after = await record_of(conn, message_id)
+        assert after.stage is Stage.PROCESSING and after.result is None
+        assert after.updated_ms == before.updated_ms
+        assert await stages_of(conn, message_id) == timeline
+
+
+async def test_a_duplicate_callback_is_recorded_once(conn: Connection) -> None:
+    async with (
+        async_agent() as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent),
+    ):
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        message_id = await client.submit(envelope(reply_to))
+        await taken_by_agent(agent, conn, message_id)
+
+        first = await agent.call_back(message_id, {"result": {"n": 1}})
+        second = await agent.call_back(message_id, {"result": {"n": 2}})
+        replies = await collect_replies(conn, reply_to, 1)
+
+        assert first.status == 200 and "duplicate" not in first.body
+        assert second.status == 200 and second.body["duplicate"] is True
+        assert replies[message_id].result == {"n": 1}
+
+        async def ended() -> bool:
+            return (await record_of(conn, message_id)).stage is Stage.SUCCEEDED
+
+        await eventually(ended)
+        stages = await stages_of(conn, message_id)
+        assert stages.count("CALLBACK_RECEIVED") == 1 and stages.count("SUCCEEDED") == 1
+        assert (await record_of(conn, message_id)).result == b'{"n":1}'
+        third = await agent.call_back(message_id, {"error": "too late"})
+        assert third.status == 200 and third.body == {
+            "id": message_id,
+            "stage": "SUCCEEDED",
+            "duplicate": True,
+        }
+        assert int(await conn.call("XLEN", reply_to)) == 1
+
+
+async def test_unknown_id_is_404_bad_body_400_oversize_413(conn: Connection) -> None:
+    async with (
+        clocks(conn, max_callback_bytes=1024) as conn,
+        async_agent() as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent),
+    ):
+        client = Client(conn)
+        message_id = await client.submit(envelope(client.new_reply_stream()))
+        await taken_by_agent(agent, conn, message_id)
+        taken = agent.received[message_id]
+        base = taken.callback_url.rsplit("/", 1)[0]
+        headers = {"X-Reach-Callback-Token": taken.token}
+
+        unknown = await agent.client.post(f"{base}/no-such-id", json={"result": 1}, headers=headers)
+        neither = await agent.client.post(taken.callback_url, json={"x": 1}, headers=headers)
+        both = await agent.client.post(
+            taken.callback_url, json={"result": 1, "error": "e"}, headers=headers
+        )
+        not_json = await agent.client.post(taken.callback_url, content=b"{", headers=headers)
+        huge = await agent.client.post(
+            taken.callback_url, json={"result": "x" * 2000}, headers=headers
+        )
+
+        assert unknown.status_code == 404
+        assert neither.status_code == 400 and "exactly one of" in neither.json()["error"]
+        assert both.status_code == 400
+        assert not_json.status_code == 400 and "not JSON" in not_json.json()["error"]
+        assert huge.status_code == 413 and "1024-byte limit" in huge.json()["error"]
+        assert (await record_of(conn, message_id)).stage is Stage.PROCESSING
+
+
+async def test_a_failure_reported_by_callback_ends_failed(conn: Connection) -> None:
+    async with (
+        async_agent() as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent),
+    ):
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        message_id = await client.submit(envelope(reply_to))
+        await taken_by_agent(agent, conn, message_id)
+
+        answer = await agent.call_back(message_id, {"error": "could not parse the invoice"})
+        replies = await collect_replies(conn, reply_to, 1)
+
+        assert answer.status == 200
+        assert replies[message_id].stage is Stage.FAILED
+        assert replies[message_id].error == "could not parse the invoice"
+
+
+async def test_a_callback_past_the_callback_timeout_is_still_taken(conn: Connection) -> None:
+    """Callback timeout 1 s: the reaper asks the status endpoint ("running"), lets it run on,
+    and the callback that comes later is taken."""
+    async with (
+        clocks(conn, callback_timeout_s=1.0, delivery_timeout_s=1.0, sweep_interval_s=0.1) as conn,
+        async_agent() as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent, status=True),
+    ):
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        message_id = await client.submit(envelope(reply_to))
+        await taken_by_agent(agent, conn, message_id)
+
+        async def asked_twice() -> bool:
+            return agent.status_queries.count(message_id) >= 2
+
+        await eventually(asked_twice, timeout_s=20)
+        assert (await record_of(conn, message_id)).stage is Stage.PROCESSING
+        answer = await agent.call_back(message_id, {"result": "late but fine"})
+        replies = await collect_replies(conn, reply_to, 1)
+
+        assert answer.status == 200
+        assert replies[message_id].result == "late but fine"
+
+
+async def test_late_callback_status_done_is_recorded_and_the_callback_is_a_duplicate(
+    conn: Connection,
+) -> None:
+    async with (
+        clocks(conn, callback_timeout_s=1.0, delivery_timeout_s=1.0, sweep_interval_s=0.1) as conn,
+        async_agent() as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent, status=True),
+    ):
+        agent.status = "done"
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        message_id = await client.submit(envelope(reply_to))
+        replies = await collect_replies(conn, reply_to, 1, timeout_s=20)
+
+        assert replies[message_id].result == {"from": "status"}
+
+        async def credit_returned() -> bool:
+            return await credits_in_use(conn) == 0
+
+        await eventually(credit_returned, timeout_s=10)  # the sidecar let go of it
+        answer = await agent.call_back(message_id, {"result": "after all"})
+        assert answer.status == 200 and answer.body["duplicate"] is True
+        assert (await record_of(conn, message_id)).result == b'{"from":"status"}'
+
+
+async def test_a_callback_settles_a_message_parked_for_an_operator(conn: Connection) -> None:
+    """No status endpoint, not idempotent: past the callback timeout it is parked as
+    NEEDS_CONFIRMATION; the agent's late callback is the confirmation."""
+    async with (
+        clocks(conn, callback_timeout_s=0.5, delivery_timeout_s=1.0, sweep_interval_s=0.1) as conn,
+        async_agent() as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent),
+    ):
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        message_id = await client.submit(envelope(reply_to))
+
+        async def parked() -> bool:
+            return (await record_of(conn, message_id)).stage is Stage.NEEDS_CONFIRMATION
+
+        await eventually(parked, timeout_s=20)
+
+        async def credit_returned() -> bool:
+            return await credits_in_use(conn) == 0
+
+        await eventually(credit_returned, timeout_s=10)
+        answer = await agent.call_back(message_id, {"result": "done after all"})
+        replies = await collect_replies(conn, reply_to, 1)
+
+        assert answer.status == 200
+        assert replies[message_id].result == "done after all"
+        stages = await stages_of(conn, message_id)
+        assert subsequence(["NEEDS_CONFIRMATION", "CALLBACK_RECEIVED", "SUCCEEDED"], stages)
+
+
+@pytest.mark.anyio
+async def test_a_restarted_sidecar_still_takes_the_callbacks_it_handed_out(
+    conn: Connection,
+) -> None:
+    """Tokens are derived from a key kept in Redis: the callback of work taken before a
+    restart is accepted by the new sidecar process on the same port."""
+    async with async_agent() as agent, running_dispatcher(conn):
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        async with async_sidecar(conn, agent) as first:
+            port = httpx.URL(first.callback_url).port
+            assert port is not None
+            message_id = await client.submit(envelope(reply_to))
+            await taken_by_agent(agent, conn, message_id)
+        async with async_sidecar(conn, agent, callback_port=port) as second:
+            assert second.callback_url == first.callback_url
+            answer = await agent.call_back(message_id, {"result": "survived"})
+            replies = await collect_replies(conn, reply_to, 1)
+
+        assert answer.status == 200
+        assert replies[message_id].result == "survived"
