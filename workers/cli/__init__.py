@@ -7,6 +7,7 @@ import click
 
 from ..runtime import configure_logging
 from .inspect import agents, config, drain, redis_url_command, schema, stats, trace, weight
+from .notify import notifier
 from .processes import demo, demo_agent, dispatcher, reaper, sidecar, up
 from .repair import cancel, dlq, replay, resolve, stuck
 from .send import send
@@ -26,6 +27,7 @@ for command in (
     up,
     dispatcher,
     reaper,
+    notifier,
     sidecar,
     demo,
     demo_agent,

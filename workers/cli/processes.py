@@ -20,12 +20,15 @@ from broker.ids import new_message_id
 from broker.records import InstanceCard
 
 from ..dispatcher import Dispatcher
+from ..notifier import Notifier
 from ..reaper import Reaper
 from ..runtime import connected, stop_on_signals
 from .common import check_id, parse_tags, redis_options, run
 
 
-def serve_roles(settings: Settings, consumer: str | None, *, dispatch: bool, reap: bool) -> None:
+def serve_roles(
+    settings: Settings, consumer: str | None, *, dispatch: bool, reap: bool, notify: bool = False
+) -> None:
     """Run broker roles in one process until SIGINT / SIGTERM."""
 
     async def serve() -> None:
@@ -37,6 +40,9 @@ def serve_roles(settings: Settings, consumer: str | None, *, dispatch: bool, rea
             if reap:
                 await tg.start(Reaper(conn).run)
                 click.echo(f"agent-reach: reaping {conn.keys.due}", err=True)
+            if notify:
+                await tg.start(Notifier(conn, consumer=consumer).run)
+                click.echo(f"agent-reach: notifying from {conn.keys.outbox}", err=True)
 
     run(serve)
 
@@ -45,8 +51,8 @@ def serve_roles(settings: Settings, consumer: str | None, *, dispatch: bool, rea
 @redis_options
 @click.option("--consumer", default=None, help="Consumer name (default: host-pid).")
 def up(settings: Settings, consumer: str | None) -> None:
-    """Run the broker: dispatcher and reaper (and, as it arrives, notifier) in one process."""
-    serve_roles(settings, consumer, dispatch=True, reap=True)
+    """Run the broker: dispatcher, reaper and notifier in one process."""
+    serve_roles(settings, consumer, dispatch=True, reap=True, notify=True)
 
 
 @click.command()

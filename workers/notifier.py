@@ -1,0 +1,500 @@
+"""The notifier: POSTs each ended message's result to its ``callback_url``, signed, with retries.
+
+Whoever ends a message adds an entry to ``P:outbox`` (:mod:`broker.results`): ``id``, ``url``,
+``body`` (the JSON the webhook receives), ``attempt``. Notifiers share the stream through the
+consumer group ``notify``. A POST carries ``X-Reach-Message-Id`` (receivers de-duplicate on
+it: delivery is at least once, DESIGN §3 invariant 7), ``X-Reach-Timestamp``,
+``X-Reach-Signature`` (:mod:`broker.webhooks`) and ``X-Reach-Delivery-Attempt``. Redirects are
+not followed: the allow-list names the hosts results may go to.
+
+Every delivery is one outbox entry, pending with exactly one notifier from the moment it is
+read until it is settled:
+
+- 2xx: ``CALLBACK_DELIVERED`` on the message's timeline, then the entry acknowledged and
+  deleted;
+- any other answer, no answer within ``webhook_timeout_s``, or no connection, with attempts
+  left: in one ``MULTI`` a new entry (``attempt`` + 1, ``not_before_ms`` after an exponential
+  back-off with jitter, ``last_error``) is added and the old one acknowledged and deleted, so
+  the retry is as durable as the first attempt;
+- out of attempts, or the URL refused by this notifier's own settings (they may differ from the
+  dispatcher's): dead-lettered with reason ``callback_undeliverable``, then acknowledged and
+  deleted.
+
+An entry whose ``not_before_ms`` is ahead is *held* — read, pending, not acknowledged — until
+then, without taking a delivery slot. The holder renews its claim on everything it holds
+(``XCLAIM ... JUSTID``) every third of ``claim_idle_s``, after checking (``XPENDING``) that each
+entry is still its own; so another notifier's ``XAUTOCLAIM`` (idle past ``claim_idle_s``) takes
+only the entries of a notifier that stopped, however long their back-off. A notifier killed
+at any point loses nothing: its entries stay pending, and its restart (same consumer name)
+reads them back at once, or another notifier claims them after ``claim_idle_s``. One that
+stalled longer than that finds at its next renewal what was taken over and lets go of it;
+a POST it had already sent is sent again by the new holder (at least once, as promised).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+from anyio.abc import TaskGroup, TaskStatus
+from redis.exceptions import ResponseError
+
+from adapters.http import retry_after_s
+from broker.connection import Connection, ensure_group
+from broker.errors import RedisUnavailable
+from broker.keyspace import NOTIFY_GROUP
+from broker.store import now_ms
+from broker.streams import GroupReader, StreamEntry, parse_entries
+from broker.timeline import CALLBACK_DELIVERED, note_command
+from broker.webhooks import (
+    MESSAGE_ID_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    callback_problem,
+    signature,
+)
+
+from .dispatcher import default_consumer_name
+
+log = logging.getLogger("agent_reach.notifier")
+
+ATTEMPT_HEADER = "X-Reach-Delivery-Attempt"
+UNDELIVERABLE = "callback_undeliverable"
+CONCURRENCY = 64  # POSTs in flight at once; a held (waiting) entry takes no slot
+MAX_HELD = 10_000  # entries read and not yet settled; reading pauses beyond this
+READ_BATCH = 256
+READ_BLOCK_MS = 1000
+CLAIM_BATCH = 256
+XCLAIM_CHUNK = 1000
+SETTLE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One outbox entry: the ``attempt``-th POST of ``body`` to ``url``, not before
+    ``not_before_ms`` (0: at once)."""
+
+    entry_id: str
+    message_id: str
+    url: str
+    body: bytes
+    attempt: int
+    not_before_ms: int = 0
+    last_error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """What one try came to. ``posted``: the request left (it counts as an attempt);
+    ``final``: retrying cannot help (the URL is refused); ``retry_after_ms``: the receiver's
+    own ``Retry-After``, a floor for the next wait."""
+
+    delivered: bool
+    detail: str
+    posted: bool = True
+    final: bool = False
+    retry_after_ms: int = 0
+
+
+class _BodyStage(msgspec.Struct):
+    stage: str = ""
+
+
+def parse_delivery(entry_id: str, fields: dict[str, bytes]) -> Delivery | str:
+    """The delivery an outbox entry describes, or why it describes none."""
+    try:
+        return Delivery(
+            entry_id=entry_id,
+            message_id=fields["id"].decode(),
+            url=fields["url"].decode(),
+            body=fields["body"],
+            attempt=int(fields.get("attempt") or 1),
+            not_before_ms=int(fields.get("not_before_ms") or 0),
+            last_error=fields.get("last_error", b"").decode(errors="replace"),
+        )
+    except (KeyError, ValueError) as exc:
+        return f"malformed outbox entry {entry_id}: {type(exc).__name__}: {exc}"
+
+
+def backoff_ms(
+    attempt: int, *, base_ms: int, cap_ms: int, jitter: float, rng: random.Random
+) -> int:
+    """The wait after failed attempt ``attempt`` (1 for the first): ``base_ms`` doubled for
+    every attempt before it, at most ``cap_ms``, spread by ±``jitter`` (and still at most
+    ``cap_ms``) so that receivers coming back from an outage are not hit all at once."""
+    delay = min(cap_ms, base_ms << min(attempt - 1, 48))
+    return max(1, min(cap_ms, int(delay * rng.uniform(1 - jitter, 1 + jitter))))
+
+
+def signed_headers(secret: str, delivery: Delivery, timestamp: str) -> dict[str, str]:
+    return {
+        "Content-Type": "application/json",
+        MESSAGE_ID_HEADER: delivery.message_id,
+        TIMESTAMP_HEADER: timestamp,
+        SIGNATURE_HEADER: signature(secret, timestamp, delivery.body),
+        ATTEMPT_HEADER: str(delivery.attempt),
+    }
+
+
+class Notifier:
+    def __init__(
+        self, conn: Connection, *, consumer: str | None = None, rng: random.Random | None = None
+    ) -> None:
+        self.conn = conn
+        self.keys = conn.keys
+        self.settings = conn.settings
+        self.consumer = consumer or default_consumer_name()
+        self.rng = rng or random.Random()
+        self.handled: dict[str, int] = {}  # delivered / retried / dead-lettered, over its life
+        self._limit = anyio.CapacityLimiter(CONCURRENCY)
+        self._held: dict[str, anyio.CancelScope] = {}  # entry id -> its task's scope
+        self._room = anyio.Event()
+        self._http: httpx.AsyncClient | None = None
+        self._tg: TaskGroup | None = None
+
+    @property
+    def holding(self) -> int:
+        """Entries read and not yet settled (waiting out a back-off, or being POSTed)."""
+        return len(self._held)
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        await ensure_group(self.conn, self.keys.outbox, NOTIFY_GROUP)
+        timeout_s = self.settings.webhook_timeout_s
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
+            limits=httpx.Limits(max_connections=CONCURRENCY),
+            follow_redirects=False,
+        )
+        try:
+            async with self.conn.reader() as reader, anyio.create_task_group() as tg:
+                self._tg = tg
+                await self._recover(reader)
+                tg.start_soon(self._every, self._renew_every_s(), self.renew)
+                tg.start_soon(self._every, self.settings.sweep_interval_s, self.claim_abandoned)
+                task_status.started()
+                await self._read_loop(reader)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._http.aclose()
+
+    # -- taking entries ----------------------------------------------------------------------
+
+    async def _recover(self, reader: GroupReader) -> None:
+        """Take back this consumer's own pending entries: a restart after a stop or a crash."""
+        entries = await reader.read(
+            self.keys.outbox,
+            NOTIFY_GROUP,
+            self.consumer,
+            count=MAX_HELD,
+            block_ms=None,
+            pending=True,
+        )
+        if entries:
+            log.info("recovering %d pending webhook deliveries", len(entries))
+            self._hold(entries)
+
+    async def _read_loop(self, reader: GroupReader) -> None:
+        backoff = 0.1
+        while True:
+            while len(self._held) >= MAX_HELD:
+                self._room = anyio.Event()
+                await self._room.wait()
+            try:
+                entries = await reader.read(
+                    self.keys.outbox,
+                    NOTIFY_GROUP,
+                    self.consumer,
+                    count=min(READ_BATCH, MAX_HELD - len(self._held)),
+                    block_ms=READ_BLOCK_MS,
+                )
+            except (RedisUnavailable, ResponseError) as exc:
+                backoff = min(backoff * 2, 5.0)
+                log.warning("outbox read failed, retrying in %.1fs: %s", backoff, exc)
+                await anyio.sleep(backoff)
+                if "NOGROUP" in str(exc):  # the stream was deleted, or Redis lost its data
+                    await ensure_group(self.conn, self.keys.outbox, NOTIFY_GROUP)
+                continue
+            backoff = 0.1
+            self._hold(entries)
+
+    async def claim_abandoned(self) -> int:
+        """Take over entries pending with a notifier that stopped renewing them (it died, and
+        did not come back under its name) for ``claim_idle_s``. Returns how many."""
+        cursor, taken = "0-0", 0
+        idle_ms = int(self.settings.claim_idle_s * 1000)
+        while len(self._held) < MAX_HELD:
+            reply = await self.conn.call(
+                "XAUTOCLAIM",
+                self.keys.outbox,
+                NOTIFY_GROUP,
+                self.consumer,
+                idle_ms,
+                cursor,
+                "COUNT",
+                min(CLAIM_BATCH, MAX_HELD - len(self._held)),
+            )
+            gone = [e[0] for e in reply[1] if e and not e[1]]  # deleted while pending (6.2)
+            if gone:
+                await self.conn.call("XACK", self.keys.outbox, NOTIFY_GROUP, *gone)
+            taken += self._hold(parse_entries(reply[1]))
+            cursor = reply[0].decode()
+            if cursor == "0-0":
+                break
+        if taken:
+            log.info("took over %d webhook deliveries from a stopped notifier", taken)
+        return taken
+
+    def _hold(self, entries: Sequence[StreamEntry]) -> int:
+        """Start a task for each entry not held yet; registered before it starts, so that
+        renewal covers it from now on."""
+        assert self._tg is not None
+        started = 0
+        for entry_id, fields in entries:
+            if entry_id in self._held:
+                continue
+            scope = anyio.CancelScope()
+            self._held[entry_id] = scope
+            self._tg.start_soon(self._handle, entry_id, fields, scope)
+            started += 1
+        return started
+
+    def _let_go(self, entry_id: str) -> None:
+        self._held.pop(entry_id, None)
+        if len(self._held) < MAX_HELD:
+            self._room.set()
+
+    # -- keeping them ------------------------------------------------------------------------
+
+    def _renew_every_s(self) -> float:
+        return self.settings.claim_idle_s / 3
+
+    async def _every(self, interval_s: float, step: Callable[[], Awaitable[int]]) -> None:
+        while True:
+            await anyio.sleep(interval_s)
+            try:
+                await step()
+            except (RedisUnavailable, ResponseError) as exc:
+                log.warning("%s failed (retried in %.1fs): %s", step.__name__, interval_s, exc)
+
+    async def renew(self) -> int:
+        """Reset the idle time of every entry this notifier holds and still owns, so that no
+        ``XAUTOCLAIM`` takes it while it waits out a back-off; let go of any another notifier
+        took meanwhile (this one stalled past ``claim_idle_s``). Returns how many it renewed."""
+        held = list(self._held)
+        if not held:
+            return 0
+        scan = 2 * MAX_HELD
+        rows = await self.conn.call(
+            "XPENDING", self.keys.outbox, NOTIFY_GROUP, "-", "+", scan, self.consumer
+        )
+        mine = {row[0].decode() for row in rows}
+        if len(rows) < scan:  # the whole list: what is missing is no longer ours
+            lost = [entry_id for entry_id in held if entry_id not in mine]
+            for entry_id in lost:
+                if scope := self._held.get(entry_id):
+                    scope.cancel()  # a settlement under way is shielded and completes
+            if lost:
+                log.info(
+                    "let go of %d deliveries no longer pending here (settled, or taken"
+                    " over after a stall)",
+                    len(lost),
+                )
+        keep = [entry_id for entry_id in held if entry_id in mine]
+        for i in range(0, len(keep), XCLAIM_CHUNK):
+            chunk = keep[i : i + XCLAIM_CHUNK]
+            await self.conn.call(
+                "XCLAIM", self.keys.outbox, NOTIFY_GROUP, self.consumer, 0, *chunk, "JUSTID"
+            )
+        return len(keep)
+
+    # -- one delivery ------------------------------------------------------------------------
+
+    async def _handle(
+        self, entry_id: str, fields: dict[str, bytes], scope: anyio.CancelScope
+    ) -> None:
+        try:
+            with scope:
+                delivery = parse_delivery(entry_id, fields)
+                if isinstance(delivery, str):
+                    await self._settle_shielded(
+                        self._dead_letter_malformed(entry_id, fields, delivery)
+                    )
+                    return
+                wait_ms = delivery.not_before_ms - now_ms()
+                if wait_ms > 0:
+                    await anyio.sleep(wait_ms / 1000)
+                attempt = await self._attempt(delivery)
+                await self._settle_shielded(self._settle(delivery, attempt))
+        except (RedisUnavailable, ResponseError, TimeoutError) as exc:
+            # still pending: taken up again (by this notifier or another) after claim_idle_s
+            log.warning("webhook delivery %s not settled, retried later: %s", entry_id, exc)
+        finally:
+            self._let_go(entry_id)
+
+    async def _settle_shielded(self, settle: Awaitable[None]) -> None:
+        """Write the outcome even while stopping: a settlement is one short round trip."""
+        with anyio.CancelScope(shield=True), anyio.fail_after(SETTLE_TIMEOUT_S):
+            await settle
+
+    async def _attempt(self, delivery: Delivery) -> Attempt:
+        secret = self.settings.webhook_secret
+        problem = callback_problem(delivery.url, self.settings.callback_hosts, secret)
+        if problem or not secret:
+            return Attempt(False, problem or "no webhook_secret", posted=False, final=True)
+        async with self._limit:
+            return await self._post(delivery, secret)
+
+    async def _post(self, delivery: Delivery, secret: str) -> Attempt:
+        assert self._http is not None
+        headers = signed_headers(secret, delivery, str(int(time.time())))
+        timeout_s = self.settings.webhook_timeout_s
+        with anyio.move_on_after(timeout_s):  # in all: a receiver trickling bytes counts too
+            try:
+                response = await self._http.post(
+                    delivery.url, content=delivery.body, headers=headers
+                )
+            except httpx.ReadTimeout:
+                return Attempt(False, f"no answer within {timeout_s:g} s")
+            except httpx.HTTPError as exc:
+                return Attempt(False, f"{type(exc).__name__}: {exc}".rstrip(": "))
+            except (httpx.InvalidURL, ValueError) as exc:  # a URL httpx cannot send to: final
+                return Attempt(
+                    False, f"cannot POST to {delivery.url!r}: {exc}", posted=False, final=True
+                )
+            status = response.status_code
+            if 200 <= status < 300:
+                return Attempt(True, f"answered {status}")
+            wait_ms = 0
+            if status in (429, 503) and "retry-after" in response.headers:
+                wait_ms = int(retry_after_s(response.headers["retry-after"]) * 1000)
+            return Attempt(False, f"answered {status}", retry_after_ms=wait_ms)
+        return Attempt(False, f"no answer within {timeout_s:g} s")
+
+    # -- settling ----------------------------------------------------------------------------
+
+    async def _settle(self, delivery: Delivery, attempt: Attempt) -> None:
+        if attempt.delivered:
+            await self._delivered(delivery, attempt)
+        elif not attempt.final and delivery.attempt < self.settings.webhook_attempts:
+            await self._retry_later(delivery, attempt)
+        else:
+            await self._dead_letter(delivery, attempt)
+
+    async def _delivered(self, delivery: Delivery, attempt: Attempt) -> None:
+        reason = f"webhook {delivery.url} {attempt.detail} (attempt {delivery.attempt})"
+        note = note_command(
+            self.conn, delivery.message_id, CALLBACK_DELIVERED, reason, now_ms=now_ms()
+        )
+        await self._run([note, *self._done(delivery.entry_id)])
+        self._count("delivered")
+        log.info("message %s: %s", delivery.message_id, reason)
+
+    async def _retry_later(self, delivery: Delivery, attempt: Attempt) -> None:
+        s = self.settings
+        wait_ms = backoff_ms(
+            delivery.attempt,
+            base_ms=s.webhook_backoff_ms,
+            cap_ms=s.webhook_backoff_max_ms,
+            jitter=s.retry_jitter,
+            rng=self.rng,
+        )
+        wait_ms = max(wait_ms, min(attempt.retry_after_ms, s.webhook_backoff_max_ms))
+        fields: dict[str, Any] = {
+            "id": delivery.message_id,
+            "url": delivery.url,
+            "body": delivery.body,
+            "attempt": delivery.attempt + 1,
+            "not_before_ms": now_ms() + wait_ms,
+            "last_error": attempt.detail,
+        }
+        added = ("XADD", self.keys.outbox, "*", *_flat(fields))
+        await self._run(self._done(delivery.entry_id, also=[added]))
+        self._count("retried")
+        log.warning(
+            "message %s: webhook %s %s (attempt %d of %d), next in %d ms",
+            delivery.message_id,
+            delivery.url,
+            attempt.detail,
+            delivery.attempt,
+            s.webhook_attempts,
+            wait_ms,
+        )
+
+    async def _dead_letter(self, delivery: Delivery, attempt: Attempt) -> None:
+        posts = delivery.attempt if attempt.posted else delivery.attempt - 1
+        fields: dict[str, Any] = {
+            "id": delivery.message_id,
+            "stage": _stage_of(delivery.body),
+            "reason": UNDELIVERABLE,
+            "url": delivery.url,
+            "attempts": posts,
+            "error": attempt.detail,
+            "body": delivery.body,
+            "ts": now_ms(),
+        }
+        await self._run(
+            [("XADD", self.keys.dlq, "*", *_flat(fields)), *self._done(delivery.entry_id)]
+        )
+        self._count("dead-lettered")
+        log.warning(
+            "message %s: webhook %s undeliverable after %d attempt(s), dead-lettered: %s",
+            delivery.message_id,
+            delivery.url,
+            posts,
+            attempt.detail,
+        )
+
+    async def _dead_letter_malformed(
+        self, entry_id: str, fields: dict[str, bytes], problem: str
+    ) -> None:
+        letter: dict[str, Any] = {
+            "id": fields.get("id", b""),
+            "reason": UNDELIVERABLE,
+            "url": fields.get("url", b""),
+            "attempts": 0,
+            "error": problem,
+            "ts": now_ms(),
+        }
+        await self._run([("XADD", self.keys.dlq, "*", *_flat(letter)), *self._done(entry_id)])
+        self._count("dead-lettered")
+        log.warning("%s: dead-lettered", problem)
+
+    def _done(
+        self, entry_id: str, *, also: Sequence[tuple[Any, ...]] = ()
+    ) -> list[tuple[Any, ...]]:
+        """Acknowledge and delete an entry, together with ``also`` (commands on the outbox
+        itself: one key, one slot), atomically."""
+        outbox = self.keys.outbox
+        return [
+            ("MULTI",),
+            *also,
+            ("XACK", outbox, NOTIFY_GROUP, entry_id),
+            ("XDEL", outbox, entry_id),
+            ("EXEC",),
+        ]
+
+    async def _run(self, commands: list[tuple[Any, ...]]) -> None:
+        for reply in await self.conn.call_many(commands):
+            if isinstance(reply, Exception):
+                raise reply
+
+    def _count(self, action: str) -> None:
+        self.handled[action] = self.handled.get(action, 0) + 1
+
+
+def _flat(fields: dict[str, Any]) -> list[Any]:
+    return [item for pair in fields.items() for item in pair]
+
+
+def _stage_of(body: bytes) -> str:
+    try:
+        return msgspec.json.decode(body, type=_BodyStage).stage
+    except msgspec.DecodeError:
+        return ""
