@@ -76,6 +76,10 @@ class DeadLetter(msgspec.Struct, frozen=True):
     ts_ms: int
     raw: str | None = None
     raw_base64: bytes | None = None
+    # a webhook that could not be delivered: where to, how often tried, the last error
+    url: str | None = None
+    attempts: int | None = None
+    error: str | None = None
 
 
 class DeadLetters(msgspec.Struct, frozen=True):
@@ -424,7 +428,14 @@ def _letter(entry_id: bytes, flat: list[bytes]) -> DeadLetter:
         ts_ms=int(fields.get(b"ts") or entry_id.split(b"-")[0]),
         raw=text,
         raw_base64=raw if raw is not None and text is None else None,
+        url=_text_or_none(fields.get(b"url")),
+        attempts=int(fields[b"attempts"]) if fields.get(b"attempts", b"").isdigit() else None,
+        error=_text_or_none(fields.get(b"error")),
     )
+
+
+def _text_or_none(value: bytes | None) -> str | None:
+    return value.decode(errors="replace") if value is not None else None
 
 
 def _unique(ids: Iterable[str]) -> list[str]:

@@ -5,18 +5,20 @@ from __future__ import annotations
 import json
 
 import anyio
+import msgspec
 import pytest
 from click.testing import CliRunner
 
 from broker.client import Client
 from broker.config import Settings
-from broker.connection import Connection
+from broker.connection import Connection, open_connection
 from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.harness import collect_replies, eventually, running_dispatcher
 from tests.support.processes import AGENT_REACH, process_env
 from tests.support.repair import echo, everything, reaches, record_in, saturated, stage_of, unsure
 from workers.cli import main
+from workers.notifier import Notifier
 
 
 async def cli(settings: Settings, *argv: str, answer: str | None = None) -> tuple[int, str]:
@@ -200,3 +202,33 @@ async def test_dlq_shows_dead_letters_newest_last(conn: Connection, settings: Se
     lines = out.splitlines()
     assert code == 0 and lines[0] == "2 dead letter(s), the newest 2:"
     assert "REJECTED" in lines[1] and dead in lines[2] and "gave up after 3 attempts" in lines[2]
+
+
+async def test_dlq_shows_where_an_undeliverable_webhook_went(settings: Settings) -> None:
+    hooks = msgspec.structs.replace(
+        settings,
+        webhook_secret="s3cret",
+        callback_hosts=["127.0.0.1"],
+        webhook_attempts=2,
+        webhook_backoff_ms=10,
+        webhook_timeout_s=1.0,
+    )
+    assert hooks.redis_url is not None
+    url = "http://127.0.0.1:9/hook"  # the discard port: nothing listens
+    async with open_connection(hooks, hooks.redis_url) as conn, anyio.create_task_group() as tg:
+        body = b'{"id":"m-1","stage":"SUCCEEDED","result":1}'
+        entry = ("id", "m-1", "url", url, "body", body, "attempt", 1)
+        await conn.call("XADD", conn.keys.outbox, "*", *entry)
+        await tg.start(Notifier(conn).run)
+
+        async def dead_lettered() -> bool:
+            return int(await conn.call("XLEN", conn.keys.dlq)) == 1
+
+        await eventually(dead_lettered, timeout_s=20)
+        tg.cancel_scope.cancel()
+    code, out = await cli(settings, "dlq", "--json")
+    (letter,) = json.loads(out)
+    assert code == 0 and letter["reason"] == "callback_undeliverable"
+    assert (letter["url"], letter["attempts"]) == (url, 2) and letter["error"]
+    code, out = await cli(settings, "dlq")
+    assert f"webhook {url} after 2 attempts: " in out

@@ -272,3 +272,6 @@ def dlq(settings: Settings, as_json: bool, count: int) -> None:
     for letter in found.letters:
         when = datetime.fromtimestamp(letter.ts_ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
         click.echo(f"{when}  {letter.id:<26} {letter.stage or '-':<10} {letter.reason}")
+        if letter.url is not None:
+            tries = f" after {letter.attempts} attempts" if letter.attempts else ""
+            click.echo(f"{'':<21}webhook {letter.url}{tries}: {letter.error or '?'}")
