@@ -4,11 +4,12 @@
 ``adapters``; ``tests/unit/test_layering.py`` checks both.
 """
 
-from .client import Client, Result, Trace
+from .client import Client, Result, SyncClient, Trace
 from .config import Settings, load_settings
 from .connection import Connection, open_connection
 from .envelope import Envelope, decode_envelope, envelope_schema
 from .errors import (
+    ClientNotOpen,
     ConfigError,
     DeliveryError,
     EmbeddedRedisError,
@@ -16,6 +17,7 @@ from .errors import (
     InvalidEnvelope,
     ReachError,
     RedisUnavailable,
+    RequestTimeout,
     UnknownMessage,
 )
 from .keyspace import Keyspace
@@ -26,6 +28,7 @@ __all__ = [
     "TERMINAL",
     "TRANSITIONS",
     "Client",
+    "ClientNotOpen",
     "ConfigError",
     "Connection",
     "DeliveryError",
@@ -40,9 +43,11 @@ __all__ = [
     "MessageRecord",
     "ReachError",
     "RedisUnavailable",
+    "RequestTimeout",
     "Result",
     "Settings",
     "Stage",
+    "SyncClient",
     "TimelineEntry",
     "Trace",
     "UnknownMessage",

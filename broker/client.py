@@ -1,20 +1,46 @@
-"""The producer client: submit envelopes, wait for results, read records and timelines."""
+"""The producer client: submit envelopes, await results, read records and timelines.
+
+``await client.request(...)`` waits on the client's own reply stream (``P:reply:client-<hex>``),
+made on the first request. One reader task per client blocks on that stream with ``XREAD``
+and hands each outcome to the request waiting for its id, so any number of concurrent requests
+share one stream and one dedicated connection; their submits are coalesced by the pipeliner.
+Consumed entries are deleted as the reader goes, and the stream itself when the client closes.
+
+:class:`SyncClient` is the same client for scripts: it runs on its own event loop thread.
+"""
 
 from __future__ import annotations
 
+import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import ExitStack, asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from types import TracebackType
 from typing import Any
 
 import anyio
 import msgspec
+from anyio.abc import TaskGroup
+from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from .connection import Connection
+from .config import Settings, load_settings
+from .connection import Connection, open_connection
+from .embedded import embedded_redis
 from .envelope import Envelope, complete, encode_envelope
-from .errors import UnknownMessage
+from .errors import ClientNotOpen, InvalidEnvelope, RedisUnavailable, RequestTimeout, UnknownMessage
 from .records import MessageRecord, TimelineEntry
 from .stages import TERMINAL, Stage
 from .store import MessageStore
+
+log = logging.getLogger("agent_reach.client")
+
+# How long one blocking XREAD of the reply stream lasts; cancellation ends it at once.
+_REPLY_BLOCK_MS = 5000
+_REPLY_BATCH = 1000
+# The reader's pause after Redis failed it: it reconnects on its next read.
+_RECONNECT_S = (0.05, 2.0)
 
 
 class Result(msgspec.Struct, frozen=True):
@@ -35,14 +61,161 @@ class Trace(msgspec.Struct, frozen=True):
     timeline: list[TimelineEntry]
 
 
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    """One ``request`` waiting for its outcome."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: Result | None = None
+
+
 class Client:
+    """A producer on one connection.
+
+    ``submit``, ``submit_many``, ``result`` and ``trace`` work on a bare ``Client(conn)``;
+    ``request`` needs the client open (``async with Client(conn) as client:``), which owns
+    the reply stream's reader task and deletes the stream on exit.
+    """
+
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.keys = conn.keys
         self.store = MessageStore(conn)
+        self._tg: TaskGroup | None = None
+        self._reply_stream: str | None = None
+        self._waiters: dict[str, _Waiter] = {}
+        self._consumed: list[str] = []
 
     def new_reply_stream(self) -> str:
         return self.keys.reply(f"client-{secrets.token_hex(8)}")
+
+    @property
+    def reply_stream(self) -> str | None:
+        """This client's own reply stream, once a request has made it."""
+        return self._reply_stream
+
+    async def __aenter__(self) -> Client:
+        if self._tg is not None:
+            raise RuntimeError("this Client is already open")
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        tg, self._tg = self._tg, None
+        assert tg is not None
+        for waiter in self._waiters.values():  # requests in other tasks: the client closed
+            waiter.done.set()
+        tg.cancel_scope.cancel()
+        try:
+            # The body's own exception is not passed in: it propagates as it is, not wrapped
+            # in an ExceptionGroup; only a failure of the reader itself comes from here.
+            await tg.__aexit__(None, None, None)
+        finally:
+            stream, self._reply_stream = self._reply_stream, None
+            self._consumed.clear()
+            if stream is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.conn.call("DEL", stream)
+
+    async def request(
+        self,
+        capability: str,
+        payload: Any,
+        *,
+        timeout: float = 30.0,  # noqa: ASYNC109 - also the message's deadline, sent to the broker
+        **envelope_fields: Any,
+    ) -> Result:
+        """Submit ``payload`` (any JSON-able value) to ``capability`` and await its outcome.
+
+        The envelope's deadline (``timeout_s``) is ``timeout``; ``envelope_fields`` are any
+        other envelope fields (``id``, ``session_id``, ``tags``, ``priority``, …). Returns
+        the terminal :class:`Result` (a failure is a Result with ``ok`` false); raises
+        :class:`RequestTimeout`, carrying the id for a later :meth:`result`, when none
+        arrived in time, and :class:`InvalidEnvelope` when the fields do not validate.
+        """
+        reply_to = self._open_reply_stream()
+        envelope = request_envelope(capability, payload, timeout, reply_to, envelope_fields)
+        message_id = envelope.message_id
+        if message_id in self._waiters:
+            raise ValueError(f"a request for message id {message_id!r} is already waiting")
+        waiter = self._waiters[message_id] = _Waiter()
+        try:
+            await self.submit(envelope)
+            with anyio.move_on_after(timeout):
+                await waiter.done.wait()
+        finally:
+            del self._waiters[message_id]
+        if waiter.result is not None:
+            return waiter.result
+        if self._tg is None:
+            raise ClientNotOpen(f"the client closed while request {message_id!r} waited")
+        raise RequestTimeout(message_id, timeout)
+
+    def _open_reply_stream(self) -> str:
+        """The reply stream, with its reader started on the first request."""
+        if self._tg is None:
+            raise ClientNotOpen(
+                "Client.request() needs an open client: use `async with Client(conn) as client:`"
+            )
+        if self._reply_stream is None:
+            self._reply_stream = self.new_reply_stream()
+            self._tg.start_soon(self._read_replies, self._reply_stream)
+        return self._reply_stream
+
+    async def _read_replies(self, stream: str) -> None:
+        """The one reader: every outcome on the stream to the request waiting for it."""
+        after = "0"  # the stream is new: nothing on it is older than the first request
+        pause = _RECONNECT_S[0]
+        async with self.conn.reader() as reader:
+            while True:
+                try:
+                    entries = await reader.read_stream(
+                        stream, after, count=_REPLY_BATCH, block_ms=_REPLY_BLOCK_MS
+                    )
+                except RedisUnavailable as exc:  # requests wait on, bounded by their timeouts
+                    log.warning("reply stream %s: %s; reading again in %.2fs", stream, exc, pause)
+                    await anyio.sleep(pause)
+                    pause = min(pause * 2, _RECONNECT_S[1])
+                    continue
+                pause = _RECONNECT_S[0]
+                if entries:
+                    after = entries[-1][0]
+                    for _, fields in entries:
+                        self._resolve(fields)
+                    await self._forget(stream, [entry_id for entry_id, _ in entries])
+
+    def _resolve(self, fields: Mapping[str, bytes]) -> None:
+        """Hand an outcome to its waiter. Notices (``deadline_passed`` while the agent still
+        works) are not outcomes; an entry for an id nobody waits on (a request that timed
+        out, a repeated reply) is dropped."""
+        if "notice" in fields:
+            return
+        waiter = self._waiters.get(fields.get("id", b"").decode(errors="replace"))
+        if waiter is None or waiter.done.is_set():
+            return
+        try:
+            waiter.result = result_from_fields(fields)
+        except (KeyError, ValueError, msgspec.DecodeError) as exc:
+            log.warning("unreadable reply entry %r: %s", dict(fields), exc)
+            return
+        waiter.done.set()
+
+    async def _forget(self, stream: str, entry_ids: list[str]) -> None:
+        """``XDEL`` what the reader consumed, so a long-lived client's stream stays short.
+        Ids a failed ``XDEL`` left are retried with the next batch."""
+        self._consumed.extend(entry_ids)
+        try:
+            await self.conn.call("XDEL", stream, *self._consumed)
+        except RedisUnavailable:
+            return
+        self._consumed.clear()
 
     async def submit(self, envelope: Envelope) -> str:
         """``XADD`` one envelope to the ingress stream; returns its id (assigned here if absent)."""
@@ -109,3 +282,100 @@ def result_from_fields(fields: Mapping[str, bytes]) -> Result:
         result=msgspec.json.decode(raw) if raw else None,
         error=error.decode() if error is not None else None,
     )
+
+
+def request_envelope(
+    capability: str, payload: Any, timeout_s: float, reply_to: str, fields: Mapping[str, Any]
+) -> Envelope:
+    """The completed envelope of one request (id filled), validated like the dispatcher's."""
+    owned = sorted({"reply_to", "timeout_s"} & fields.keys())
+    if owned:
+        raise TypeError(f"request() sets {', '.join(owned)} itself (use timeout= for the deadline)")
+    values = {**fields, "capability": capability, "timeout_s": timeout_s, "reply_to": reply_to}
+    try:
+        envelope = msgspec.convert(values, Envelope)
+    except msgspec.ValidationError as exc:
+        raise InvalidEnvelope(f"invalid envelope: {exc}", b"") from exc
+    raw = msgspec.Raw(msgspec.json.encode(payload))
+    return complete(msgspec.structs.replace(envelope, payload=raw))
+
+
+class SyncClient:
+    """The client for scripts (not async): the async :class:`Client` on its own event loop
+    thread, through an anyio blocking portal. Use it as a context manager::
+
+        with SyncClient("redis://127.0.0.1:6379/0") as client:
+            result = client.request("text.echo", {"x": 1}, timeout=5)
+
+    The Redis URL is ``redis_url``, else ``settings.redis_url`` (settings default to
+    :func:`load_settings`: ``AGENT_REACH_*`` and ``AGENT_REACH_CONFIG``), else the embedded
+    server. Its methods may be called from several threads at once.
+    """
+
+    def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None) -> None:
+        self.settings = settings if settings is not None else load_settings()
+        self._url = redis_url or self.settings.redis_url
+        self._stack: ExitStack | None = None
+        self._portal: BlockingPortal | None = None
+        self._client: Client | None = None
+
+    def __enter__(self) -> SyncClient:
+        if self._stack is not None:
+            raise RuntimeError("this SyncClient is already open")
+        with ExitStack() as stack:
+            url = self._url or stack.enter_context(embedded_redis())
+            portal = stack.enter_context(start_blocking_portal(backend="asyncio"))
+            opened = _open_client(self.settings, url)
+            self._client = stack.enter_context(portal.wrap_async_context_manager(opened))
+            self._portal = portal
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack, self._stack = self._stack, None
+        self._portal = self._client = None
+        if stack is not None:
+            stack.close()
+
+    def request(
+        self, capability: str, payload: Any, *, timeout: float = 30.0, **envelope_fields: Any
+    ) -> Result:
+        """:meth:`Client.request`, blocking."""
+        with self._open() as (portal, client):
+            call = partial(client.request, capability, payload, timeout=timeout, **envelope_fields)
+            return portal.call(call)
+
+    def submit(self, envelope: Envelope) -> str:
+        with self._open() as (portal, client):
+            return portal.call(client.submit, envelope)
+
+    def submit_many(self, envelopes: list[Envelope]) -> list[str]:
+        with self._open() as (portal, client):
+            return portal.call(client.submit_many, envelopes)
+
+    def result(self, message_id: str) -> Result | None:
+        with self._open() as (portal, client):
+            return portal.call(client.result, message_id)
+
+    def trace(self, message_id: str) -> Trace:
+        with self._open() as (portal, client):
+            return portal.call(client.trace, message_id)
+
+    @contextmanager
+    def _open(self) -> Iterator[tuple[BlockingPortal, Client]]:
+        if self._portal is None or self._client is None:
+            raise ClientNotOpen(
+                "SyncClient needs to be open: use `with SyncClient(...) as client:`"
+            )
+        yield self._portal, self._client
+
+
+@asynccontextmanager
+async def _open_client(settings: Settings, url: str) -> AsyncIterator[Client]:
+    async with open_connection(settings, url) as conn, Client(conn) as client:
+        yield client

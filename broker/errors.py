@@ -9,7 +9,10 @@
     ├── UnknownMessage           no record exists for a message id
     ├── RedisUnavailable         Redis cannot be reached or answered with a server error
     ├── EmbeddedRedisError       the embedded redis-server could not be found or started
-    └── DeliveryError            an adapter could not deliver a message to its agent
+    ├── DeliveryError            an adapter could not deliver a message to its agent
+    ├── RequestTimeout           no result reached ``Client.request`` within its timeout
+    └── ClientNotOpen            a client was used outside ``async with Client(...)`` (request)
+                                 or ``with SyncClient(...)``
 
 Redis errors are translated into these in :mod:`broker.redis_store`, with the original
 exception kept in ``__cause__``.
@@ -72,3 +75,21 @@ class DeliveryError(ReachError):
         super().__init__(reason)
         self.reason = reason
         self.retry_safe = retry_safe
+
+
+class RequestTimeout(ReachError):
+    """Raised when no result reaches ``Client.request`` in time; the message may still finish,
+    so it carries the id to ask ``Client.result`` later."""
+
+    def __init__(self, message_id: str, timeout_s: float) -> None:
+        super().__init__(
+            f"no result for message {message_id!r} within {timeout_s:g}s "
+            "(it may still finish: ask Client.result with its id)"
+        )
+        self.message_id = message_id
+        self.timeout_s = timeout_s
+
+
+class ClientNotOpen(ReachError):
+    """Raised when ``Client.request`` is called outside ``async with Client(conn)`` (its reply
+    stream and reader live only there), or a ``SyncClient`` is used outside ``with``."""

@@ -1,5 +1,5 @@
-"""The ``agent-reach`` command line: run the broker and sidecars, send, trace, inspect,
-repair."""
+"""The ``agent-reach`` command line: run the broker and sidecars, send and request, trace,
+inspect, repair."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .inspect import agents, config, drain, redis_url_command, schema, stats, tr
 from .notify import notifier
 from .processes import demo, demo_agent, dispatcher, reaper, sidecar, up
 from .repair import cancel, dlq, replay, resolve, stuck
-from .send import send
+from .send import request, send
 
 __all__ = ["main"]
 
@@ -32,6 +32,7 @@ for command in (
     demo,
     demo_agent,
     send,
+    request,
     trace,
     agents,
     stats,

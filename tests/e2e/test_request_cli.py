@@ -1,0 +1,101 @@
+"""``agent-reach request`` as a real subprocess, against in-process agents and dispatcher."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+from click.testing import CliRunner
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from broker.client import Client
+from broker.config import Settings
+from broker.connection import Connection
+from broker.stages import Stage
+from broker.store import MessageStore
+from tests.support.agents import http_agent
+from tests.support.harness import eventually, running_dispatcher, running_sidecar
+from tests.support.processes import AGENT_REACH, process_env
+from workers.cli import main
+
+
+async def request(settings: Settings, *argv: str) -> tuple[int, str, str]:
+    """``agent-reach request ARGV``: exit code, stdout, stderr."""
+    done = await anyio.run_process(
+        [AGENT_REACH, "request", *argv], env=process_env(settings), check=False
+    )
+    return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+
+async def reply_streams(conn: Connection) -> list[bytes]:
+    cursor, found = b"0", []
+    while True:
+        cursor, keys = await conn.call("SCAN", cursor, "MATCH", f"{conn.keys.reply_prefix}*")
+        found += keys
+        if cursor == b"0":
+            return list(found)
+
+
+async def test_request_prints_the_result_and_exits_zero(
+    conn: Connection, settings: Settings
+) -> None:
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        code, out, err = await request(settings, "text.echo", "--payload", '{"x": 5}')
+    assert code == 0, out + err
+    result = json.loads(out)
+    assert result["stage"] == "SUCCEEDED" and result["result"]["echo"] == {"x": 5}
+    assert agent.log.calls[result["id"]] == 1
+    assert await reply_streams(conn) == []  # the client deleted its reply stream on exit
+
+
+async def test_request_exits_one_when_the_message_fails(
+    conn: Connection, settings: Settings
+) -> None:
+    async def refuse(envelope: dict[str, Any], request: Request) -> Response | None:
+        return JSONResponse({"detail": "order not found"}, status_code=404)
+
+    async with (
+        http_agent("a", behaviour=refuse) as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        code, out, err = await request(settings, "text.echo", "--payload", "[1, 2]")
+    assert code == 1, out + err
+    result = json.loads(out)
+    assert result["stage"] == Stage.FAILED and "404" in result["error"]
+    assert agent.log.total == 1
+
+
+async def test_request_exits_three_with_the_id_when_no_result_comes_in_time(
+    conn: Connection, settings: Settings
+) -> None:
+    async with running_dispatcher(conn):  # nothing serves text.nobody
+        code, out, err = await request(settings, "text.nobody", "--timeout", "0.5")
+    assert code == 3, out + err
+    pending = json.loads(out)
+    assert pending["stage"] == "PENDING" and "0.5" in pending["error"]
+    store = MessageStore(conn)
+
+    async def accepted() -> bool:  # the id names the message the dispatcher accepted
+        return await store.get_record(pending["id"]) is not None
+
+    await eventually(accepted)
+    trace = await Client(conn).trace(pending["id"])
+    assert trace.record.capability == "text.nobody"
+
+
+def test_request_refuses_a_payload_that_is_not_json() -> None:
+    result = CliRunner().invoke(main, ["request", "text.echo", "--payload", '{"x": }'])
+    assert result.exit_code == 2
+    assert "Invalid value for --payload: not JSON: JSON is malformed" in result.output
+    result = CliRunner().invoke(main, ["request", "Text", "--payload", "1"])
+    assert result.exit_code == 2 and "domain.action" in result.output
+    result = CliRunner().invoke(main, ["request", "text.echo", "--timeout", "-1"])
+    assert result.exit_code == 2 and "--timeout" in result.output
+    assert "--redis URL" in CliRunner().invoke(main, ["request", "--help"]).output
