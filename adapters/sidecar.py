@@ -332,7 +332,7 @@ class Sidecar:
             ]
             commands = [command for _, command in replying]
             replies = await self.conn.call_many(commands)
-            await self.store.refused_deliveries([m for m, _ in replying], commands, replies)
+            await self.store.after_delivery([m for m, _ in replying], commands, replies)
             release = self.store.release_command(
                 self.instance_id,
                 SIDECAR_GROUP,

@@ -158,6 +158,25 @@ class Client:
             raise ClientNotOpen(f"the client closed while request {message_id!r} waited")
         raise RequestTimeout(message_id, timeout)
 
+    async def broadcast(
+        self,
+        capability: str,
+        payload: Any,
+        *,
+        timeout: float = 30.0,  # noqa: ASYNC109 - also the broadcast's deadline, sent to the broker
+        **envelope_fields: Any,
+    ) -> Result:
+        """Send ``payload`` to every healthy instance of ``capability`` and await the outcome.
+
+        ``result`` maps instance id -> ``{"stage", "id", "result" | "error"}``, one entry per
+        child, once every child has ended: the broadcast succeeds whatever its children's
+        outcomes (a failed child is an entry, not a failure). REJECTED (``ok`` false, the
+        reason in ``error``) when no healthy instance serves it. Needs an open client, like
+        :meth:`request`; raises :class:`RequestTimeout` when not every child ended in time."""
+        return await self.request(
+            capability, payload, timeout=timeout, mode="broadcast", **envelope_fields
+        )
+
     def _open_reply_stream(self) -> str:
         """The reply stream, with its reader started on the first request."""
         if self._tg is None:
@@ -348,6 +367,16 @@ class SyncClient:
         """:meth:`Client.request`, blocking."""
         with self._open() as (portal, client):
             call = partial(client.request, capability, payload, timeout=timeout, **envelope_fields)
+            return portal.call(call)
+
+    def broadcast(
+        self, capability: str, payload: Any, *, timeout: float = 30.0, **envelope_fields: Any
+    ) -> Result:
+        """:meth:`Client.broadcast`, blocking."""
+        with self._open() as (portal, client):
+            call = partial(
+                client.broadcast, capability, payload, timeout=timeout, **envelope_fields
+            )
             return portal.call(call)
 
     def submit(self, envelope: Envelope) -> str:

@@ -6,6 +6,7 @@ key                       type    holds
 ``P:in``                  stream  ingress envelopes; consumer group ``dispatch``
 ``P:m:{<id>}``            hash    message record: envelope, stage, attempt, instance, ...
 ``P:t:{<id>}``            list    the message's timeline (capped): JSON items
+``P:b:{<id>}``            hash    a broadcast's ended children: child id -> outcome JSON
 ``P:a:{<inst>}``          hash    instance card, live stats and state
 ``P:q:{<inst>}``          stream  work for one instance; consumer group ``sidecar``
 ``P:f:{<inst>}``          set     in-flight ``id:attempt`` members = credits in use
@@ -24,8 +25,8 @@ key                       type    holds
 ``P:registry``            pubsub  instance ids whose card just changed
 ========================  ======  ==========================================================
 
-Record and timeline share the ``{<id>}`` hash tag; card, work stream and in-flight set share
-``{<inst>}``, so each Lua script touches a single cluster slot.
+Record, timeline and a broadcast's outcomes share the ``{<id>}`` hash tag; card, work stream
+and in-flight set share ``{<inst>}``, so each Lua script touches a single cluster slot.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class Keyspace:
 
     def timeline(self, message_id: str) -> str:
         return f"{self.prefix}:t:{{{message_id}}}"
+
+    def outcomes(self, parent_id: str) -> str:
+        """A broadcast parent's children that have ended: child id -> outcome JSON."""
+        return f"{self.prefix}:b:{{{parent_id}}}"
 
     def card(self, instance_id: str) -> str:
         return f"{self.prefix}:a:{{{instance_id}}}"

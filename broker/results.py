@@ -9,20 +9,45 @@ is at least once and every copy carries the message id.
   ``result`` or ``error``).
 - ``callback_url``: an entry on ``P:outbox`` for the notifier, which POSTs the signed body to
   the webhook, with retries.
-- a broadcast child: its outcome is recorded on its parent (see :mod:`broker.broadcast`).
+- a broadcast child (``parent`` set): its outcome is recorded on its parent
+  (``lua/child_done.lua``); the last one ends the parent, whose own producer is then told
+  (:meth:`broker.store.MessageStore.after_delivery`; see :mod:`broker.broadcast`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from .envelope import Envelope
 from .keyspace import Keyspace
-from .stages import Stage
+from .stages import TERMINAL, Stage
 
 Command = tuple[Any, ...]
+
+# After a child ends, the reaper looks at its parent within this: a parent whose last child's
+# ender stopped between ending it and telling its producer is told by the reaper
+# (``reply_pending``), not an hour later.
+PARENT_LOOK_MS = 30_000
+# The sha ``broker.scripts`` loads ``lua/child_done.lua`` under (computed alike here, so this
+# module stays pure; tests/unit/test_broadcast.py checks they agree).
+CHILD_DONE_SHA = hashlib.sha1(
+    (Path(__file__).parent / "lua" / "child_done.lua").read_text().encode()
+).hexdigest()
+
+
+class ChildOutcome(msgspec.Struct, omit_defaults=True):
+    """A child's entry in its broadcast parent's result, under its instance id. ``stage``
+    comes first: ``lua/child_done.lua`` reads it from the start of the JSON."""
+
+    stage: str
+    id: str
+    result: msgspec.Raw | None = None
+    error: str | None = None
 
 
 class ResultBody(msgspec.Struct, omit_defaults=True):
@@ -59,16 +84,59 @@ def reply_fields(
     return fields
 
 
+def child_outcome(message_id: str, stage: Stage, result: bytes | None, error: str | None) -> bytes:
+    raw = msgspec.Raw(result) if result is not None else None
+    return _encoder.encode(
+        ChildOutcome(stage.value, message_id, raw, error if result is None else None)
+    )
+
+
+def child_done_command(
+    keys: Keyspace,
+    parent_id: str,
+    child_id: str,
+    stage: Stage,
+    result: bytes | None,
+    error: str | None,
+    now_ms: int,
+) -> Command:
+    """Record a child's outcome on its parent (``lua/child_done.lua``, the parent's slot)."""
+    return (
+        "EVALSHA",
+        CHILD_DONE_SHA,
+        3,
+        keys.record(parent_id),
+        keys.timeline(parent_id),
+        keys.outcomes(parent_id),
+        child_id,
+        child_outcome(child_id, stage, result, error),
+        now_ms,
+        Stage.FANNED_OUT.value,
+        Stage.SUCCEEDED.value,
+    )
+
+
 def delivery_commands(
     keys: Keyspace,
     envelope: Envelope,
     stage: Stage,
     result: bytes | None,
     error: str | None,
+    *,
+    now_ms: int | None = None,
 ) -> list[Command]:
-    """Every command that tells the producer of ``envelope`` how it ended."""
+    """Every command that tells the producer of ``envelope`` how it ended — for a broadcast
+    child, its parent."""
     message_id = envelope.message_id
     commands: list[Command] = []
+    if envelope.parent is not None and stage in TERMINAL:
+        now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
+        # first the reaper's next look at the parent, then the outcome: whatever this one
+        # ends, the reaper sees it soon, even if its ender stops before telling the producer
+        commands.append(("ZADD", keys.due, "LT", now + PARENT_LOOK_MS, envelope.parent))
+        commands.append(
+            child_done_command(keys, envelope.parent, message_id, stage, result, error, now)
+        )
     if envelope.reply_to:
         fields = reply_fields(message_id, stage, result, error)
         commands.append(("XADD", envelope.reply_to, "*", *fields))

@@ -17,6 +17,7 @@ class ScriptName(StrEnum):
     BACKLOG = "backlog"
     CLAIM_DUE = "claim_due"
     RESCHEDULE_DUE = "reschedule_due"
+    CHILD_DONE = "child_done"
     NOTE = "note"
 
 

@@ -20,6 +20,7 @@ class Stage(StrEnum):
     RECEIVED = "RECEIVED"
     PROCESSING = "PROCESSING"
     CALLBACK_RECEIVED = "CALLBACK_RECEIVED"
+    FANNED_OUT = "FANNED_OUT"
     NEEDS_CONFIRMATION = "NEEDS_CONFIRMATION"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
@@ -41,7 +42,9 @@ AGENT_UNTOUCHED: frozenset[Stage] = frozenset(
 _ENDINGS = frozenset({Stage.EXPIRED, Stage.CANCELLED})
 
 TRANSITIONS: dict[Stage, frozenset[Stage]] = {
-    Stage.ACCEPTED: frozenset({Stage.WAITING, Stage.ROUTED, Stage.REJECTED}) | _ENDINGS,
+    # ACCEPTED -> FANNED_OUT: a broadcast, its children created (broker/broadcast.py).
+    Stage.ACCEPTED: frozenset({Stage.WAITING, Stage.ROUTED, Stage.REJECTED, Stage.FANNED_OUT})
+    | _ENDINGS,
     Stage.WAITING: frozenset({Stage.ROUTED}) | _ENDINGS,
     # ROUTED -> WAITING: the credit was gone by the time the assignment ran.
     # ROUTED -> ROUTED: rerouted to another instance under a new attempt.
@@ -64,6 +67,9 @@ TRANSITIONS: dict[Stage, frozenset[Stage]] = {
         }
     ),
     Stage.CALLBACK_RECEIVED: frozenset({Stage.SUCCEEDED, Stage.FAILED}),
+    # A broadcast parent: SUCCEEDED once every child has ended (lua/child_done.lua), whatever
+    # their outcomes. FAILED / CANCELLED are left to an operator's hand (no command yet).
+    Stage.FANNED_OUT: frozenset({Stage.SUCCEEDED, Stage.FAILED, Stage.CANCELLED}),
     # NEEDS_CONFIRMATION -> CALLBACK_RECEIVED: an async agent's late callback settles it.
     Stage.NEEDS_CONFIRMATION: frozenset(
         {

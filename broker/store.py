@@ -95,7 +95,7 @@ class MessageStore:
         return [_accepted(_raise(r)) for r in replies]
 
     def _accept_command(self, a: Acceptance) -> tuple[Any, ...]:
-        assert a.next_stage in (Stage.ROUTED, Stage.WAITING, Stage.REJECTED)
+        assert a.next_stage in (Stage.ROUTED, Stage.WAITING, Stage.REJECTED, Stage.FANNED_OUT)
         ttl = self.conn.settings.record_ttl_s if a.next_stage in TERMINAL else ""
         args = (
             a.envelope_json,
@@ -425,26 +425,54 @@ class MessageStore:
         commands = delivery_commands(self.keys, envelope, stage, result, error)
         if commands:
             owners = [envelope.message_id] * len(commands)
-            await self.refused_deliveries(owners, commands, await self.conn.call_many(commands))
+            await self.after_delivery(owners, commands, await self.conn.call_many(commands))
 
-    async def refused_deliveries(
+    async def after_delivery(
         self, owners: list[str], commands: list[Command], replies: list[Any]
     ) -> None:
-        """A delivery Redis refused for good (``reply_to`` names a key that is not a stream,
-        say) is dead-lettered with its reason: one producer's bad ``reply_to`` must not stop
-        the process that ended the message. A lost connection is raised: it is sent again."""
+        """Read the replies of :func:`~broker.results.delivery_commands` (``owners``: the
+        message each command is for).
+
+        A delivery Redis refused for good (``reply_to`` names a key that is not a stream, say)
+        is dead-lettered with its reason: one producer's bad ``reply_to`` must not stop the
+        process that ended the message. A lost connection is raised: it is sent again.
+
+        A broadcast child's outcome that ended its parent (``lua/child_done.lua``) makes this
+        the parent's ender: its own producer is told, then its ``reply_pending`` mark and
+        deadline entry go. A stop in between leaves ``reply_pending`` to the reaper, or to
+        the re-sent child outcome (the script answers a repeat with the untold parent)."""
+        ended: list[tuple[bytes, bytes]] = []
+        child_done = self.conn.sha(ScriptName.CHILD_DONE)
         for message_id, command, reply in zip(owners, commands, replies, strict=True):
             if isinstance(reply, RedisUnavailable):
                 raise reply
             if isinstance(reply, Exception):
-                what = "reply" if command[1] != self.keys.outbox else "webhook"
                 await self.dead_letter(
                     {
                         "id": message_id,
-                        "reason": f"{what}_undeliverable: {reply}",
+                        "reason": f"{self._delivery_kind(command)}_undeliverable: {reply}",
                         "ts": str(now_ms()),
                     }
                 )
+            elif command[:2] == ("EVALSHA", child_done) and reply[0] in (1, 2):
+                ended.append((reply[2], reply[1]))
+        for envelope, result in ended:
+            await self._tell_parent(load_envelope(envelope), result)
+
+    async def _tell_parent(self, parent: Envelope, result: bytes) -> None:
+        await self.deliver(parent, Stage.SUCCEEDED, result)
+        parent_id = parent.message_id
+        await self.run_all(
+            [
+                ("HDEL", self.keys.record(parent_id), "reply_pending"),
+                ("ZREM", self.keys.due, parent_id),
+            ]
+        )
+
+    def _delivery_kind(self, command: Command) -> str:
+        if command[0] in ("EVALSHA", "ZADD"):  # a broadcast child's, for its parent
+            return "broadcast_outcome"
+        return "webhook" if command[1] == self.keys.outbox else "reply"
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -10,6 +10,12 @@ first (ACCEPTED -> ROUTED), then the assignment appends to the instance's stream
 entry is only ever executed when the record agrees (fencing by attempt and instance). The
 ingress entry is acknowledged last, so a dispatcher killed mid-batch leaves it pending, and
 its next start (or another dispatcher) handles it again; every step is idempotent.
+
+A broadcast (``mode: "broadcast"``, :mod:`broker.broadcast`) is a parent record, FANNED_OUT
+with its fan-out (child id -> instance) on it, then one child record per healthy instance —
+the batch's children in one more round trip, assigned with the batch's other work. Parents
+are written before their children, so a child never lacks the parent that collects its
+outcome; handled again, a FANNED_OUT parent has its missing children created.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -25,17 +32,28 @@ import msgspec
 from anyio.abc import TaskStatus
 from redis.exceptions import ResponseError
 
+from broker import failpoints
+from broker.broadcast import (
+    Children,
+    child_envelope,
+    decode_children,
+    encode_children,
+    fan_out,
+    id_problem,
+    members,
+    no_members_reason,
+)
 from broker.connection import Connection, ensure_group
 from broker.envelope import (
     Envelope,
-    InvalidEnvelope,
     complete,
     decode_envelope,
     encode_envelope,
+    load_envelope,
     salvage_id,
     salvage_reply_to,
 )
-from broker.errors import RedisUnavailable
+from broker.errors import InvalidEnvelope, RedisUnavailable
 from broker.ids import ulid_for_entry
 from broker.keyspace import DISPATCH_GROUP
 from broker.registry import Registry
@@ -54,10 +72,33 @@ log = logging.getLogger("agent_reach.dispatcher")
 READ_BLOCK_MS = 1000
 TRIM_EVERY_S = 10.0
 BEHIND_WAITING = "queued behind waiting work of its capability"
+LISTED_INSTANCES = 10  # a broadcast's timeline names this many of its instances (trace: all)
 
 
 def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One record to create: what ``accept.lua`` gets, and a broadcast's children."""
+
+    acceptance: Acceptance
+    envelope: Envelope
+    children: Children = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Admitted:
+    """What a batch's records need once created: assignments, index writes, children to
+    create (parent envelope, fan-out, deadline), broadcasts to reject."""
+
+    routed: list[Routed] = field(default_factory=list)
+    to_park: list[tuple[str, str, int, int]] = field(default_factory=list)
+    bindings: list[tuple[str, str]] = field(default_factory=list)
+    due: list[tuple[Any, ...]] = field(default_factory=list)
+    fan_outs: list[tuple[Envelope, Children, int]] = field(default_factory=list)
+    rejected: list[tuple[Envelope, str]] = field(default_factory=list)
 
 
 class Dispatcher:
@@ -185,52 +226,89 @@ class Dispatcher:
             raise InvalidEnvelope(problem, raw)
         if envelope.id is None:
             envelope = msgspec.structs.replace(envelope, id=fallback_id)
+        if envelope.mode == "broadcast" and (problem := id_problem(envelope.id or "")):
+            raise InvalidEnvelope(problem, raw)
         return complete(envelope)
 
     async def _accept(self, envelopes: list[Envelope], recovering: bool) -> list[Routed]:
-        """Route each envelope and create its record, ROUTED or WAITING: one round trip for
-        the records (plus one for the sessions the batch names)."""
+        """Route each envelope and create its record, ROUTED or WAITING (a broadcast: the
+        parent FANNED_OUT, then its children): one round trip for the records, one more for
+        every child of the batch's broadcasts (plus one for the sessions the batch names)."""
         now = now_ms()
         sessions = await self.store.sessions(
             sorted({e.session_id for e in envelopes if e.session_id})
         )
-        plans = [self._plan(envelope, now, sessions) for envelope in envelopes]
-        reaper_look = now + int(self.settings.delivery_timeout_s * 1000)
-        results = await self.store.accept_many([a for a, _ in plans])
-        routed: list[Routed] = []
-        to_park: list[tuple[str, str, int, int]] = []
-        bindings: list[tuple[str, str]] = []
-        due: list[tuple[Any, ...]] = []
-        for (plan, envelope), result in zip(plans, results, strict=True):
-            if not result.created:
-                self.table.unreserve(plan.instance)
-                # A redelivery after a crash, or a producer's retry: not run again, but the
-                # index writes for the record's stage are re-applied (each is idempotent).
-                await self._repair(plan.message_id)
-                continue
-            # the reaper's first look: when a delivery would be late, or the deadline
-            due.append(self.store.due_command(plan.message_id, min(plan.deadline_ms, reaper_look)))
-            if plan.next_stage is Stage.ROUTED:
-                routed.append(
-                    Routed(plan.message_id, plan.capability, plan.instance, 1, plan.priority, now)
-                )
-                if envelope.session_id:
-                    bindings.append((envelope.session_id, plan.instance))
-            else:
-                to_park.append((plan.capability, plan.message_id, plan.priority, now))
+        admitted = _Admitted()
+        await self._admit([self._plan(e, now, sessions) for e in envelopes], admitted, now)
+        if admitted.fan_outs:
+            # Parents first, children after: a child never exists without the parent that
+            # collects its outcome. A stop in between leaves the ingress entry pending; handled
+            # again, the parent exists and its missing children are created (_repair).
+            failpoints.hit("dispatcher.after_fan_out")
+            children = [
+                self._plan(child_envelope(parent, child, inst), now, sessions, deadline_ms)
+                for parent, fanned, deadline_ms in admitted.fan_outs
+                for child, inst in fanned
+            ]
+            admitted.fan_outs = []
+            await self._admit(children, admitted, now)
         # the batch's index writes (deadlines, waiting sets, sessions) in one round trip
         await self.store.run_all(
-            due + self.store.park_commands(to_park) + self.store.bind_session_commands(bindings)
+            admitted.due
+            + self.store.park_commands(admitted.to_park)
+            + self.store.bind_session_commands(admitted.bindings)
         )
-        if to_park:
-            parked = {capability for capability, *_ in to_park}
+        if admitted.to_park:
+            parked = {capability for capability, *_ in admitted.to_park}
             self.waiting.note_waiting(parked)
             self._drain_soon(parked)  # at once if credits are free: behind earlier work
-        return routed
+        for envelope, reason in admitted.rejected:
+            await self._reject_broadcast(envelope, reason)
+        return admitted.routed
+
+    async def _admit(self, plans: list[_Plan], admitted: _Admitted, now: int) -> None:
+        """Create the planned records (one round trip) and sort out what each needs next."""
+        results = await self.store.accept_many([p.acceptance for p in plans])
+        reaper_look = now + int(self.settings.delivery_timeout_s * 1000)
+        existing: list[str] = []
+        for plan, result in zip(plans, results, strict=True):
+            a = plan.acceptance
+            if not result.created:
+                # A redelivery after a crash, or a producer's retry: not run again, but the
+                # index writes for the record's stage are re-applied (each is idempotent).
+                self.table.unreserve(a.instance)
+                existing.append(a.message_id)
+                continue
+            if a.next_stage is Stage.REJECTED:
+                admitted.rejected.append((plan.envelope, a.reason))
+                continue
+            # the reaper's first look: when a delivery would be late, or the deadline
+            admitted.due.append(
+                self.store.due_command(a.message_id, min(a.deadline_ms, reaper_look))
+            )
+            if a.next_stage is Stage.FANNED_OUT:
+                admitted.fan_outs.append((plan.envelope, plan.children, a.deadline_ms))
+            elif a.next_stage is Stage.ROUTED:
+                admitted.routed.append(
+                    Routed(a.message_id, a.capability, a.instance, 1, a.priority, now)
+                )
+                if plan.envelope.session_id:
+                    admitted.bindings.append((plan.envelope.session_id, a.instance))
+            else:
+                admitted.to_park.append((a.capability, a.message_id, a.priority, now))
+        await self._repair(existing, admitted)
 
     def _plan(
-        self, envelope: Envelope, now: int, sessions: dict[str, str]
-    ) -> tuple[Acceptance, Envelope]:
+        self,
+        envelope: Envelope,
+        now: int,
+        sessions: dict[str, str],
+        deadline_ms: int | None = None,
+    ) -> _Plan:
+        if deadline_ms is None:
+            deadline_ms = now + int(envelope.timeout_s * 1000)
+        if envelope.mode == "broadcast":
+            return self._plan_broadcast(envelope, now, deadline_ms)
         if envelope.capability in self.waiting.backlogged:
             decision: Decision | None = None  # earlier work waits: this one queues behind it
             instance = None
@@ -239,44 +317,100 @@ class Dispatcher:
             instance = routed_instance(decision)
         if instance and envelope.session_id:
             sessions[envelope.session_id] = instance  # later messages of the batch follow it
-        acceptance = Acceptance(
-            message_id=envelope.message_id,
-            envelope_json=encode_envelope(envelope),
-            capability=envelope.capability,
-            deadline_ms=now + int(envelope.timeout_s * 1000),
-            reply_to=envelope.reply_to or "",
-            priority=envelope.priority,
-            next_stage=Stage.ROUTED if instance else Stage.WAITING,
-            accepted_ms=now,
+        acceptance = _acceptance(
+            envelope,
+            now,
+            deadline_ms,
+            Stage.ROUTED if instance else Stage.WAITING,
+            decision.reason if decision else BEHIND_WAITING,
+            decision_fields(decision) if decision else {},
             instance=instance or "",
-            reason=decision.reason if decision else BEHIND_WAITING,
-            fields=decision_fields(decision) if decision else {},
         )
-        return acceptance, envelope
+        return _Plan(acceptance, envelope)
 
-    async def _repair(self, message_id: str) -> None:
-        """Re-apply the index writes for a record's current stage (each is idempotent)."""
-        record = await self.store.get_record(message_id)
-        if record is None:
+    def _plan_broadcast(self, envelope: Envelope, now: int, deadline_ms: int) -> _Plan:
+        """FANNED_OUT to one child per healthy instance, the fan-out kept on the record; with
+        no healthy instance at all, REJECTED with the funnel's reason (told at once, not
+        parked: a broadcast that waited would go to whichever instance came first)."""
+        request = route_request(envelope, {})
+        instances = members(request, self.table.index, self.table.policy, now_ms=now)
+        children = fan_out(envelope.message_id, instances)
+        fields: dict[str, Any]
+        if children:
+            stage = Stage.FANNED_OUT
+            listed = ", ".join(instances[:LISTED_INSTANCES])
+            more = len(instances) - LISTED_INSTANCES
+            reason = f"broadcast to {len(children)} instances: {listed}"
+            reason += f" (+{more} more)" if more > 0 else ""
+            fields = {
+                "children": encode_children(children),
+                # what lua/child_done.lua needs to end the parent like transition.lua would
+                "timeline_max": str(self.settings.timeline_max),
+                "ttl_s": str(self.settings.record_ttl_s),
+                "route_reason": f"broadcast to {len(children)} healthy instances",
+            }
+        else:
+            stage = Stage.REJECTED
+            decision = self.table.evaluate(request, now_ms=now)
+            reason = no_members_reason(decision.reason)
+            fields = {**decision_fields(decision), "reply_pending": "1"}
+        acceptance = _acceptance(envelope, now, deadline_ms, stage, reason, fields)
+        return _Plan(acceptance, envelope, children)
+
+    async def _repair(self, message_ids: list[str], admitted: _Admitted) -> None:
+        """Re-apply the index writes for each record's current stage (each is idempotent), in
+        a few round trips for the lot; a broadcast parent's children are planned again (the
+        missing ones get created, the others repaired in turn)."""
+        if not message_ids:
             return
-        await self.conn.call(*self.store.due_command(message_id, record.deadline_ms))
-        if record.stage is Stage.WAITING:
-            await self.store.park(
-                record.capability, message_id, record.priority, record.accepted_ms
+        records = [r for r in await self.store.get_records(message_ids) if r is not None]
+        # never later than a look already due (a delivery timeout, a lease): only sooner
+        commands = [self.store.due_at_most_command(r.id, r.deadline_ms) for r in records]
+        commands += self.store.park_commands(
+            [
+                (r.capability, r.id, r.priority, r.accepted_ms)
+                for r in records
+                if r.stage is Stage.WAITING
+            ]
+        )
+        await self.store.run_all(commands)
+        await self.assigner.assign(
+            [
+                Routed(r.id, r.capability, r.instance, r.attempt, r.priority, r.accepted_ms)
+                for r in records
+                if r.stage is Stage.ROUTED
+            ]
+        )
+        parents = [r for r in records if r.stage is Stage.FANNED_OUT]
+        fanned = await self.conn.call_many(
+            [("HGET", self.keys.record(r.id), "children") for r in parents]
+        )
+        for parent, raw in zip(parents, fanned, strict=True):
+            children = decode_children(raw or b"[]")
+            admitted.fan_outs.append((load_envelope(parent.envelope), children, parent.deadline_ms))
+        for r in records:
+            if r.stage is Stage.REJECTED and r.reply_pending:  # a broadcast nobody could take
+                await self._reject_broadcast(load_envelope(r.envelope), r.error or "")
+
+    async def _reject_broadcast(self, envelope: Envelope, reason: str) -> None:
+        """A broadcast no instance could take: dead-lettered like every REJECTED envelope, its
+        producer told (reply and webhook), then the record's ``reply_pending`` cleared."""
+        message_id = envelope.message_id
+        # Shielded: a dispatcher being stopped finishes telling; only a kill leaves it (the
+        # ingress entry is still pending then: handled again, _repair tells).
+        with anyio.CancelScope(shield=True):
+            await self.store.dead_letter(
+                {
+                    "id": message_id,
+                    "stage": Stage.REJECTED.value,
+                    "reason": reason,
+                    "raw": encode_envelope(envelope),
+                    "ts": str(now_ms()),
+                }
             )
-        elif record.stage is Stage.ROUTED:
-            await self.assigner.assign(
-                [
-                    Routed(
-                        message_id,
-                        record.capability,
-                        record.instance,
-                        record.attempt,
-                        record.priority,
-                        record.accepted_ms,
-                    )
-                ]
-            )
+            await self.store.deliver(envelope, Stage.REJECTED, None, reason)
+            await self.conn.call("HDEL", self.keys.record(message_id), "reply_pending")
+        log.info("broadcast %s rejected: %s", message_id, reason)
 
     async def _reject(self, exc: InvalidEnvelope, fallback_id: str) -> None:
         """Record REJECTED with the precise reason, dead-letter the original bytes, tell the
@@ -383,3 +517,28 @@ class Dispatcher:
                 await trim_acknowledged(self.conn, self.keys.ingress)
             except RedisUnavailable as exc:
                 log.warning("trim failed: %s", exc)
+
+
+def _acceptance(
+    envelope: Envelope,
+    now: int,
+    deadline_ms: int,
+    next_stage: Stage,
+    reason: str,
+    fields: Mapping[str, str | bytes],
+    *,
+    instance: str = "",
+) -> Acceptance:
+    return Acceptance(
+        message_id=envelope.message_id,
+        envelope_json=encode_envelope(envelope),
+        capability=envelope.capability,
+        deadline_ms=deadline_ms,
+        reply_to=envelope.reply_to or "",
+        priority=envelope.priority,
+        next_stage=next_stage,
+        accepted_ms=now,
+        instance=instance,
+        reason=reason,
+        fields=fields,
+    )

@@ -22,6 +22,7 @@ each stage gets when its time comes:
   ``callback_timeout_s``. A callback that comes later, while the message is not terminal, is
   still taken (also from NEEDS_CONFIRMATION).
 - CALLBACK_RECEIVED whose sidecar stopped before finishing it: ended with the recorded result.
+- FANNED_OUT (a broadcast waiting on its children) is looked at every delivery timeout.
 - NEEDS_CONFIRMATION stays visible (and in ``P:due``) until an operator resolves it.
 
 Retries back off (``broker/retry.py``), avoid the instance that failed, and stop at the
@@ -235,6 +236,10 @@ class Reaper:
                 return await self._processing(record, now)
             case Stage.CALLBACK_RECEIVED:
                 return await self._callback_received(record, now)
+            case Stage.FANNED_OUT:
+                # a broadcast waits on its children; the last one to end ends it, and a look
+                # now and then finishes the telling should that ender stop before it had told
+                return Verdict("fanned out", now + self.delivery_timeout_ms)
         return Verdict("parked", now + PARKED_RECHECK_MS)  # NEEDS_CONFIRMATION
 
     # -- the agent was never asked ---------------------------------------------------------

@@ -9,7 +9,8 @@
 -- ARGV[5]  reply_to, or ""
 -- ARGV[6]  priority
 -- ARGV[7]  timeline cap (entries)
--- ARGV[8]  next stage: "ROUTED", "WAITING" or "REJECTED" (ACCEPTED -> next, broker/stages.py)
+-- ARGV[8]  next stage: "ROUTED", "WAITING", "REJECTED" or "FANNED_OUT" (a broadcast parent)
+--          (ACCEPTED -> next, broker/stages.py)
 -- ARGV[9]  instance, when next is ROUTED
 -- ARGV[10] reason for the next step (for REJECTED also stored as the record's error)
 -- ARGV[11] seconds to keep record and timeline when next is terminal, or ""

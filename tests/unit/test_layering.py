@@ -27,6 +27,7 @@ PURE = [
     "durations",
     "results",
     "webhooks",
+    "broadcast",
 ]
 IO_LIBRARIES = {"redis", "httpx", "anyio"}
 PACKAGES = ["broker", "workers", "adapters"]

@@ -56,6 +56,17 @@ def build_envelope(fields: dict[str, Any], payload: str) -> Envelope:
 @click.option("--priority", type=click.IntRange(0, 9), default=0, show_default=True)
 @click.option("--wait", is_flag=True, help="Wait for the result and print it.")
 @click.option(
+    "--broadcast",
+    is_flag=True,
+    help="To every healthy instance of the capability; the result maps instance -> outcome.",
+)
+@click.option(
+    "--callback-url",
+    default=None,
+    metavar="URL",
+    help="A webhook for the result (its host must be in callback_hosts).",
+)
+@click.option(
     "--timeout",
     "timeout_s",
     type=float,
@@ -73,6 +84,8 @@ def send(
     target: str | None,
     priority: int,
     wait: bool,
+    broadcast: bool,
+    callback_url: str | None,
     timeout_s: float,
 ) -> None:
     """Submit one envelope; print its id, or with --wait its result."""
@@ -84,6 +97,8 @@ def send(
         "tags": parse_tags(tags),
         "target": target,
         "priority": priority,
+        "mode": "broadcast" if broadcast else None,
+        "callback_url": callback_url,
     }
 
     async def submit() -> int:
