@@ -45,6 +45,9 @@ class HttpTransport:
             return NotReached(f"agent unreachable at {self.url}: {type(exc).__name__}: {exc}")
         except httpx.HTTPError as exc:
             return Ambiguous(f"no answer from {self.url}: {type(exc).__name__}: {exc}")
+        return self.outcome(response)
+
+    def outcome(self, response: httpx.Response) -> Outcome:
         return _from_response(response)
 
     def headers(self, envelope: Envelope, attempt: int) -> dict[str, str]:
@@ -80,11 +83,10 @@ class HttpAsyncTransport(HttpTransport):
         headers[TOKEN_HEADER] = self._tokens.token(envelope.message_id, attempt)
         return headers
 
-    async def deliver(self, envelope: Envelope, attempt: int) -> Outcome:
-        outcome = await super().deliver(envelope, attempt)
-        if isinstance(outcome, Succeeded) and outcome.status == 202:
-            return Accepted(_task_id(outcome.result))
-        return outcome
+    def outcome(self, response: httpx.Response) -> Outcome:
+        if response.status_code == 202:  # whatever the body: "Accepted" as text is common
+            return Accepted(_task_id(response.content))
+        return _from_response(response)
 
 
 def _task_id(body: bytes) -> str:
@@ -130,7 +132,7 @@ def _from_response(response: httpx.Response) -> Outcome:
             msgspec.json.decode(body)
         except msgspec.DecodeError:
             return Failed(f"agent answered {status} with a body that is not JSON")
-        return Succeeded(body, status)
+        return Succeeded(body)
     snippet = response.text[:200]
     reason = f"agent answered {status}: {snippet}" if snippet else f"agent answered {status}"
     return Failed(reason, fault=status >= 500)

@@ -14,7 +14,6 @@ import msgspec
 
 class Succeeded(msgspec.Struct, frozen=True, tag=True):
     result: bytes  # JSON
-    status: int = 200  # the HTTP status it came with (202 is an async agent's "taken")
 
 
 class Failed(msgspec.Struct, frozen=True, tag=True):

@@ -240,7 +240,10 @@ class Sidecar:
         fresh = [(t, m.value) for t, m in zip(taken, received, strict=True) if m.ok and m.value]
         processing = (
             await self.store.move_many(
-                [self._fenced(t, Stage.PROCESSING, Stage.RECEIVED) for t, _ in fresh]
+                [
+                    self._fenced(t, Stage.PROCESSING, Stage.RECEIVED, fields=_NOT_AWAITING)
+                    for t, _ in fresh
+                ]
             )
             if fresh
             else []
@@ -252,6 +255,7 @@ class Sidecar:
         }
         for t, m in zip(taken, received, strict=True):
             self._held.add(t.entry_id)
+            self._supersede(t)
             self._by_message[t.message_id] = t
             if t.entry_id not in ready:
                 pool.submit(partial(self._guarded, t, partial(self._resume, t, m)))
@@ -260,6 +264,15 @@ class Sidecar:
                 pool.submit(partial(self._guarded, t, partial(self._call_agent, t, envelope)))
             else:
                 self._done(t)  # lost the PROCESSING race: someone else owns the record now
+
+    def _supersede(self, taken: Taken) -> None:
+        """A new attempt of a message this sidecar still awaits a callback for (the reaper
+        retried it here): the old attempt's entry and credit are let go of now — its callback
+        can no longer settle it — not left held until a restart."""
+        old = self._by_message.get(taken.message_id)
+        if old is not None and old != taken and taken.message_id in self._awaiting:
+            del self._awaiting[taken.message_id]
+            self._done(old)
 
     async def _wait_idle(self, pool: WorkPool, work: TaskGroup) -> None:
         """DRAINING: no new assignments; reroute what was assigned but never read; give
@@ -400,8 +413,32 @@ class Sidecar:
     async def on_callback(self, message_id: str, token: str, outcome: Succeeded | Failed) -> Answer:
         """An agent's callback: checked against the token and the record, then recorded
         (CALLBACK_RECEIVED, write-ahead) before it is answered; the outcome follows."""
-        assert self._tokens is not None
         record = await self.store.get_record(message_id)
+        checked = self._check_callback(message_id, token, record)
+        if isinstance(checked, Answer):
+            return checked
+        assert record is not None
+        refused = await self._write_callback(record, checked, outcome)
+        if refused is not None:
+            return refused
+        since = self._awaiting.pop(message_id, None)
+        if since is not None:
+            self.vitals.record(
+                outcome, latency_ms=(anyio.current_time() - since) * 1000, now_ms=now_ms()
+            )
+        envelope = load_envelope(record.envelope)
+        taken = self._by_message.get(message_id)
+        if taken is not None and taken.attempt == checked:
+            self._finish_callback(taken, envelope, outcome)
+        else:  # parked for an operator, its entry long released: settle it here
+            await self._settle_unheld(envelope, checked, outcome)
+        return Answer(200, {"id": message_id, "stage": Stage.CALLBACK_RECEIVED.value})
+
+    def _check_callback(
+        self, message_id: str, token: str, record: MessageRecord | None
+    ) -> Answer | int:
+        """The attempt a callback settles, or the answer that refuses it."""
+        assert self._tokens is not None
         if record is None or record.attempt < 1:
             return Answer(404, {"error": f"unknown message {message_id}"})
         attempt = self._tokens.attempt_of(token, message_id, record.attempt)
@@ -415,6 +452,12 @@ class Sidecar:
         if record.stage not in (Stage.PROCESSING, Stage.NEEDS_CONFIRMATION):
             why = f"message is {record.stage.value}, not awaiting a result"
             return Answer(409, {"error": why, "stage": record.stage.value})
+        return attempt
+
+    async def _write_callback(
+        self, record: MessageRecord, attempt: int, outcome: Succeeded | Failed
+    ) -> Answer | None:
+        """CALLBACK_RECEIVED with the result on the record; an answer when a race lost it."""
         late = now_ms() - record.updated_ms
         fields: dict[str, str | bytes] = (
             {"result": outcome.result}
@@ -423,7 +466,7 @@ class Sidecar:
         )
         moved = await self.store.apply(
             Move(
-                message_id,
+                record.id,
                 Stage.CALLBACK_RECEIVED,
                 any_of=frozenset({Stage.PROCESSING, Stage.NEEDS_CONFIRMATION}),
                 expect_attempt=attempt,
@@ -432,30 +475,22 @@ class Sidecar:
                 fields=fields,
             )
         )
-        if not moved.ok:  # raced: another callback, or the reaper
-            if moved.stage is not None and (
-                moved.stage in TERMINAL or moved.stage is Stage.CALLBACK_RECEIVED
-            ):
-                return _duplicate(message_id, moved.stage)
-            return Answer(409, {"error": f"message is {moved.stage}", "stage": str(moved.stage)})
-        since = self._awaiting.pop(message_id, None)
-        if since is not None:
-            self.vitals.record(
-                outcome, latency_ms=(anyio.current_time() - since) * 1000, now_ms=now_ms()
-            )
-        envelope = load_envelope(record.envelope)
-        taken = self._by_message.get(message_id)
-        if taken is not None and taken.attempt == attempt:
-            self._finish_callback(taken, envelope, outcome)
-        else:  # parked for an operator, its entry long released: settle it here
-            await self._settle_unheld(envelope, attempt, outcome)
-        return Answer(200, {"id": message_id, "stage": Stage.CALLBACK_RECEIVED.value})
+        if moved.ok:  # should this sidecar stop before it finishes, the reaper does, soon
+            soon = now_ms() + int(self.conn.settings.delivery_timeout_s * 1000)
+            await self.conn.call(*self.store.due_at_most_command(record.id, soon))
+            return None
+        if moved.stage in TERMINAL or moved.stage is Stage.CALLBACK_RECEIVED:
+            assert moved.stage is not None
+            return _duplicate(record.id, moved.stage)  # raced: another callback, the reaper
+        return Answer(409, {"error": f"message is {moved.stage}", "stage": str(moved.stage)})
 
     def _finish_callback(
         self, taken: Taken, envelope: Envelope, outcome: Succeeded | Failed
     ) -> None:
         """CALLBACK_RECEIVED -> SUCCEEDED / FAILED in the next finishing round trip, with the
         producer told, the credit returned and the entry acknowledged."""
+        if taken.message_id in self._finishing:
+            return  # queued already (the endpoint and the watch both saw it)
         self._finishing.add(taken.message_id)
         self._awaiting.pop(taken.message_id, None)
         stage, result, error = _ending(outcome)
@@ -473,6 +508,10 @@ class Sidecar:
     async def _settle_unheld(
         self, envelope: Envelope, attempt: int, outcome: Succeeded | Failed
     ) -> None:
+        """Settle a callback whose stream entry is long released (the message was parked for
+        an operator). No entry keeps the telling pending, so the record does
+        (``reply_pending``, as the reaper's endings do): a stop before the telling leaves it
+        to the reaper."""
         stage, result, error = _ending(outcome)
         moved = await self.store.apply(
             Move(
@@ -482,10 +521,13 @@ class Sidecar:
                 expect_attempt=attempt,
                 expect_instance=self.instance_id,
                 reason="result from the agent's callback",
+                fields={"reply_pending": 1},
             )
         )
         if moved.ok:
             await self.store.deliver(envelope, stage, result, error)
+            record_key = self.conn.keys.record(envelope.message_id)
+            await self.conn.call("HDEL", record_key, "reply_pending")
 
     async def _watch_callbacks(self) -> None:
         while True:
@@ -606,7 +648,7 @@ class Sidecar:
 
     async def _execute(self, taken: Taken, envelope: Envelope, source: Stage, reason: str) -> None:
         processing = await self.store.apply(
-            self._fenced(taken, Stage.PROCESSING, source, reason=reason)
+            self._fenced(taken, Stage.PROCESSING, source, reason=reason, fields=_NOT_AWAITING)
         )
         if not processing.ok:
             self._done(taken)
@@ -738,6 +780,11 @@ class Sidecar:
     ) -> list[Command]:
         """The commands that tell the producer (:mod:`broker.results`)."""
         return delivery_commands(self.conn.keys, envelope, stage, result, error)
+
+
+# Written with every PROCESSING that is about to call the agent: a retry's attempt awaits no
+# callback until its own agent answers 202.
+_NOT_AWAITING: dict[str, str | bytes | int] = {"awaiting_callback": "", "agent_task": ""}
 
 
 def _duplicate(message_id: str, stage: Stage) -> Answer:

@@ -30,19 +30,21 @@ def signature_valid(secret: str, timestamp: str, body: bytes, header: str) -> bo
 
 
 def callback_problem(url: str, allowed_hosts: Collection[str], secret: str | None) -> str | None:
-    """Why results may not be POSTed to ``url``, or ``None`` when they may."""
+    """Why results may not be POSTed to ``url``, or ``None`` when they may. An allowed entry
+    is a host (any port) or ``host:port`` (that port only)."""
     try:
         parts = urlsplit(url)
         host = parts.hostname
-        parts.port  # noqa: B018 - raises ValueError on a bad port
+        port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError as exc:
         return f"callback_url {url!r} is not a valid URL: {exc}"
     if parts.scheme not in ("http", "https") or not host:
         return f"callback_url {url!r} must be an http:// or https:// URL with a host"
-    if host not in {h.lower() for h in allowed_hosts}:
-        allowed = ", ".join(sorted(allowed_hosts)) or "none configured"
+    allowed = {h.lower() for h in allowed_hosts}
+    if host not in allowed and f"{host}:{port}" not in allowed:
+        listed = ", ".join(sorted(allowed_hosts)) or "none configured"
         return (
-            f"callback_url host {host!r} is not allowed (allowed: {allowed}; set callback_hosts"
+            f"callback_url host {host!r} is not allowed (allowed: {listed}; set callback_hosts"
             " or AGENT_REACH_CALLBACK_HOSTS)"
         )
     if not secret:

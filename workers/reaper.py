@@ -41,6 +41,7 @@ from anyio.abc import TaskStatus
 from redis.exceptions import ResponseError
 
 from adapters.status import StatusClient
+from broker.broadcast import decode_children
 from broker.connection import Connection
 from broker.envelope import Envelope, load_envelope
 from broker.errors import RedisUnavailable
@@ -63,7 +64,7 @@ RESOLVE_CONCURRENCY = 32  # with 3 s status queries, a batch of 200 ends well in
 MAX_EXTENSIONS = 5  # "running" answers before the reaper treats the agent as not knowing
 PARKED_RECHECK_MS = 3_600_000
 _AGENT_NOT_ASKED = (Stage.ROUTED, Stage.RECEIVED)
-_HOLDS_CREDIT = (Stage.ROUTED, Stage.RECEIVED, Stage.PROCESSING)
+_HOLDS_CREDIT = (Stage.ROUTED, Stage.RECEIVED, Stage.PROCESSING, Stage.CALLBACK_RECEIVED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +176,8 @@ class Reaper:
                 self.handled[verdict.action] = self.handled.get(verdict.action, 0) + 1
                 if verdict.next_due_ms is not None:
                     commands.append(self.store.due_command(message_id, verdict.next_due_ms))
-            elif record.stage is Stage.PROCESSING:
-                # due now: this tick's claim asks the agent, and reschedules what runs on
+            elif record.stage in (Stage.PROCESSING, Stage.CALLBACK_RECEIVED):
+                # due now: this tick's claim asks the agent (or finishes a received callback)
                 commands.append(self.store.due_at_most_command(message_id, now))
             elif record.stage in TERMINAL:
                 # finished, but the sidecar died before it returned the credit — and maybe
@@ -237,8 +238,7 @@ class Reaper:
             case Stage.CALLBACK_RECEIVED:
                 return await self._callback_received(record, now)
             case Stage.FANNED_OUT:
-                # a broadcast waits on its children; the last one to end ends it, and a look
-                # now and then finishes the telling should that ender stop before it had told
+                await self._children_told(record)
                 return Verdict("fanned out", now + self.delivery_timeout_ms)
         return Verdict("parked", now + PARKED_RECHECK_MS)  # NEEDS_CONFIRMATION
 
@@ -367,6 +367,20 @@ class Reaper:
         else:
             ended = await self._end(record, Stage.FAILED, reason, error=record.error or "failed")
         return Verdict("finished callback", None if ended else now + 1_000)
+
+    async def _children_told(self, record: MessageRecord) -> None:
+        """A broadcast waits on its children; the last one to end ends it. A child whose ender
+        stopped before it told the parent (an operator's command killed midway, say) is told
+        again here: a repeat changes nothing, and the parent's own telling follows."""
+        raw = await self.conn.call("HGET", self.conn.keys.record(record.id), "children")
+        children = [child for child, _ in decode_children(raw)] if raw else []
+        if not children:
+            return
+        told = await self.conn.call("HMGET", self.conn.keys.outcomes(record.id), *children)
+        untold = [child for child, outcome in zip(children, told, strict=True) if not outcome]
+        for child in await self.store.get_records(untold):
+            if child is not None and child.stage in TERMINAL:
+                await self.store.deliver(child.envelope, child.stage, child.result, child.error)
 
     async def _retry(
         self, record: MessageRecord, envelope: Envelope, reason: str, now: int

@@ -343,3 +343,58 @@ async def test_a_restarted_sidecar_still_takes_the_callbacks_it_handed_out(
 
         assert answer.status == 200
         assert replies[message_id].result == "survived"
+
+
+async def test_a_202_whose_body_is_not_json_is_still_taken(conn: Connection) -> None:
+    async with (
+        async_agent(plain_202=True) as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent),
+    ):
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        message_id = await client.submit(envelope(reply_to))
+        await taken_by_agent(agent, conn, message_id)
+        assert (await record_of(conn, message_id)).agent_task == ""
+
+        answer = await agent.call_back(message_id, {"result": "fine"})
+        replies = await collect_replies(conn, reply_to, 1)
+
+        assert answer.status == 200
+        assert replies[message_id].stage is Stage.SUCCEEDED
+
+
+async def test_a_retry_to_the_same_instance_lets_go_of_the_old_attempt(conn: Connection) -> None:
+    """Idempotent, no status endpoint: past the callback timeout the reaper retries, and the
+    only instance takes attempt 2. Attempt 1's credit is returned at once, its token no
+    longer settles anything, attempt 2 awaits its own callback."""
+    async with (
+        clocks(conn, callback_timeout_s=1.0, delivery_timeout_s=1.0, sweep_interval_s=0.1) as conn,
+        async_agent() as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent, idempotent=True),
+    ):
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        message_id = await client.submit(envelope(reply_to))
+        await taken_by_agent(agent, conn, message_id)
+        first = agent.received[message_id]
+
+        async def second_attempt_awaits() -> bool:
+            record = await record_of(conn, message_id)
+            return record.attempt == 2 and record.awaiting_callback
+
+        await eventually(second_attempt_awaits, timeout_s=20)
+        members = await conn.call("SMEMBERS", conn.keys.inflight(INSTANCE))
+
+        assert members == [f"{message_id}:2".encode()]
+        stale = await agent.call_back(message_id, {"result": "old"}, token=first.token)
+        assert stale.status == 409 and "no longer current" in stale.body["error"]
+        answer = await agent.call_back(message_id, {"result": "new"})
+        replies = await collect_replies(conn, reply_to, 1)
+        assert answer.status == 200 and replies[message_id].result == "new"
+
+        async def credit_returned() -> bool:
+            return await credits_in_use(conn) == 0
+
+        await eventually(credit_returned, timeout_s=10)

@@ -468,3 +468,35 @@ async def test_a_dispatcher_killed_between_parent_and_children_leaves_them_to_it
             (result,) = (await collect_replies(conn, reply_to, 1)).values()
     assert result.stage is Stage.SUCCEEDED and sorted(result.result) == ["a-1", "a-2"]
     assert agent.log.calls == {f"{parent}.1": 1, f"{parent}.2": 1}
+
+
+async def test_a_child_ended_without_telling_its_parent_is_told_by_the_reaper(
+    conn: Connection,
+) -> None:
+    """An ender that stopped after the child's terminal write and before any telling (an
+    operator's command killed midway): the reaper's look at the FANNED_OUT parent tells it."""
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    store = MessageStore(conn)
+    await register_idle(conn, "a-1", "cache.flush")
+    async with running_dispatcher(conn, reaper=False):
+        parent = await client.submit(broadcast("cache.flush", reply_to))
+
+        async def fanned_out() -> bool:
+            return await store.stages([f"{parent}.1"]) == [Stage.ROUTED]
+
+        await eventually(fanned_out)
+    moved = await store.apply(
+        Move(f"{parent}.1", Stage.CANCELLED, any_of=frozenset({Stage.ROUTED}), fields={})
+    )
+    assert moved.ok  # ended, and nobody told the parent
+    reaper = Reaper(conn)
+    before = await record_of(conn, parent)
+    assert before.stage is Stage.FANNED_OUT
+
+    verdict = await reaper.resolve(parent, before, now_ms())
+
+    assert verdict.next_due_ms is not None  # it looks again until the parent has ended
+    results = await collect_replies(conn, reply_to, 1)
+    assert results[parent].stage is Stage.SUCCEEDED
+    assert results[parent].result["a-1"]["stage"] == "CANCELLED"

@@ -13,7 +13,7 @@ import httpx
 from anyio.abc import TaskGroup
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from adapters.asgi import serve_app
@@ -63,9 +63,12 @@ class AsyncAgent:
 
 
 @asynccontextmanager
-async def async_agent(*, call_back_after_s: float | None = None) -> AsyncIterator[AsyncAgent]:
+async def async_agent(
+    *, call_back_after_s: float | None = None, plain_202: bool = False
+) -> AsyncIterator[AsyncAgent]:
     """Serve an async agent; with ``call_back_after_s`` it calls back by itself (echoing the
-    payload) that long after taking each request; otherwise the test calls back."""
+    payload) that long after taking each request; otherwise the test calls back. It answers
+    202 with ``{"task_id": ...}``, or (``plain_202``) with the text "Accepted"."""
     agent = AsyncAgent()
 
     async def work(tg: TaskGroup, taken: Received) -> None:
@@ -84,6 +87,8 @@ async def async_agent(*, call_back_after_s: float | None = None) -> AsyncIterato
         agent.received[taken.message_id] = taken
         if call_back_after_s is not None:
             tg.start_soon(work, tg, taken)
+        if plain_202:
+            return PlainTextResponse("Accepted", status_code=202)
         return JSONResponse({"task_id": f"task-{taken.message_id}"}, status_code=202)
 
     async def status(request: Request) -> Response:

@@ -37,6 +37,15 @@ def test_an_allowed_host_with_a_secret_is_fine() -> None:
     assert callback_problem("https://Hooks.Example.com/x", ["hooks.example.com"], "s") is None
 
 
+def test_a_host_with_a_port_allows_that_port_only() -> None:
+    hosts = ["127.0.0.1:8080", "hooks.example.com:443"]
+
+    assert callback_problem("http://127.0.0.1:8080/hook", hosts, "s") is None
+    assert callback_problem("https://hooks.example.com/x", hosts, "s") is None
+    assert callback_problem("http://127.0.0.1:6379/", hosts, "s") is not None
+    assert callback_problem("http://hooks.example.com/x", hosts, "s") is not None  # port 80
+
+
 @pytest.mark.parametrize(
     ("url", "hosts", "secret", "says"),
     [
