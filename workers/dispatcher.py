@@ -56,6 +56,7 @@ from broker.envelope import (
 from broker.errors import InvalidEnvelope, RedisUnavailable
 from broker.ids import ulid_for_entry
 from broker.keyspace import DISPATCH_GROUP
+from broker.records import MessageRecord
 from broker.registry import Registry
 from broker.routing import Decision
 from broker.stages import Stage
@@ -271,6 +272,7 @@ class Dispatcher:
         results = await self.store.accept_many([p.acceptance for p in plans])
         reaper_look = now + int(self.settings.delivery_timeout_s * 1000)
         existing: list[str] = []
+        planned_children: dict[str, Envelope] = {}  # of those, planned as broadcast children
         for plan, result in zip(plans, results, strict=True):
             a = plan.acceptance
             if not result.created:
@@ -278,6 +280,8 @@ class Dispatcher:
                 # index writes for the record's stage are re-applied (each is idempotent).
                 self.table.unreserve(a.instance)
                 existing.append(a.message_id)
+                if plan.envelope.parent is not None:
+                    planned_children[a.message_id] = plan.envelope
                 continue
             if a.next_stage is Stage.REJECTED:
                 admitted.rejected.append((plan.envelope, a.reason))
@@ -296,7 +300,7 @@ class Dispatcher:
                     admitted.bindings.append((plan.envelope.session_id, a.instance))
             else:
                 admitted.to_park.append((a.capability, a.message_id, a.priority, now))
-        await self._repair(existing, admitted)
+        await self._repair(existing, admitted, planned_children)
 
     def _plan(
         self,
@@ -357,13 +361,19 @@ class Dispatcher:
         acceptance = _acceptance(envelope, now, deadline_ms, stage, reason, fields)
         return _Plan(acceptance, envelope, children)
 
-    async def _repair(self, message_ids: list[str], admitted: _Admitted) -> None:
+    async def _repair(
+        self,
+        message_ids: list[str],
+        admitted: _Admitted,
+        planned_children: Mapping[str, Envelope] | None = None,
+    ) -> None:
         """Re-apply the index writes for each record's current stage (each is idempotent), in
         a few round trips for the lot; a broadcast parent's children are planned again (the
         missing ones get created, the others repaired in turn)."""
         if not message_ids:
             return
         records = [r for r in await self.store.get_records(message_ids) if r is not None]
+        records = await self._foreign_children(records, planned_children or {})
         # never later than a look already due (a delivery timeout, a lease): only sooner
         commands = [self.store.due_at_most_command(r.id, r.deadline_ms) for r in records]
         commands += self.store.park_commands(
@@ -391,6 +401,24 @@ class Dispatcher:
         for r in records:
             if r.stage is Stage.REJECTED and r.reply_pending:  # a broadcast nobody could take
                 await self._reject_broadcast(load_envelope(r.envelope), r.error or "")
+
+    async def _foreign_children(
+        self, records: list[MessageRecord], children: Mapping[str, Envelope]
+    ) -> list[MessageRecord]:
+        """A child id a producer had already used for a message of its own (``X.1`` before
+        broadcast ``X``): that message is left alone, and the child's slot on the parent ends
+        REJECTED with the reason, so the parent does not wait for it forever. Returns the
+        records that are what they were planned to be."""
+        own: list[MessageRecord] = []
+        for record in records:
+            planned = children.get(record.id)
+            if planned is None or load_envelope(record.envelope).parent == planned.parent:
+                own.append(record)
+                continue
+            reason = f"child id {record.id} already names another message"
+            await self.store.deliver(planned, Stage.REJECTED, None, reason)
+            log.warning("broadcast %s: %s", planned.parent, reason)
+        return own
 
     async def _reject_broadcast(self, envelope: Envelope, reason: str) -> None:
         """A broadcast no instance could take: dead-lettered like every REJECTED envelope, its

@@ -441,18 +441,19 @@ class Reaper:
             fields["error"] = error or reason
         # Shielded: a reaper being stopped (SIGTERM, a cancelled task group) finishes the write
         # and the telling together; only a kill in between leaves reply_pending to the next.
+        ended = False
         with anyio.CancelScope(shield=True):
             moved = await self.store.apply(
                 self._fenced(record, stage, reason=reason, fields=fields)
             )
-            if not moved.ok:
-                return False
-            await self._release(record)
-            if stage is Stage.DEAD:  # dead-lettered before the producer hears of it
-                await self.store.dead_letter_message(record.id, str(fields["error"]))
-            await self._reply(record, stage, result, str(fields.get("error", reason)))
-            await self.conn.call("HDEL", self.conn.keys.record(record.id), "reply_pending")
-            return True
+            if moved.ok:
+                await self._release(record)
+                if stage is Stage.DEAD:  # dead-lettered before the producer hears of it
+                    await self.store.dead_letter_message(record.id, str(fields["error"]))
+                await self._reply(record, stage, result, str(fields.get("error", reason)))
+                await self.conn.call("HDEL", self.conn.keys.record(record.id), "reply_pending")
+                ended = True
+        return ended
 
     async def _finish_telling(self, record: MessageRecord) -> None:
         if record.stage is Stage.DEAD:

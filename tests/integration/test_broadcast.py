@@ -500,3 +500,30 @@ async def test_a_child_ended_without_telling_its_parent_is_told_by_the_reaper(
     results = await collect_replies(conn, reply_to, 1)
     assert results[parent].stage is Stage.SUCCEEDED
     assert results[parent].result["a-1"]["stage"] == "CANCELLED"
+
+
+async def test_a_child_id_a_producer_already_used_is_left_alone_and_ends_rejected(
+    conn: Connection,
+) -> None:
+    """A producer's own ``X.1`` before broadcast ``X``: its message is not touched, and the
+    broadcast's first child slot ends REJECTED with the reason, not waited for forever."""
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("cache") as agent,
+        sidecars(conn, agent, ["a-1", "a-2"], "cache.flush"),
+        running_dispatcher(conn),
+    ):
+        squatter = await client.submit(message("cache.flush", reply_to, id="bcast-x.1"))
+        parent = await client.submit(broadcast("cache.flush", reply_to, id="bcast-x"))
+        results = await collect_replies(conn, reply_to, 2)
+
+    assert results[squatter].stage is Stage.SUCCEEDED
+    assert load_envelope((await record_of(conn, squatter)).envelope).parent is None
+    assert results[parent].stage is Stage.SUCCEEDED
+    assert results[parent].result["a-1"] == {
+        "stage": "REJECTED",
+        "id": "bcast-x.1",
+        "error": "child id bcast-x.1 already names another message",
+    }
+    assert results[parent].result["a-2"]["stage"] == "SUCCEEDED"
