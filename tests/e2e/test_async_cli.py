@@ -64,4 +64,6 @@ async def test_an_async_agent_behind_a_sidecar_process(
     assert agent.received[message_id].callback_url.startswith("http://127.0.0.1:")
     stages = [e.stage for e in await MessageStore(conn).get_timeline(message_id)]
     assert stages[-2:] == [Stage.CALLBACK_RECEIVED, Stage.SUCCEEDED]
-    assert "callbacks at http://127.0.0.1:" in (tmp_path / "sidecar.log").read_text()
+    log = (tmp_path / "sidecar.log").read_text()
+    assert "callbacks at http://127.0.0.1:" in log
+    assert "only under the same --instance-id and --callback-port" in log  # port 0: warned

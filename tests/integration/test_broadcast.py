@@ -209,7 +209,11 @@ async def test_each_child_waits_for_a_credit_of_its_own_instance(conn: Connectio
     assert slow.log.peak_concurrent == 1  # never more than its one credit
     slow_child = f"{parent}.2"  # instances in id order: quick-1, slow-1
     stages = [e.stage for e in await store.get_timeline(slow_child)]
-    assert stages[:3] == [Stage.ACCEPTED, Stage.WAITING, Stage.ROUTED]
+    # It waited before it was received. (A dispatcher whose view of the credits is a beat
+    # old may route it first and have the assignment refused: ROUTED -> WAITING.)
+    assert stages[0] is Stage.ACCEPTED
+    assert Stage.WAITING in stages
+    assert stages.index(Stage.WAITING) < stages.index(Stage.RECEIVED)
 
 
 @pytest.mark.anyio  # parametrized: the marker must be there before collection ends

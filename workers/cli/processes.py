@@ -217,6 +217,12 @@ def sidecar(
         cost=cost,
         status_url=status_url,
     )
+    if adapter == "http-async" and (instance_id is None or callback_port == 0):
+        click.echo(
+            "agent-reach: warning: callbacks handed out now reach a restarted sidecar only "
+            "under the same --instance-id and --callback-port; give both",
+            err=True,
+        )
     transport: Transport
     if adapter == "http-async":
         transport = HttpAsyncTransport(
