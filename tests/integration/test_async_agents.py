@@ -385,9 +385,12 @@ async def test_a_retry_to_the_same_instance_lets_go_of_the_old_attempt(conn: Con
             return record.attempt == 2 and record.awaiting_callback
 
         await eventually(second_attempt_awaits, timeout_s=20)
-        members = await conn.call("SMEMBERS", conn.keys.inflight(INSTANCE))
 
-        assert members == [f"{message_id}:2".encode()]
+        async def only_the_second_holds_a_credit() -> bool:
+            members = await conn.call("SMEMBERS", conn.keys.inflight(INSTANCE))
+            return members == [f"{message_id}:2".encode()]
+
+        await eventually(only_the_second_holds_a_credit, timeout_s=5)
         stale = await agent.call_back(message_id, {"result": "old"}, token=first.token)
         assert stale.status == 409 and "no longer current" in stale.body["error"]
         answer = await agent.call_back(message_id, {"result": "new"})
