@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from adapters.asgi import serve_app
 from adapters.http import HttpTransport
 from adapters.sidecar import Sidecar
 from broker.client import Client, result_from_fields
@@ -29,7 +30,6 @@ from broker.envelope import Envelope
 from broker.records import InstanceCard
 from broker.registry import Registry
 from broker.store import MessageStore
-from workers.demo import serve_app
 from workers.dispatcher import Dispatcher
 
 CAPABILITY = "incident.answer"

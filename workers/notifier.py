@@ -50,6 +50,7 @@ from adapters.http import retry_after_s
 from broker.connection import Connection, ensure_group
 from broker.errors import RedisUnavailable
 from broker.keyspace import NOTIFY_GROUP
+from broker.retry import retry_delay_ms
 from broker.store import now_ms
 from broker.streams import GroupReader, StreamEntry, parse_entries
 from broker.timeline import CALLBACK_DELIVERED, note_command
@@ -129,8 +130,8 @@ def backoff_ms(
     """The wait after failed attempt ``attempt`` (1 for the first): ``base_ms`` doubled for
     every attempt before it, at most ``cap_ms``, spread by ±``jitter`` (and still at most
     ``cap_ms``) so that receivers coming back from an outage are not hit all at once."""
-    delay = min(cap_ms, base_ms << min(attempt - 1, 48))
-    return max(1, min(cap_ms, int(delay * rng.uniform(1 - jitter, 1 + jitter))))
+    spread = retry_delay_ms(attempt, base_ms=base_ms, jitter=jitter, rng=rng, cap_ms=cap_ms)
+    return min(cap_ms, spread)
 
 
 def signed_headers(secret: str, delivery: Delivery, timestamp: str) -> dict[str, str]:

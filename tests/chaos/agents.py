@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from workers.demo import serve_app
+from adapters.asgi import serve_app
 
 MIN_DELAY_S = 0.005
 MAX_DELAY_S = 0.040

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from adapters.asgi import serve_app
 from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection
@@ -22,7 +23,6 @@ from broker.store import MessageStore
 from tests.support.agents import RunningAgent, http_agent
 from tests.support.harness import collect_replies, eventually, running_dispatcher
 from tests.support.processes import process_env, start, stop
-from workers.demo import serve_app
 
 
 def sidecar_args(agent: RunningAgent, *extra: str) -> list[str]:

@@ -88,6 +88,19 @@ async def taken_by_agent(agent: AsyncAgent, conn: Connection, message_id: str) -
     await eventually(awaiting, timeout_s=20)
 
 
+async def submitted(
+    conn: Connection, agent: AsyncAgent | None = None, payload: object = "hello"
+) -> tuple[str, str]:
+    """A message on its own reply stream: (reply stream, id); with ``agent``, once the agent
+    has it and the record says it awaits the callback."""
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    message_id = await client.submit(envelope(reply_to, payload))
+    if agent is not None:
+        await taken_by_agent(agent, conn, message_id)
+    return reply_to, message_id
+
+
 async def credits_in_use(conn: Connection) -> int:
     return int(await conn.call("SCARD", conn.keys.inflight(INSTANCE)))
 
@@ -107,10 +120,7 @@ async def test_a_callback_after_the_sync_timeout_is_delivered_not_dropped(
         running_dispatcher(conn),
         async_sidecar(conn, agent, status=True),
     ):
-        client = Client(conn)
-        reply_to = client.new_reply_stream()
-        message_id = await client.submit(envelope(reply_to, {"question": 42}))
-        await taken_by_agent(agent, conn, message_id)
+        reply_to, message_id = await submitted(conn, agent, {"question": 42})
         assert await credits_in_use(conn) == 1  # the agent has it: its credit stays taken
         replies = await collect_replies(conn, reply_to, 1, timeout_s=30)
 
@@ -136,9 +146,7 @@ async def test_forged_token_is_refused_and_changes_nothing(conn: Connection) -> 
         running_dispatcher(conn),
         async_sidecar(conn, agent),
     ):
-        client = Client(conn)
-        message_id = await client.submit(envelope(client.new_reply_stream()))
-        await taken_by_agent(agent, conn, message_id)
+        _, message_id = await submitted(conn, agent)
         before = await record_of(conn, message_id)
         timeline = await stages_of(conn, message_id)
 
@@ -159,10 +167,7 @@ async def test_a_duplicate_callback_is_recorded_once(conn: Connection) -> None:
         running_dispatcher(conn),
         async_sidecar(conn, agent),
     ):
-        client = Client(conn)
-        reply_to = client.new_reply_stream()
-        message_id = await client.submit(envelope(reply_to))
-        await taken_by_agent(agent, conn, message_id)
+        reply_to, message_id = await submitted(conn, agent)
 
         first = await agent.call_back(message_id, {"result": {"n": 1}})
         second = await agent.call_back(message_id, {"result": {"n": 2}})
@@ -195,9 +200,7 @@ async def test_unknown_id_is_404_bad_body_400_oversize_413(conn: Connection) -> 
         running_dispatcher(conn),
         async_sidecar(conn, agent),
     ):
-        client = Client(conn)
-        message_id = await client.submit(envelope(client.new_reply_stream()))
-        await taken_by_agent(agent, conn, message_id)
+        _, message_id = await submitted(conn, agent)
         taken = agent.received[message_id]
         base = taken.callback_url.rsplit("/", 1)[0]
         headers = {"X-Reach-Callback-Token": taken.token}
@@ -226,10 +229,7 @@ async def test_a_failure_reported_by_callback_ends_failed(conn: Connection) -> N
         running_dispatcher(conn),
         async_sidecar(conn, agent),
     ):
-        client = Client(conn)
-        reply_to = client.new_reply_stream()
-        message_id = await client.submit(envelope(reply_to))
-        await taken_by_agent(agent, conn, message_id)
+        reply_to, message_id = await submitted(conn, agent)
 
         answer = await agent.call_back(message_id, {"error": "could not parse the invoice"})
         replies = await collect_replies(conn, reply_to, 1)
@@ -248,10 +248,7 @@ async def test_a_callback_past_the_callback_timeout_is_still_taken(conn: Connect
         running_dispatcher(conn),
         async_sidecar(conn, agent, status=True),
     ):
-        client = Client(conn)
-        reply_to = client.new_reply_stream()
-        message_id = await client.submit(envelope(reply_to))
-        await taken_by_agent(agent, conn, message_id)
+        reply_to, message_id = await submitted(conn, agent)
 
         async def asked_twice() -> bool:
             return agent.status_queries.count(message_id) >= 2
@@ -275,9 +272,7 @@ async def test_late_callback_status_done_is_recorded_and_the_callback_is_a_dupli
         async_sidecar(conn, agent, status=True),
     ):
         agent.status = "done"
-        client = Client(conn)
-        reply_to = client.new_reply_stream()
-        message_id = await client.submit(envelope(reply_to))
+        reply_to, message_id = await submitted(conn)
         replies = await collect_replies(conn, reply_to, 1, timeout_s=20)
 
         assert replies[message_id].result == {"from": "status"}
@@ -300,9 +295,7 @@ async def test_a_callback_settles_a_message_parked_for_an_operator(conn: Connect
         running_dispatcher(conn),
         async_sidecar(conn, agent),
     ):
-        client = Client(conn)
-        reply_to = client.new_reply_stream()
-        message_id = await client.submit(envelope(reply_to))
+        reply_to, message_id = await submitted(conn)
 
         async def parked() -> bool:
             return (await record_of(conn, message_id)).stage is Stage.NEEDS_CONFIRMATION
@@ -329,13 +322,10 @@ async def test_a_restarted_sidecar_still_takes_the_callbacks_it_handed_out(
     """Tokens are derived from a key kept in Redis: the callback of work taken before a
     restart is accepted by the new sidecar process on the same port."""
     async with async_agent() as agent, running_dispatcher(conn):
-        client = Client(conn)
-        reply_to = client.new_reply_stream()
         async with async_sidecar(conn, agent) as first:
             port = httpx.URL(first.callback_url).port
             assert port is not None
-            message_id = await client.submit(envelope(reply_to))
-            await taken_by_agent(agent, conn, message_id)
+            reply_to, message_id = await submitted(conn, agent)
         async with async_sidecar(conn, agent, callback_port=port) as second:
             assert second.callback_url == first.callback_url
             answer = await agent.call_back(message_id, {"result": "survived"})
@@ -351,10 +341,7 @@ async def test_a_202_whose_body_is_not_json_is_still_taken(conn: Connection) -> 
         running_dispatcher(conn),
         async_sidecar(conn, agent),
     ):
-        client = Client(conn)
-        reply_to = client.new_reply_stream()
-        message_id = await client.submit(envelope(reply_to))
-        await taken_by_agent(agent, conn, message_id)
+        reply_to, message_id = await submitted(conn, agent)
         assert (await record_of(conn, message_id)).agent_task == ""
 
         answer = await agent.call_back(message_id, {"result": "fine"})
@@ -374,10 +361,7 @@ async def test_a_retry_to_the_same_instance_lets_go_of_the_old_attempt(conn: Con
         running_dispatcher(conn),
         async_sidecar(conn, agent, idempotent=True),
     ):
-        client = Client(conn)
-        reply_to = client.new_reply_stream()
-        message_id = await client.submit(envelope(reply_to))
-        await taken_by_agent(agent, conn, message_id)
+        reply_to, message_id = await submitted(conn, agent)
         first = agent.received[message_id]
 
         async def second_attempt_awaits() -> bool:

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from adapters.asgi import serve_app
 from adapters.http import HttpTransport
 from adapters.sidecar import Sidecar
 from broker.client import Client
@@ -31,7 +32,6 @@ from broker.stages import Stage
 from broker.store import MessageStore, Move, now_ms
 from tests.support.agents import http_agent
 from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
-from workers.demo import serve_app
 from workers.reaper import Reaper
 
 StatusAnswer = Callable[[str], Awaitable[Response]]

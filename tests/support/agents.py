@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from workers.demo import serve_app
+from adapters.asgi import serve_app
 
 Behaviour = Callable[[dict[str, Any], Request], Awaitable[Response | None]]
 
