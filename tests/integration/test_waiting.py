@@ -11,7 +11,6 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from bench.incident import percentile
 from broker.client import Client
 from broker.connection import Connection
 from broker.envelope import Envelope
@@ -104,8 +103,10 @@ async def test_saturated_work_waits_bounded_and_completes_in_priority_order(
 async def test_a_flooded_capability_does_not_starve_another_on_the_same_instance(
     conn: Connection,
 ) -> None:
-    """``bulk.summarize`` floods the instance it shares with ``chat.reply``; chat latency
-    under the flood stays within twice its unloaded value (p99)."""
+    """``bulk.summarize`` floods the instance it shares with ``chat.reply``; each chat message
+    takes one of the next credits that free, not a place behind the flood: between its
+    acceptance and its assignment, at most two rounds of the instance's credits go to bulk
+    work (behind the flood it would be hundreds). Counted in assignment order, not timed."""
 
     async def sleep_as_asked(envelope: dict[str, object], request: Request) -> Response | None:
         payload = envelope.get("payload")
@@ -116,19 +117,19 @@ async def test_a_flooded_capability_does_not_starve_another_on_the_same_instance
     client = Client(conn)
     store = MessageStore(conn)
     rng = random.Random(7)
+    credits = 8
 
-    async def chat_latencies(count: int) -> list[float]:
-        latencies = []
+    async def chat_requests(count: int) -> list[str]:
+        ids = []
         reply_to = client.new_reply_stream()
         for _ in range(count):
-            started = anyio.current_time()
             message_id = await client.submit(
                 request("chat.reply", reply_to, payload={"sleep_ms": 100})
             )
             result = await client.wait_reply(reply_to, message_id, timeout_s=30)
             assert result is not None and result.stage is Stage.SUCCEEDED
-            latencies.append((anyio.current_time() - started) * 1000)
-        return latencies
+            ids.append(message_id)
+        return ids
 
     async with (
         http_agent("shared", behaviour=sleep_as_asked) as agent,
@@ -137,27 +138,41 @@ async def test_a_flooded_capability_does_not_starve_another_on_the_same_instance
             "shared-1",
             ("bulk.summarize", "chat.reply"),
             url=agent.url,
-            max_inflight=8,
+            max_inflight=credits,
             adaptive_credits=False,
         ),
         running_dispatcher(conn),
     ):
-        unloaded = await chat_latencies(30)
         bulk_reply = client.new_reply_stream()
         flood = [
             request("bulk.summarize", bulk_reply, payload={"sleep_ms": rng.randint(50, 150)})
             for _ in range(1_000)
         ]
-        await submit_in_chunks(client, flood)
+        bulk = await submit_in_chunks(client, flood)
 
         async def flooded() -> bool:
             return await store.waiting_depth("bulk.summarize") > 500
 
         await eventually(flooded)
-        loaded = await chat_latencies(30)
+        chats = await chat_requests(30)
         still_flooded = await store.waiting_depth("bulk.summarize")
     assert still_flooded > 0  # the flood lasted the whole measurement
-    assert percentile(loaded, 99) <= 2 * percentile(unloaded, 99), (unloaded, loaded)
+    bulk_routed = sorted(await first_routed_ms(store, bulk))
+    for chat in chats:
+        timeline = await store.get_timeline(chat)
+        accepted = timeline[0].ts_ms
+        routed = next(e.ts_ms for e in timeline if e.stage is Stage.ROUTED)
+        ahead = [ts for ts in bulk_routed if accepted < ts < routed]
+        assert len(ahead) <= 2 * credits, (chat, len(ahead))
+
+
+async def first_routed_ms(store: MessageStore, message_ids: list[str]) -> list[int]:
+    """When each message was first assigned (ms), for those that were."""
+    routed = []
+    for message_id in message_ids:
+        timeline = await store.get_timeline(message_id)
+        routed += [e.ts_ms for e in timeline if e.stage is Stage.ROUTED][:1]
+    return routed
 
 
 async def test_three_dispatchers_draining_one_waiting_set_assign_each_message_once(
