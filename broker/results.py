@@ -51,22 +51,33 @@ class ChildOutcome(msgspec.Struct, omit_defaults=True):
 
 
 class ResultBody(msgspec.Struct, omit_defaults=True):
-    """The JSON a webhook receives."""
+    """The JSON a webhook receives. ``attempt`` tells answers apart: a message an operator
+    replays ends again under a later attempt (a new answer, with a new ``webhook-id``)."""
 
     id: str
     stage: str
+    attempt: int
     result: msgspec.Raw | None = None
     error: str | None = None
+
+
+def webhook_id(message_id: str, attempt: int) -> str:
+    """The ``webhook-id`` of a message's answer: the same for every resend of one ending (a
+    receiver de-duplicates on it), another for the answer after a replay."""
+    return f"{message_id}.{attempt}"
 
 
 _encoder = msgspec.json.Encoder()
 
 
-def result_body(message_id: str, stage: Stage, result: bytes | None, error: str | None) -> bytes:
+def result_body(
+    message_id: str, stage: Stage, result: bytes | None, error: str | None, *, attempt: int = 0
+) -> bytes:
     return _encoder.encode(
         ResultBody(
             message_id,
             stage.value,
+            attempt,
             msgspec.Raw(result) if result is not None else None,
             error if result is None else None,
         )
@@ -74,9 +85,9 @@ def result_body(message_id: str, stage: Stage, result: bytes | None, error: str 
 
 
 def reply_fields(
-    message_id: str, stage: Stage, result: bytes | None, error: str | None
+    message_id: str, stage: Stage, result: bytes | None, error: str | None, *, attempt: int = 0
 ) -> list[str | bytes]:
-    fields: list[str | bytes] = ["id", message_id, "stage", stage.value]
+    fields: list[str | bytes] = ["id", message_id, "stage", stage.value, "attempt", str(attempt)]
     if result is not None:
         fields += ["result", result]
     else:
@@ -123,10 +134,14 @@ def delivery_commands(
     result: bytes | None,
     error: str | None,
     *,
+    attempt: int,
+    reply_ttl_s: int | None = None,
     now_ms: int | None = None,
 ) -> list[Command]:
-    """Every command that tells the producer of ``envelope`` how it ended — for a broadcast
-    child, its parent."""
+    """Every command that tells the producer of ``envelope`` how attempt ``attempt`` ended —
+    for a broadcast child, its parent. With ``reply_ttl_s`` the reply stream expires that
+    long after its latest answer, so the stream of a producer that went away does not stay
+    for ever (a live ``Client`` keeps renewing it)."""
     message_id = envelope.message_id
     commands: list[Command] = []
     if envelope.parent is not None and stage in TERMINAL:
@@ -138,10 +153,12 @@ def delivery_commands(
             child_done_command(keys, envelope.parent, message_id, stage, result, error, now)
         )
     if envelope.reply_to:
-        fields = reply_fields(message_id, stage, result, error)
+        fields = reply_fields(message_id, stage, result, error, attempt=attempt)
         commands.append(("XADD", envelope.reply_to, "*", *fields))
+        if reply_ttl_s is not None:
+            commands.append(("EXPIRE", envelope.reply_to, reply_ttl_s))
     if envelope.callback_url:
-        body = result_body(message_id, stage, result, error)
+        body = result_body(message_id, stage, result, error, attempt=attempt)
         commands.append(
             (
                 "XADD",
@@ -149,6 +166,8 @@ def delivery_commands(
                 "*",
                 "id",
                 message_id,
+                "webhook_id",
+                webhook_id(message_id, attempt),
                 "url",
                 envelope.callback_url,
                 "body",

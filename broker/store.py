@@ -16,6 +16,7 @@ import msgspec
 from redis.exceptions import ResponseError
 
 from .connection import Connection
+from .deadletters import Letter, dead_letter_command
 from .envelope import Envelope, load_envelope
 from .errors import RedisUnavailable
 from .fairness import PRIORITY_SPAN, split_score, waiting_score
@@ -399,18 +400,25 @@ class MessageStore:
         timeline = await self.get_timeline(message_id)
         chain = [[e.stage, e.instance, e.attempt, e.reason] for e in timeline if e.reason]
         await self.dead_letter(
-            {
-                "id": message_id,
-                "stage": record.stage.value if record else "DEAD",
-                "reason": reason,
-                "raw": record.envelope if record else b"",
-                "chain": msgspec.json.encode(chain),
-                "ts": str(now_ms()),
-            }
+            Letter(
+                id=message_id,
+                stage=record.stage.value if record else "DEAD",
+                reason=reason,
+                raw=record.envelope if record else b"",
+                chain=msgspec.json.encode(chain),
+                ts_ms=now_ms(),
+            )
         )
 
-    async def dead_letter(self, fields: Mapping[str, str | bytes]) -> None:
-        await self.conn.call("XADD", self.keys.dlq, "*", *_flat(fields))
+    async def dead_letter(self, letter: Letter) -> None:
+        await self.conn.call(*self.dead_letter_command(letter))
+
+    def dead_letter_command(self, letter: Letter) -> Command:
+        """The capped ``XADD`` of ``letter`` to ``P:dlq`` (:mod:`broker.deadletters`)."""
+        s = self.conn.settings
+        return dead_letter_command(
+            self.keys, letter, max_entries=s.dlq_max_entries, max_bytes=s.dlq_entry_max_bytes
+        )
 
     async def deliver(
         self,
@@ -418,14 +426,37 @@ class MessageStore:
         stage: Stage,
         result: bytes | None = None,
         error: str | None = None,
+        *,
+        attempt: int,
     ) -> None:
-        """Tell the producer how the message ended (:mod:`broker.results`), in one round trip."""
+        """Tell the producer how ``attempt`` of the message ended (:mod:`broker.results`), in
+        one round trip."""
         if isinstance(envelope, bytes):
             envelope = load_envelope(envelope)
-        commands = delivery_commands(self.keys, envelope, stage, result, error)
+        commands = self.delivery_commands(envelope, stage, result, error, attempt=attempt)
         if commands:
             owners = [envelope.message_id] * len(commands)
             await self.after_delivery(owners, commands, await self.conn.call_many(commands))
+
+    def delivery_commands(
+        self,
+        envelope: Envelope,
+        stage: Stage,
+        result: bytes | None,
+        error: str | None,
+        *,
+        attempt: int,
+    ) -> list[Command]:
+        """:func:`broker.results.delivery_commands` with this broker's reply TTL."""
+        return delivery_commands(
+            self.keys,
+            envelope,
+            stage,
+            result,
+            error,
+            attempt=attempt,
+            reply_ttl_s=self.conn.settings.reply_ttl_s,
+        )
 
     async def after_delivery(
         self, owners: list[str], commands: list[Command], replies: list[Any]
@@ -448,11 +479,11 @@ class MessageStore:
                 raise reply
             if isinstance(reply, Exception):
                 await self.dead_letter(
-                    {
-                        "id": message_id,
-                        "reason": f"{self._delivery_kind(command)}_undeliverable: {reply}",
-                        "ts": str(now_ms()),
-                    }
+                    Letter(
+                        id=message_id,
+                        reason=f"{self._delivery_kind(command)}_undeliverable: {reply}",
+                        ts_ms=now_ms(),
+                    )
                 )
             elif command[:2] == ("EVALSHA", child_done) and reply[0] in (1, 2):
                 ended.append((reply[2], reply[1]))
@@ -460,7 +491,7 @@ class MessageStore:
             await self._tell_parent(load_envelope(envelope), result)
 
     async def _tell_parent(self, parent: Envelope, result: bytes) -> None:
-        await self.deliver(parent, Stage.SUCCEEDED, result)
+        await self.deliver(parent, Stage.SUCCEEDED, result, attempt=0)  # a parent: attempt 0
         parent_id = parent.message_id
         await self.run_all(
             [
@@ -472,7 +503,7 @@ class MessageStore:
     def _delivery_kind(self, command: Command) -> str:
         if command[0] in ("EVALSHA", "ZADD"):  # a broadcast child's, for its parent
             return "broadcast_outcome"
-        return "webhook" if command[1] == self.keys.outbox else "reply"
+        return "webhook" if command[1] == self.keys.outbox else "reply"  # XADD or EXPIRE
 
     # -- reading -----------------------------------------------------------------------------
 

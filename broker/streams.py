@@ -86,14 +86,28 @@ def parse_read_reply(reply: Any) -> list[StreamEntry]:
 
 def parse_entries(raw: Any) -> list[StreamEntry]:
     """``[[id, [field, value, ...]], ...]`` (XRANGE, XAUTOCLAIM) as ``(id, fields)`` pairs;
-    entries deleted while pending come back without fields and are skipped."""
+    entries deleted while pending come back without fields and are skipped.
+
+    Never raises on what a producer wrote: a field name that is not UTF-8 is kept with its
+    undecodable bytes as surrogates (``field_bytes`` gives them back), so the entry's reader
+    can refuse it with a reason instead of crashing; a repeated name keeps its last value."""
     entries: list[StreamEntry] = []
     for entry_id, flat in raw:
         if flat is None:
             continue
-        fields = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
+        fields = {field_name(flat[i]): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
         entries.append((entry_id.decode(), fields))
     return entries
+
+
+def field_name(raw: bytes) -> str:
+    """A stream field name as text; bytes that are not UTF-8 become surrogates."""
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def field_bytes(name: str) -> bytes:
+    """The original bytes of a field name :func:`field_name` decoded."""
+    return name.encode("utf-8", "surrogateescape")
 
 
 class Subscriber:

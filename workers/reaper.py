@@ -380,7 +380,9 @@ class Reaper:
         untold = [child for child, outcome in zip(children, told, strict=True) if not outcome]
         for child in await self.store.get_records(untold):
             if child is not None and child.stage in TERMINAL:
-                await self.store.deliver(child.envelope, child.stage, child.result, child.error)
+                await self.store.deliver(
+                    child.envelope, child.stage, child.result, child.error, attempt=child.attempt
+                )
 
     async def _retry(
         self, record: MessageRecord, envelope: Envelope, reason: str, now: int
@@ -464,7 +466,7 @@ class Reaper:
     async def _reply(
         self, record: MessageRecord, stage: Stage, result: bytes | None, error: str | None
     ) -> None:
-        await self.store.deliver(record.envelope, stage, result, error)
+        await self.store.deliver(record.envelope, stage, result, error, attempt=record.attempt)
 
     async def _release(self, record: MessageRecord) -> None:
         """Return the credit the abandoned attempt held on a dead instance. A live sidecar

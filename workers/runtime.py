@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
@@ -22,9 +23,12 @@ def redis_url(settings: Settings) -> Iterator[str]:
     if settings.redis_url:
         yield settings.redis_url
         return
-    with embedded_redis() as url:
-        logging.getLogger("agent_reach").info("using the embedded redis at %s", url)
+    with embedded_redis(announce=_to_stderr) as url:
         yield url
+
+
+def _to_stderr(sentence: str) -> None:
+    print(f"agent-reach: {sentence}", file=sys.stderr, flush=True)
 
 
 @asynccontextmanager

@@ -266,7 +266,9 @@ class WaitingRoom:
         return True
 
     async def reply_expired(self, record: MessageRecord, reason: str) -> None:
-        await self.store.deliver(record.envelope, Stage.EXPIRED, None, reason)
+        await self.store.deliver(
+            record.envelope, Stage.EXPIRED, None, reason, attempt=record.attempt
+        )
 
     def _why_unserved(self, record: MessageRecord, now: int) -> str:
         """Why a message is still waiting at its deadline, asked of the funnel again now."""

@@ -75,7 +75,8 @@ async def test_request_exits_one_when_the_message_fails(
 async def test_request_exits_three_with_the_id_when_no_result_comes_in_time(
     conn: Connection, settings: Settings
 ) -> None:
-    async with running_dispatcher(conn):  # nothing serves text.nobody
+    # nothing serves text.nobody, and no reaper runs to end it at its deadline
+    async with running_dispatcher(conn, reaper=False):
         code, out, err = await request(settings, "text.nobody", "--timeout", "0.5")
     assert code == 3, out + err
     pending = json.loads(out)

@@ -60,6 +60,7 @@ async def test_send_callback_url_is_delivered_signed_by_up(
     assert json.loads(hit.body) == {
         "id": message_id,
         "stage": "SUCCEEDED",
+        "attempt": 1,
         "result": {"agent": "a", "echo": {"x": 7}},
     }
     timeline = await MessageStore(conn).get_timeline(message_id)

@@ -343,7 +343,7 @@ async def test_first_outcome_wins_and_an_untold_parent_is_told_by_a_resend_or_th
         )
         assert moved.ok
         record = await record_of(conn, child)
-        await store.deliver(record.envelope, stage, result, error)
+        await store.deliver(record.envelope, stage, result, error, attempt=record.attempt)
 
     async def stop_before_telling(parent: Envelope, result: bytes) -> None:
         raise RedisUnavailable("stopped before telling the parent's producer")
@@ -351,7 +351,9 @@ async def test_first_outcome_wins_and_an_untold_parent_is_told_by_a_resend_or_th
     for parent in (first, second):
         await end(f"{parent}.1", Stage.SUCCEEDED, b'{"n": 1}', None)
         record = await record_of(conn, f"{parent}.1")
-        await store.deliver(record.envelope, Stage.FAILED, None, "late repeat")  # ignored
+        await store.deliver(  # ignored
+            record.envelope, Stage.FAILED, None, "late repeat", attempt=record.attempt
+        )
         assert (await record_of(conn, parent)).stage is Stage.FANNED_OUT
         store._tell_parent = stop_before_telling  # type: ignore[method-assign]
         with pytest.raises(RedisUnavailable):
@@ -365,7 +367,7 @@ async def test_first_outcome_wins_and_an_untold_parent_is_told_by_a_resend_or_th
 
     # the first: its last child's outcome is sent again (its ender restarted)
     record = await record_of(conn, f"{first}.2")
-    await store.deliver(record.envelope, Stage.FAILED, None, "boom")
+    await store.deliver(record.envelope, Stage.FAILED, None, "boom", attempt=record.attempt)
     # the second: nobody re-sends; the reaper finds reply_pending
     reaper = Reaper(conn)
     verdict = await reaper.resolve(second, await record_of(conn, second), now_ms())

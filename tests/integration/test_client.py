@@ -140,7 +140,7 @@ async def test_a_timeout_names_the_message_and_its_result_can_be_read_later(
 ) -> None:
     async with running_dispatcher(conn), Client(conn) as client:
         with pytest.raises(RequestTimeout) as caught:  # no agent serves text.nobody
-            await client.request("text.nobody", {"x": 1}, timeout=0.5)
+            await client.request("text.nobody", {"x": 1}, timeout=0.5, wait_s=0.5)
         message_id = caught.value.message_id
         assert message_id in str(caught.value)
         store = MessageStore(conn)
@@ -251,7 +251,7 @@ def test_sync_client_from_plain_code(settings: Settings) -> None:
         assert polled.ok and polled.result["echo"] == {"y": 2}
 
         with pytest.raises(RequestTimeout) as caught:  # through the portal, not wrapped
-            client.request("text.nobody", None, timeout=0.3)
+            client.request("text.nobody", None, timeout=0.3, wait_s=0.3)
         late = caught.value.message_id
         assert poll(lambda: accepted(client, late))
         assert client.trace(late).record.capability == "text.nobody"

@@ -96,7 +96,9 @@ async def ended_message(
                 ("EXPIRE", conn.keys.timeline(message_id), 600),
             ]
         )
-    (command,) = delivery_commands(conn.keys, envelope, Stage.SUCCEEDED, b'{"ok":true}', None)
+    (command,) = delivery_commands(
+        conn.keys, envelope, Stage.SUCCEEDED, b'{"ok":true}', None, attempt=1
+    )
     await conn.call(*command)
     fields = dict(zip(command[3::2], command[4::2], strict=True))
     return message_id, fields["body"]
@@ -168,6 +170,7 @@ async def test_receiver_failing_three_times_gets_the_fourth_signed(settings: Set
     assert msgspec.json.decode(body) == {
         "id": message_id,
         "stage": "SUCCEEDED",
+        "attempt": 1,
         "result": {"ok": True},
     }
     # the same snippet refuses a body that was tampered with
@@ -434,6 +437,7 @@ async def test_a_message_with_a_callback_url_end_to_end(settings: Settings) -> N
     assert msgspec.json.decode(hit.body) == {
         "id": message_id,
         "stage": "SUCCEEDED",
+        "attempt": 1,
         "result": {"agent": "echo", "echo": {"x": 1}},
     }
     happy = (Stage.ACCEPTED, Stage.ROUTED, Stage.RECEIVED, Stage.PROCESSING, Stage.SUCCEEDED)

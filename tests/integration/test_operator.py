@@ -7,6 +7,7 @@ import pytest
 
 from broker.client import Client
 from broker.connection import Connection
+from broker.deadletters import Letter
 from broker.errors import UnknownMessage
 from broker.operator import Operator
 from broker.registry import Registry
@@ -70,7 +71,9 @@ async def test_replay_from_the_dead_letter_stream_runs_the_dead_and_notes_the_re
 ) -> None:
     reply_to = conn.keys.reply("dlq")
     dead = await record_in(conn, Stage.DEAD, reply_to=reply_to, reason="gave up after 3")
-    await MessageStore(conn).dead_letter({"id": "x", "reason": "reply_undeliverable: WRONGTYPE"})
+    await MessageStore(conn).dead_letter(
+        Letter(id="x", reason="reply_undeliverable: WRONGTYPE", ts_ms=now_ms())
+    )
     operator = Operator(conn)
     async with (
         http_agent("a") as agent,

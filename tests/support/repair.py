@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from broker.client import Client
 from broker.connection import Connection
+from broker.deadletters import Letter
 from broker.envelope import Envelope, complete, encode_envelope
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore, now_ms
@@ -74,13 +75,13 @@ async def record_in(
         assert moved.ok, (step, moved)
     if stage is Stage.DEAD:
         await store.dead_letter(
-            {
-                "id": envelope.message_id,
-                "stage": Stage.DEAD.value,
-                "reason": reason,
-                "raw": encode_envelope(envelope),
-                "ts": str(now_ms()),
-            }
+            Letter(
+                id=envelope.message_id,
+                stage=Stage.DEAD.value,
+                reason=reason,
+                raw=encode_envelope(envelope),
+                ts_ms=now_ms(),
+            )
         )
     return envelope.message_id
 

@@ -164,7 +164,7 @@ def test_the_child_done_script_is_the_one_the_broker_loads() -> None:
 @pytest.mark.parametrize("stage", sorted(TERMINAL))
 def test_an_ended_child_records_its_outcome_on_its_parent(stage: Stage) -> None:
     child = child_envelope(envelope(id="P"), "P.1", "a-1")
-    commands = delivery_commands(KEYS, child, stage, None, "why", now_ms=1_000)
+    commands = delivery_commands(KEYS, child, stage, None, "why", attempt=1, now_ms=1_000)
     assert commands[0] == ("ZADD", KEYS.due, "LT", 1_000 + PARENT_LOOK_MS, "P")
     sha, nkeys, *rest = commands[1][1:]
     assert commands[1][0] == "EVALSHA" and sha == CHILD_DONE_SHA and nkeys == 3
@@ -181,9 +181,11 @@ def test_an_ended_child_records_its_outcome_on_its_parent(stage: Stage) -> None:
 
 def test_no_outcome_before_a_child_ends_and_none_for_other_messages() -> None:
     child = child_envelope(envelope(id="P"), "P.1", "a-1")
-    assert delivery_commands(KEYS, child, Stage.NEEDS_CONFIRMATION, None, "parked") == []
+    assert delivery_commands(KEYS, child, Stage.NEEDS_CONFIRMATION, None, "parked", attempt=1) == []
     plain = envelope(id="U", mode="unicast", reply_to="t:reply:r")
-    assert [c[0] for c in delivery_commands(KEYS, plain, Stage.SUCCEEDED, b"1", None)] == ["XADD"]
+    assert [
+        c[0] for c in delivery_commands(KEYS, plain, Stage.SUCCEEDED, b"1", None, attempt=1)
+    ] == ["XADD"]
 
 
 def test_an_outcome_starts_with_its_stage_and_carries_the_result_raw() -> None:
