@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import ClassVar
 
 import anyio
+import h11
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 @asynccontextmanager
-async def serve_app(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
-    """Serve an ASGI app with uvicorn in this event loop; yields its URL (``port`` 0: any)."""
+async def serve_app(
+    app: ASGIApp,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    header_timeout_s: float | None = None,
+) -> AsyncIterator[str]:
+    """Serve an ASGI app with uvicorn in this event loop; yields its URL (``port`` 0: any).
+
+    With ``header_timeout_s``, a connection whose request headers are not complete within
+    that long — of its opening, or of the previous response — is closed (for endpoints open
+    to clients we do not run: a client that never finishes its headers holds a connection
+    for good otherwise). Without it, uvicorn's own protocol serves, as it chooses it."""
     # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
     # and accepted sockets inherit it. Without it, a response written in two parts waits on
     # the client's delayed ACK: 40 ms a call.
@@ -21,11 +36,12 @@ async def serve_app(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> Asy
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=3
-        )
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=3
     )
+    if header_timeout_s is not None:
+        config.http = header_deadline_protocol(header_timeout_s)
+    server = uvicorn.Server(config)
 
     async def serve() -> None:
         # Shielded: cancelled, uvicorn would leave its listener in the event loop's selector
@@ -43,3 +59,57 @@ async def serve_app(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> Asy
             yield f"http://{host}:{bound}/"
         finally:
             server.should_exit = True
+
+
+class HeaderDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on request headers.
+
+    uvicorn times only the idle gap after a response (``timeout_keep_alive``, cancelled by
+    the first byte that comes): a connection that opens and never completes its first
+    request's headers — or sends half the next one — is held open for as long as its client
+    likes. Here, whenever the connection waits for a request's headers (h11's client state
+    is IDLE), a timer runs from when the wait began; it is stopped once the headers are in,
+    and closes the connection when it fires. Bytes trickling in do not restart it."""
+
+    header_timeout_s: ClassVar[float] = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_headers()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # may start the next request's wait
+        self._watch_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_header_timer()
+        super().connection_lost(exc)
+
+    def _watch_headers(self) -> None:
+        waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+        if not waiting:
+            self._stop_header_timer()
+        elif self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def header_deadline_protocol(timeout_s: float) -> type[HeaderDeadlineProtocol]:
+    """The protocol class uvicorn instantiates per connection, with this deadline."""
+    return type(
+        "HeaderDeadlineProtocol", (HeaderDeadlineProtocol,), {"header_timeout_s": timeout_s}
+    )

@@ -2,14 +2,18 @@
 
 The agent got, with the request, ``X-Reach-Callback-Url`` (``<base>/callbacks/<message id>``)
 and ``X-Reach-Callback-Token``; it POSTs ``{"result": ...}`` or ``{"error": "..."}`` there with
-the token in ``X-Reach-Callback-Token``. The token is an HMAC of the message id and attempt
-under a key kept in Redis per instance (``P:k:{<inst>}``), so a restarted sidecar still knows
-the tokens it handed out, and nothing per message has to be stored before the request leaves.
+the token in ``X-Reach-Callback-Token``. The token is ``<attempt>.<hex HMAC>`` of the message
+id and attempt under a key kept in Redis per instance (``P:k:{<inst>}``): a restarted sidecar
+still knows the tokens it handed out, nothing per message is stored before the request
+leaves, and a token is checked without reading any record.
 
 Answers: 200 for the first result, 200 with ``duplicate: true`` for a repeat, 400 for a body
-that is neither, 401 for a bad token, 404 for an unknown id, 409 for an attempt that is no
-longer current, 413 over ``max_callback_bytes``. What the answer does to the message is the
-sidecar's business (:meth:`adapters.sidecar.Sidecar.on_callback`); this module is HTTP only.
+that is neither (or nests deeper than :data:`broker.jsondepth.MAX_JSON_DEPTH`), 401 for a
+missing or bad token — whether or not the id exists, so only a token's holder learns
+anything about its message — then 404 for an id with no record, 409 for an attempt that is no
+longer current, 413 over ``max_callback_bytes`` (at most that many bytes are read, whatever
+``Content-Length`` says). What the answer does to the message is the sidecar's business
+(:meth:`adapters.sidecar.Sidecar.on_callback`); this module is HTTP only.
 """
 
 from __future__ import annotations
@@ -25,28 +29,56 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from broker.jsondepth import depth_problem
+
 from .outcome import Failed, Succeeded
 
 TOKEN_HEADER = "X-Reach-Callback-Token"
 URL_HEADER = "X-Reach-Callback-Url"
 CALLBACK_PATH = "/callbacks/"
+# Attempts are few (the envelope caps them at 100): a longer number in a token is no
+# attempt of ours, and int() is never handed a long string.
+_ATTEMPT_DIGITS = 6
 
 
 class CallbackTokens:
-    """Per-message tokens: HMAC-SHA256 of ``<message id>:<attempt>`` under the instance key."""
+    """Per-message tokens, ``<attempt>.<hex HMAC-SHA256 of "<message id>:<attempt>">`` under
+    the instance key: the attempt travels in the token, so checking one needs no record.
+
+    Tokens handed out before this form — the bare hex HMAC — are still taken, checked
+    against each attempt the message has had (which needs its record)."""
 
     def __init__(self, key: bytes) -> None:
         self._key = key
 
     def token(self, message_id: str, attempt: int) -> str:
-        return hmac.new(self._key, f"{message_id}:{attempt}".encode(), hashlib.sha256).hexdigest()
+        return f"{attempt}.{self._mac(message_id, attempt)}"
 
     def attempt_of(self, token: str, message_id: str, latest: int) -> int | None:
-        """The attempt (1..``latest``) the token was made for, or ``None``: forged."""
+        """The attempt the token was made for, or ``None``: forged or malformed. ``latest``,
+        the record's attempt (0 when there is no record), matters only for a bare-hex token:
+        with no record such a token proves nothing."""
+        if not token.isascii():  # hmac.compare_digest refuses other text
+            return None
+        attempt_text, dot, mac = token.partition(".")
+        if dot:
+            return self._signed_attempt(attempt_text, mac, message_id)
         for attempt in range(latest, 0, -1):
-            if hmac.compare_digest(self.token(message_id, attempt), token):
+            if hmac.compare_digest(self._mac(message_id, attempt), token):
                 return attempt
         return None
+
+    def _signed_attempt(self, attempt_text: str, mac: str, message_id: str) -> int | None:
+        if not attempt_text.isdigit() or len(attempt_text) > _ATTEMPT_DIGITS:
+            return None
+        attempt = int(attempt_text)
+        if attempt < 1 or not hmac.compare_digest(self._mac(message_id, attempt), mac):
+            return None
+        return attempt
+
+    def _mac(self, message_id: str, attempt: int) -> str:
+        message = f"{message_id}:{attempt}".encode("utf-8", "surrogatepass")
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
 
 class Answer(msgspec.Struct, frozen=True):
@@ -58,6 +90,9 @@ class Answer(msgspec.Struct, frozen=True):
 
 def parse_callback(body: bytes) -> Succeeded | Failed | str:
     """The agent's result from a callback body, or why the body is not one."""
+    too_deep = depth_problem(body)
+    if too_deep is not None:  # before decoding: the decoder recurses
+        return too_deep
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
@@ -79,31 +114,47 @@ def callback_app(receive: Receiver, *, max_bytes: int) -> Starlette:
     """``POST /callbacks/{message_id}``: checks size and body, then ``receive`` decides."""
 
     async def callback(request: Request) -> Response:
-        message_id = request.path_params["message_id"]
         token = request.headers.get(TOKEN_HEADER)
         if not token:
             return _json(Answer(401, {"error": f"missing {TOKEN_HEADER} header"}))
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_bytes:
-            return _too_large(max_bytes)
-        body = bytearray()
-        try:
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > max_bytes:
-                    return _too_large(max_bytes)
-        except ClientDisconnect:
-            return Response(status_code=400)
-        outcome = parse_callback(bytes(body))
+        body = await read_body(request, max_bytes)
+        if isinstance(body, Answer):
+            return _json(body)
+        outcome = parse_callback(body)
         if isinstance(outcome, str):
             return _json(Answer(400, {"error": outcome}))
-        return _json(await receive(message_id, token, outcome))
+        return _json(await receive(request.path_params["message_id"], token, outcome))
 
     return Starlette(routes=[Route(CALLBACK_PATH + "{message_id}", callback, methods=["POST"])])
 
 
-def _too_large(max_bytes: int) -> Response:
-    return _json(Answer(413, {"error": f"callback body over the {max_bytes}-byte limit"}))
+async def read_body(request: Request, max_bytes: int) -> bytes | Answer:
+    """The request's body, or 413 as soon as it would pass ``max_bytes``: never more than
+    that is kept, whether the body is chunked or its ``Content-Length`` lies (the server
+    reads no further than the length declared, and a declared length over the limit is
+    refused before anything is read)."""
+    if _declared_over(request.headers.get("content-length", ""), max_bytes):
+        return _too_large(max_bytes)
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            if len(body) + len(chunk) > max_bytes:
+                return _too_large(max_bytes)
+            body += chunk
+    except ClientDisconnect:
+        return Answer(400, {"error": "the client closed the connection before its body ended"})
+    return bytes(body)
+
+
+def _declared_over(content_length: str, max_bytes: int) -> bool:
+    digits = content_length.lstrip("0")
+    if not (content_length.isascii() and content_length.isdigit()):
+        return False  # absent (chunked), or not a number: the streamed count decides
+    return len(digits) > len(str(max_bytes)) or int(digits or "0") > max_bytes
+
+
+def _too_large(max_bytes: int) -> Answer:
+    return Answer(413, {"error": f"callback body over the {max_bytes}-byte limit"})
 
 
 def _json(answer: Answer) -> Response:

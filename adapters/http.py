@@ -36,11 +36,21 @@ class HttpTransport:
         )
 
     async def deliver(self, envelope: Envelope, attempt: int) -> Outcome:
-        headers = self.headers(envelope, attempt)
         try:
-            response = await self._client.post(
-                self.url, content=encode_envelope(envelope), headers=headers
+            request = self._client.build_request(
+                "POST",
+                self.url,
+                content=encode_envelope(envelope),
+                headers=self.headers(envelope, attempt),
             )
+        except Exception as exc:  # whatever it was, it happened before anything was sent
+            # The agent never saw it, and the same envelope would fail the
+            # same way on every retry. Accepted envelopes are checked against this
+            # (broker/headers.py); this is the line behind that one.
+            reason = f"cannot build the request to {self.url}: {type(exc).__name__}: {exc}"
+            return Failed(reason, fault=False)
+        try:
+            response = await self._client.send(request)
         except _NOT_SENT as exc:
             return NotReached(f"agent unreachable at {self.url}: {type(exc).__name__}: {exc}")
         except httpx.HTTPError as exc:
@@ -92,7 +102,7 @@ class HttpAsyncTransport(HttpTransport):
 def _task_id(body: bytes) -> str:
     try:
         data = msgspec.json.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return ""
     task = data.get("task_id") if isinstance(data, dict) else None
     return str(task)[:200] if task is not None else ""
@@ -132,6 +142,8 @@ def _from_response(response: httpx.Response) -> Outcome:
             msgspec.json.decode(body)
         except msgspec.DecodeError:
             return Failed(f"agent answered {status} with a body that is not JSON")
+        except RecursionError:  # msgspec gives up on very deep nesting
+            return Failed(f"agent answered {status} with JSON nested too deeply to read")
         return Succeeded(body)
     snippet = response.text[:200]
     reason = f"agent answered {status}: {snippet}" if snippet else f"agent answered {status}"

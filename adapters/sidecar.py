@@ -24,6 +24,8 @@ from redis.exceptions import ResponseError
 
 from broker import failpoints
 from broker.connection import Connection, ensure_group
+from broker.deadletters import Letter
+from broker.entries import Assignment, fields_as_bytes, parse_assignment
 from broker.envelope import Envelope, load_envelope
 from broker.errors import RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
@@ -33,7 +35,8 @@ from broker.results import Command
 from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move, now_ms, trim_acknowledged
-from broker.streams import GroupReader, StreamEntry
+from broker.streams import GroupReader, StreamEntry, field_bytes, parse_entries
+from broker.timeline import note_command
 
 from .asgi import serve_app
 from .callbacks import Answer, CallbackTokens, callback_app
@@ -46,6 +49,9 @@ from .workpool import WorkPool
 log = logging.getLogger("agent_reach.sidecar")
 
 READ_BLOCK_MS = 1000
+# An entry whose handling raised this many times in a row is let go of (see _give_up).
+MAX_INTERNAL_ERRORS = 3
+SIDECAR_ERROR = "SIDECAR_ERROR"
 OVERDUE_CHECK_S = 0.1
 
 
@@ -85,6 +91,7 @@ class Sidecar:
         self._calls: dict[str, float] = {}
         self._overdue_counted: set[str] = set()
         self._rng = random.Random()
+        self._errors: dict[str, int] = {}  # entry id -> unexpected errors handling it
         self._status = StatusClient()
         # Async agents answer by callback: the entries held for them (by message id), those
         # waiting for their callback (and since when), and those a callback is finishing.
@@ -232,7 +239,11 @@ class Sidecar:
         received in a second, then one task per message to call the agent."""
         if not entries:
             return
-        taken = [Taken(entry_id, f["id"].decode(), int(f["attempt"])) for entry_id, f in entries]
+        parsed = [(entry_id, f, parse_assignment(entry_id, f)) for entry_id, f in entries]
+        await self._drop_malformed([(e, f, why) for e, f, why in parsed if isinstance(why, str)])
+        taken = [t for _, _, t in parsed if isinstance(t, Taken)]
+        if not taken:
+            return
         received = await self.store.move_many(
             [self._fenced(t, Stage.RECEIVED, Stage.ROUTED, return_field="envelope") for t in taken]
         )
@@ -249,10 +260,7 @@ class Sidecar:
             else []
         )
         failpoints.hit("sidecar.after_processing")
-        ready = {
-            t.entry_id: (load_envelope(v), p.ok)
-            for (t, v), p in zip(fresh, processing, strict=True)
-        }
+        ready = {t.entry_id: (v, p.ok) for (t, v), p in zip(fresh, processing, strict=True)}
         for t, m in zip(taken, received, strict=True):
             self._held.add(t.entry_id)
             self._supersede(t)
@@ -260,10 +268,32 @@ class Sidecar:
             if t.entry_id not in ready:
                 pool.submit(partial(self._guarded, t, partial(self._resume, t, m)))
             elif ready[t.entry_id][1]:
-                envelope = ready[t.entry_id][0]
-                pool.submit(partial(self._guarded, t, partial(self._call_agent, t, envelope)))
+                stored = ready[t.entry_id][0]
+                pool.submit(partial(self._guarded, t, partial(self._call_stored, t, stored)))
             else:
                 self._done(t)  # lost the PROCESSING race: someone else owns the record now
+
+    async def _drop_malformed(self, malformed: list[tuple[str, dict[str, bytes], str]]) -> None:
+        """Entries that are not assignments (someone else wrote to this stream): each is
+        dead-lettered with its bytes and why, and acknowledged. Nothing runs; no credit was
+        taken for it (only ``lua/assign.lua`` takes credits)."""
+        if not malformed:
+            return
+        letters = [
+            self.store.dead_letter_command(
+                Letter(
+                    id="",
+                    reason=f"malformed_entry: {why}",
+                    raw=fields_as_bytes((field_bytes(k), v) for k, v in fields.items()),
+                    source=f"{self.queue} {entry_id}",
+                    ts_ms=now_ms(),
+                )
+            )
+            for entry_id, fields, why in malformed
+        ]
+        ack = ("XACK", self.queue, SIDECAR_GROUP, *(entry_id for entry_id, _, _ in malformed))
+        await self.store.run_all([*letters, ack])
+        log.warning("dropped %d malformed entries from %s", len(malformed), self.queue)
 
     def _supersede(self, taken: Taken) -> None:
         """A new attempt of a message this sidecar still awaits a callback for (the reaper
@@ -295,9 +325,10 @@ class Sidecar:
         after = b"(" + info.get(b"last-delivered-id", b"0-0")
         unread = await self.conn.call("XRANGE", self.queue, after, "+")
         returned = []
-        for entry_id, flat in unread:
-            fields = dict(zip(flat[::2], flat[1::2], strict=True))
-            taken = Taken(entry_id.decode(), fields[b"id"].decode(), int(fields[b"attempt"]))
+        for entry_id, fields in parse_entries(unread):
+            taken = parse_assignment(entry_id, fields)
+            if isinstance(taken, str):
+                continue  # not an assignment: no credit to return; left for the trim
             record = await self.store.get_record(taken.message_id)
             moved = await self.store.apply(
                 self._fenced(taken, Stage.WAITING, Stage.ROUTED, reason="instance draining")
@@ -382,8 +413,10 @@ class Sidecar:
         await self.conn.call("SET", key, secrets.token_hex(32), "NX")
         self._tokens = CallbackTokens(await self.conn.call("GET", key))
         host, port, public_url = self._callback_bind
-        app = callback_app(self.on_callback, max_bytes=self.conn.settings.max_callback_bytes)
-        async with serve_app(app, host, port) as url:
+        settings = self.conn.settings
+        app = callback_app(self.on_callback, max_bytes=settings.max_callback_bytes)
+        header_timeout_s = settings.callback_header_timeout_s
+        async with serve_app(app, host, port, header_timeout_s=header_timeout_s) as url:
             self.callback_url = (public_url or url).rstrip("/")
             self.transport.bind_callbacks(self.callback_url, self._tokens)  # type: ignore[attr-defined]
             log.info("instance %s takes callbacks at %s", self.instance_id, self.callback_url)
@@ -437,13 +470,15 @@ class Sidecar:
     def _check_callback(
         self, message_id: str, token: str, record: MessageRecord | None
     ) -> Answer | int:
-        """The attempt a callback settles, or the answer that refuses it."""
+        """The attempt a callback settles, or the answer that refuses it. The token comes
+        first: without a good one, an unknown id and a known one get the same 401."""
         assert self._tokens is not None
-        if record is None or record.attempt < 1:
-            return Answer(404, {"error": f"unknown message {message_id}"})
-        attempt = self._tokens.attempt_of(token, message_id, record.attempt)
+        latest = record.attempt if record is not None else 0
+        attempt = self._tokens.attempt_of(token, message_id, latest)
         if attempt is None:
             return Answer(401, {"error": "callback token does not match"})
+        if record is None or record.attempt < 1:
+            return Answer(404, {"error": f"unknown message {message_id}"})
         if record.stage in TERMINAL or record.stage is Stage.CALLBACK_RECEIVED:
             return _duplicate(message_id, record.stage)
         if attempt != record.attempt or record.instance != self.instance_id:
@@ -579,12 +614,49 @@ class Sidecar:
             # consume loop takes it again from the pending list.
             log.warning("message %s: redis unavailable, left pending: %s", taken.message_id, exc)
             self._release_hold(taken)
-        except Exception:
-            # Never let one message take the sidecar down; it stays pending and is taken again.
-            log.exception("message %s: unexpected error, left pending", taken.message_id)
-            self._release_hold(taken)
+        except Exception as exc:
+            # Never let one message take the sidecar down. It stays pending and is taken
+            # again — a few times, in case it was passing; then it is let go of, so one
+            # message can never keep a sidecar busy for ever (see _give_up).
+            failures = self._errors[taken.entry_id] = self._errors.get(taken.entry_id, 0) + 1
+            if failures < MAX_INTERNAL_ERRORS:
+                log.exception("message %s: unexpected error, left pending", taken.message_id)
+                self._release_hold(taken)
+            else:
+                log.exception("message %s: unexpected error, giving up on it", taken.message_id)
+                del self._errors[taken.entry_id]
+                await self._give_up(taken, exc)
         finally:
             self._finished_ready.set()
+
+    async def _give_up(self, taken: Taken, exc: Exception) -> None:
+        """Let go of an entry that failed inside this sidecar ``MAX_INTERNAL_ERRORS`` times:
+        its credit returned and the entry acknowledged, the error on the message's timeline
+        and in the dead letters. The record is left as it stands, to the reaper, which
+        resolves it by its stage when its time comes — rerouted if the agent was never
+        asked; asked, retried only if idempotent, or parked, if it may have been."""
+        error = f"sidecar {self.instance_id} gave up on it: {type(exc).__name__}: {exc}"
+        try:
+            await self.store.run_all(
+                [
+                    note_command(
+                        self.conn, taken.message_id, SIDECAR_ERROR, error, now_ms=now_ms()
+                    ),
+                    self.store.dead_letter_command(
+                        Letter(
+                            id=taken.message_id,
+                            reason="sidecar_error",
+                            error=error,
+                            ts_ms=now_ms(),
+                            source=f"{self.queue} {taken.entry_id}",
+                        )
+                    ),
+                ]
+            )
+        except Exception:  # the entry is let go of whatever: the reaper still sees the record
+            log.exception("message %s: could not record the sidecar error", taken.message_id)
+        self._awaiting.pop(taken.message_id, None)
+        self._done(taken)
 
     def _release_hold(self, taken: Taken) -> None:
         self._held.discard(taken.entry_id)
@@ -659,10 +731,13 @@ class Sidecar:
             return
         await self._call_agent(taken, envelope)
 
+    async def _call_stored(self, taken: Taken, stored: bytes) -> None:
+        await self._call_agent(taken, load_envelope(stored))
+
     async def _call_agent(self, taken: Taken, envelope: Envelope) -> None:
         started = self._calls[taken.entry_id] = anyio.current_time()
         try:
-            outcome = await self.transport.deliver(envelope, taken.attempt)
+            outcome = await self._deliver(taken, envelope)
         finally:
             del self._calls[taken.entry_id]
             self._overdue_counted.discard(taken.entry_id)
@@ -670,6 +745,15 @@ class Sidecar:
         if self.vitals.record(outcome, latency_ms=latency_ms, now_ms=now_ms()):
             self._beat_now.set()  # the circuit or cooldown changed: tell the dispatchers now
         await self._record(taken, envelope, outcome)
+
+    async def _deliver(self, taken: Taken, envelope: Envelope) -> Outcome:
+        """The transport's outcome; a transport that raises instead of answering is a
+        failure with its reason — never an error that leaves the entry to be run again."""
+        try:
+            return await self.transport.deliver(envelope, taken.attempt)
+        except Exception as exc:
+            log.exception("message %s: the transport raised", taken.message_id)
+            return Failed(f"the sidecar's transport raised {type(exc).__name__}: {exc}", False)
 
     async def _record(self, taken: Taken, envelope: Envelope, outcome: Outcome) -> None:
         retries_left = taken.attempt < envelope.max_attempts
@@ -743,10 +827,18 @@ class Sidecar:
             fields["retry_at_ms"] = now_ms() + delay
             reason = f"{reason}; retry in {delay} ms"
         moved = await self.store.apply(
-            self._fenced(taken, Stage.WAITING, Stage.PROCESSING, reason=reason, fields=fields)
+            self._fenced(
+                taken,
+                Stage.WAITING,
+                Stage.PROCESSING,
+                reason=reason,
+                fields=fields,
+                return_field="accepted_ms",
+            )
         )
         if moved.ok:
-            accepted_ms = int((envelope.created_at or 0) * 1000)
+            # ordered by when the broker accepted it, never by the producer's own clock
+            accepted_ms = int(moved.value or 0)
             await self.store.park(
                 envelope.capability, envelope.message_id, envelope.priority, accepted_ms
             )
@@ -813,13 +905,7 @@ def _callback_outcome(record: MessageRecord) -> Succeeded | Failed:
     return Failed(record.error or "the agent reported failure")
 
 
-@dataclass(frozen=True, slots=True)
-class Taken:
-    """One entry read from the instance's stream."""
-
-    entry_id: str
-    message_id: str
-    attempt: int
+Taken = Assignment  # one entry read from the instance's stream
 
 
 @dataclass(frozen=True, slots=True)

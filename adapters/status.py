@@ -50,6 +50,8 @@ class StatusClient:
             status = _decoder.decode(response.content)
         except msgspec.DecodeError as exc:
             return Status("unknown", why=f"status endpoint answer not understood: {exc}")
+        except RecursionError:  # msgspec gives up on very deep nesting
+            return Status("unknown", why="status endpoint answer nested too deeply to read")
         return msgspec.structs.replace(status, why=f"status endpoint: {status.state}")
 
     async def aclose(self) -> None:

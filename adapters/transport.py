@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from broker.envelope import Envelope
+from broker.headers import agent_headers
 
 from .outcome import Outcome
 
@@ -18,14 +19,14 @@ class Transport(Protocol):
 
 
 def reach_headers(envelope: Envelope, attempt: int) -> dict[str, str]:
-    """The headers every adapter passes to its agent (DESIGN §7)."""
-    headers = {
-        **envelope.headers,
+    """The headers every adapter passes to its agent (DESIGN §7): the producer's own, then
+    ours, set last so that each appears once (:func:`broker.headers.agent_headers`)."""
+    ours = {
         "X-Reach-Message-Id": envelope.message_id,
         "X-Reach-Idempotency-Key": envelope.idempotency_key or envelope.message_id,
         "X-Reach-Attempt": str(attempt),
         "X-Reach-Capability": envelope.capability,
     }
     if envelope.traceparent:
-        headers["traceparent"] = envelope.traceparent
-    return headers
+        ours["traceparent"] = envelope.traceparent
+    return agent_headers(envelope.headers, ours)

@@ -1,10 +1,19 @@
 """The producer client: submit envelopes, await results, read records and timelines.
 
-``await client.request(...)`` waits on the client's own reply stream (``P:reply:client-<hex>``),
-made on the first request. One reader task per client blocks on that stream with ``XREAD``
+``await client.request(...)`` waits on the client's own reply stream, made on the first
+request: ``P:reply:<user>-<hex>`` when the Redis URL names a user (so an ACL can give each
+producer its own streams and no one else's, see ``agent-reach acl``), else
+``P:reply:client-<hex>``. One reader task per client blocks on that stream with ``XREAD``
 and hands each outcome to the request waiting for its id, so any number of concurrent requests
 share one stream and one dedicated connection; their submits are coalesced by the pipeliner.
 Consumed entries are deleted as the reader goes, and the stream itself when the client closes.
+Both deletions are best effort: a user that may not run them (a producer on Redis 6.2, which
+cannot grant ``XDEL`` and ``DEL`` on some keys only) leaves the stream to its TTL: it expires
+``reply_ttl_s`` after its last answer.
+
+A producer needs nothing but ``XADD`` on the ingress stream to submit, and ``XREAD`` on its
+own reply streams to wait: never ``SCRIPT LOAD`` (scripts are loaded by the processes that run
+them) nor read access to records (``result`` and ``trace`` need that).
 
 :class:`SyncClient` is the same client for scripts: it runs on its own event loop thread.
 """
@@ -12,6 +21,7 @@ Consumed entries are deleted as the reader goes, and the stream itself when the 
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import ExitStack, asynccontextmanager, contextmanager
@@ -19,18 +29,21 @@ from dataclasses import dataclass, field
 from functools import partial
 from types import TracebackType
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import anyio
 import msgspec
 from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal, start_blocking_portal
+from redis.exceptions import ResponseError
 
 from .config import Settings, answer_grace_s, load_settings
 from .connection import Connection, open_connection
 from .embedded import embedded_redis
-from .envelope import Envelope, complete, encode_envelope
+from .envelope import Envelope, check_envelope, complete, encode_envelope
 from .errors import ClientNotOpen, InvalidEnvelope, RedisUnavailable, RequestTimeout, UnknownMessage
 from .records import MessageRecord, TimelineEntry
+from .resp import refused_by_acl
 from .stages import TERMINAL, Stage
 from .store import MessageStore
 
@@ -41,6 +54,19 @@ _REPLY_BLOCK_MS = 5000
 _REPLY_BATCH = 1000
 # The reader's pause after Redis failed it: it reconnects on its next read.
 _RECONNECT_S = (0.05, 2.0)
+# A Redis user name that can name reply streams as it is (the rest fall back to "client").
+_STREAM_OWNER = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def reply_stream_owner(url: str) -> str:
+    """Whose reply streams a client on ``url`` makes: the URL's Redis user when it has one
+    (``agent-reach acl`` grants a producer ``P:reply:<user>-*``), else ``client``."""
+    try:
+        user = urlsplit(url).username
+    except ValueError:
+        return "client"
+    name = unquote(user) if user else ""
+    return name if _STREAM_OWNER.fullmatch(name) else "client"
 
 
 class Result(msgspec.Struct, frozen=True):
@@ -85,9 +111,24 @@ class Client:
         self._reply_stream: str | None = None
         self._waiters: dict[str, _Waiter] = {}
         self._consumed: list[str] = []
+        self._may_delete = True  # False once Redis refused this user XDEL on the stream
 
     def new_reply_stream(self) -> str:
-        return self.keys.reply(f"client-{secrets.token_hex(8)}")
+        """A new reply stream name of this client's own: ``P:reply:<owner>-<hex>``, the owner
+        being the Redis user of the connection (:func:`reply_stream_owner`)."""
+        owner = reply_stream_owner(self.conn.url)
+        return self.keys.reply(f"{owner}-{secrets.token_hex(8)}")
+
+    async def discard_reply_stream(self, stream: str) -> None:
+        """Delete a reply stream no one will read any more. Best effort: a user refused
+        ``DEL`` (a producer on Redis 6.2) leaves it to expire ``reply_ttl_s`` after its last
+        answer. A lost connection is raised."""
+        try:
+            await self.conn.call("DEL", stream)
+        except ResponseError as exc:
+            if not refused_by_acl(exc):
+                raise
+            log.debug("reply stream %s is left to its TTL: %s", stream, exc)
 
     @property
     def reply_stream(self) -> str | None:
@@ -122,7 +163,7 @@ class Client:
             self._consumed.clear()
             if stream is not None:
                 with anyio.CancelScope(shield=True):
-                    await self.conn.call("DEL", stream)
+                    await self.discard_reply_stream(stream)
 
     async def request(
         self,
@@ -225,32 +266,41 @@ class Client:
         waiter = self._waiters.get(fields.get("id", b"").decode(errors="replace"))
         if waiter is None or waiter.done.is_set():
             return
-        try:
-            waiter.result = result_from_fields(fields)
-        except (KeyError, ValueError, msgspec.DecodeError) as exc:
-            log.warning("unreadable reply entry %r: %s", dict(fields), exc)
-            return
-        waiter.done.set()
+        waiter.result = answer_in(fields)
+        if waiter.result is not None:
+            waiter.done.set()
 
     async def _forget(self, stream: str, entry_ids: list[str]) -> None:
         """``XDEL`` what the reader consumed, so a long-lived client's stream stays short.
-        Ids a failed ``XDEL`` left are retried with the next batch."""
+        Ids a failed ``XDEL`` left are retried with the next batch; a user refused ``XDEL``
+        (a producer on Redis 6.2) stops trying: its stream keeps its answers until it expires
+        (``reply_ttl_s`` after the last one)."""
+        if not self._may_delete:
+            return
         self._consumed.extend(entry_ids)
         try:
             await self.conn.call("XDEL", stream, *self._consumed)
         except RedisUnavailable:
             return
+        except ResponseError as exc:
+            if not refused_by_acl(exc):
+                raise
+            self._may_delete = False
+            log.info("reply stream %s: not trimmed, its user may not XDEL (%s)", stream, exc)
         self._consumed.clear()
 
     async def submit(self, envelope: Envelope) -> str:
         """``XADD`` one envelope to the ingress stream; returns its id (assigned here if absent)."""
         envelope = complete(envelope)
+        check_envelope(envelope)  # what the dispatcher would reject, refused here already
         await self.conn.call("XADD", self.keys.ingress, "*", "envelope", encode_envelope(envelope))
         return envelope.message_id
 
     async def submit_many(self, envelopes: list[Envelope]) -> list[str]:
         """Submit a batch in one pipelined round trip."""
         done = [complete(e) for e in envelopes]
+        for envelope in done:
+            check_envelope(envelope)
         replies = await self.conn.call_many(
             [("XADD", self.keys.ingress, "*", "envelope", encode_envelope(e)) for e in done]
         )
@@ -271,9 +321,10 @@ class Client:
                 while True:
                     for entry_id, fields in await reader.read_stream(reply_to, last, block_ms=1000):
                         last = entry_id
-                        mine = fields.get("id", b"").decode() == message_id
-                        if mine and "notice" not in fields:
-                            return result_from_fields(fields)
+                        if fields.get("id") == message_id.encode() and "notice" not in fields:
+                            answer = answer_in(fields)
+                            if answer is not None:
+                                return answer
         return None
 
     async def result(self, message_id: str) -> Result | None:
@@ -295,6 +346,16 @@ class Client:
         if record is None:
             raise UnknownMessage(message_id)
         return Trace(record, await self.store.get_timeline(message_id))
+
+
+def answer_in(fields: Mapping[str, bytes]) -> Result | None:
+    """The outcome a reply-stream entry holds, or ``None`` for one that holds none (whoever
+    may write the stream may have written anything): never raises."""
+    try:
+        return result_from_fields(fields)
+    except (KeyError, ValueError, msgspec.DecodeError, RecursionError) as exc:
+        log.warning("unreadable reply entry %r: %s", dict(fields), exc)
+        return None
 
 
 def result_from_fields(fields: Mapping[str, bytes]) -> Result:

@@ -15,6 +15,7 @@ import msgspec
 
 from .envelope import capability_problem
 from .errors import ConfigError
+from .webhooks import Allowlist, webhook_secret_problem
 
 ENV_PREFIX = "AGENT_REACH_"
 # Variables under the prefix that are read elsewhere, not settings.
@@ -30,7 +31,6 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
 
     redis_url: str | None = None
     prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}(?!\n)$")] = "reach"
-    redis_pool_size: Annotated[int, msgspec.Meta(ge=4, le=10_000)] = 64
     heartbeat_s: Positive = 5.0
     down_after_s: Positive = 15.0
     dispatch_batch: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 256
@@ -119,16 +119,26 @@ def build_settings(layers: list[Mapping[str, Any]]) -> Settings:
         settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(_key_of(str(exc)), str(exc)) from exc
+    if found := _problem(settings):
+        raise ConfigError(*found)
+    return settings
+
+
+def _problem(settings: Settings) -> tuple[str, str] | None:
+    """``(key, problem)`` for what the types alone cannot check, or ``None``."""
     if settings.down_after_s < settings.heartbeat_s:
-        raise ConfigError(
-            "down_after_s",
-            f"must be at least heartbeat_s ({settings.heartbeat_s}), got {settings.down_after_s}",
-        )
+        why = f"must be at least heartbeat_s ({settings.heartbeat_s}), got {settings.down_after_s}"
+        return "down_after_s", why
     for alias, canonical in settings.capability_aliases.items():
         for name in (alias, canonical):
             if problem := capability_problem(name):
-                raise ConfigError("capability_aliases", problem)
-    return settings
+                return "capability_aliases", problem
+    if settings.webhook_secret and (problem := webhook_secret_problem(settings.webhook_secret)):
+        return "webhook_secret", problem
+    if unusable := Allowlist.parse(settings.callback_hosts).unusable:
+        listed = ", ".join(map(repr, unusable))
+        return "callback_hosts", f"{listed}: not a host, host:port, IP address or network"
+    return None
 
 
 def _key_of(message: str) -> str:

@@ -1,58 +1,47 @@
-"""Redis connections: one explicitly sized pool per process, scripts loaded, commands coalesced.
+"""Redis connections: one coalescing pipeliner per process, a start-up check that waits for a
+loading server, and dedicated connections for blocking readers.
 
-Every blocking ``XREADGROUP`` holds a pooled connection for its whole block time, so the pool
-is a :class:`~redis.asyncio.BlockingConnectionPool` sized from settings: when exhausted it
-waits for a free connection instead of failing at once.
+Every connection is our own :class:`~broker.resp.RespConnection` (hence every one honours the
+URL's TLS parameters). Scripts are loaded at start where the user may (``SCRIPT LOAD``);
+a process whose user may not (a producer, under ``agent-reach acl``) never needs to: the
+pipeliner loads them when Redis answers ``NOSCRIPT`` and reruns those calls. Loading them up
+front keeps that rerun — which runs a script after the commands that followed it in its
+batch — to the rare case of a Redis that lost its script cache (a restart).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+import logging
+import ssl
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
-import hiredis
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.connection import Connection as RedisConnectionBase
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .config import Settings
 from .errors import RedisUnavailable
 from .keyspace import Keyspace
 from .pipeliner import Pipeliner
+from .resp import RespConnection, describe, is_loading, parse_redis_url
 from .scripts import Script, ScriptName, load_scripts
 from .streams import GroupReader
 
-T = TypeVar("T")
+log = logging.getLogger("agent_reach.connection")
 
-
-class PackedConnection(RedisConnectionBase):
-    """A connection that packs commands with hiredis' C packer instead of redis-py's Python one
-    (the single largest cost per command in a profile of the dispatch path)."""
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        if isinstance(args[0], str) and " " in args[0]:
-            args = (*args[0].split(), *args[1:])
-        return [hiredis.pack_command(args)]
-
-
-def make_client(url: str, *, pool_size: int) -> Redis:
-    pool = BlockingConnectionPool.from_url(
-        url, max_connections=pool_size, timeout=30, connection_class=PackedConnection
-    )
-    return Redis.from_pool(pool)
+# How long a process waits at start-up for a Redis that is loading its data (its AOF after a
+# restart: minutes for a large one) before it gives up.
+LOADING_WAIT_S = 120.0
+_LOADING_POLL_S = 0.1
 
 
 @dataclass(slots=True)
 class Connection:
-    """What every store shares: the client, the coalescing pipeliner, scripts and key names."""
+    """What every store shares: the coalescing pipeliner, scripts and key names."""
 
-    redis: Redis
     pipeliner: Pipeliner
     scripts: dict[ScriptName, Script]
     keys: Keyspace
@@ -87,14 +76,6 @@ class Connection:
             await reader.close()
 
 
-async def translate(awaitable: Awaitable[T]) -> T:
-    """Await a direct Redis call, turning connection failures into :class:`RedisUnavailable`."""
-    try:
-        return await awaitable
-    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-        raise RedisUnavailable(f"redis unavailable: {exc}") from exc
-
-
 def redact(url: str) -> str:
     """The URL without its password, for messages and logs."""
     parts = urlsplit(url)
@@ -105,26 +86,85 @@ def redact(url: str) -> str:
 
 
 @asynccontextmanager
-async def open_connection(settings: Settings, url: str) -> AsyncIterator[Connection]:
-    """Connect, check the server, load the scripts and run the pipeliner for the block's life."""
-    redis = make_client(url, pool_size=settings.redis_pool_size)
+async def open_connection(
+    settings: Settings, url: str, *, loading_wait_s: float = LOADING_WAIT_S
+) -> AsyncIterator[Connection]:
+    """Check the server (waiting while it loads its data, see :func:`wait_until_ready`), then
+    run the pipeliner for the block's life."""
     scripts = load_scripts()
+    await wait_until_ready(url, loading_wait_s=loading_wait_s, scripts=list(scripts.values()))
+    pipeliner = Pipeliner(url, list(scripts.values()))
+    async with anyio.create_task_group() as tg:
+        await tg.start(pipeliner.run)
+        yield Connection(pipeliner, scripts, Keyspace(settings.prefix), settings, url)
+        tg.cancel_scope.cancel()
+
+
+async def wait_until_ready(
+    url: str, *, loading_wait_s: float = LOADING_WAIT_S, scripts: Sequence[Script] = ()
+) -> None:
+    """Connect and ``PING``. A Redis that answers ``LOADING`` is reading its data after a
+    start: not ready yet, not an error. It is asked again until it has loaded, for at most
+    ``loading_wait_s`` (said once in the log); then :class:`RedisUnavailable`. A server that
+    cannot be reached, or refuses ``PING``, is :class:`RedisUnavailable` at once. Then
+    ``scripts`` are loaded, unless the user may not (``NOPERM``: loaded on first use)."""
+    where = redact(url)
     try:
-        try:
-            await translate(redis.ping())
-        except RedisUnavailable as exc:
-            where = redact(url)
-            raise RedisUnavailable(f"cannot connect to redis at {where}: {exc.__cause__}") from exc
-        for script in scripts.values():
-            await translate(redis.script_load(script.source))
-        pipeliner = Pipeliner(url, list(scripts.values()))
-        async with anyio.create_task_group() as tg:
-            await tg.start(pipeliner.run)
-            yield Connection(redis, pipeliner, scripts, Keyspace(settings.prefix), settings, url)
-            tg.cancel_scope.cancel()
+        conn = await RespConnection.open(url)
+    except RedisUnavailable as exc:
+        reason = describe(exc.__cause__) if exc.__cause__ is not None else str(exc)
+        raise RedisUnavailable(f"cannot connect to redis at {where}: {reason}") from exc
+    try:
+        with anyio.move_on_after(loading_wait_s):
+            await _ping_until_loaded(conn, url, loading_wait_s)
+            await _preload(conn, scripts)
+            return
+        raise RedisUnavailable(
+            f"redis at {where} is still loading its data after {loading_wait_s:g} s"
+        )
     finally:
-        with anyio.CancelScope(shield=True):
-            await redis.aclose()
+        await conn.close()
+
+
+async def _ping_until_loaded(conn: RespConnection, url: str, wait_s: float) -> None:
+    where = redact(url)
+    told = False
+    while True:
+        try:
+            (reply,) = await conn.execute([("PING",)])
+        except OSError as exc:  # ConnectionError, ssl.SSLError: the server dropped us
+            raise RedisUnavailable(
+                f"cannot connect to redis at {where}: {_dropped(url, exc)}"
+            ) from exc
+        if not is_loading(reply):
+            break
+        if not told:
+            log.warning("redis at %s is loading its data; waiting up to %g s", where, wait_s)
+            told = True
+        await anyio.sleep(_LOADING_POLL_S)
+    if isinstance(reply, Exception):
+        raise RedisUnavailable(f"redis at {where} refused PING: {reply}") from reply
+
+
+async def _preload(conn: RespConnection, scripts: Sequence[Script]) -> None:
+    if not scripts:
+        return
+    replies = await conn.execute([("SCRIPT", "LOAD", script.source) for script in scripts])
+    for reply in replies:
+        if isinstance(reply, Exception) and not str(reply).startswith("NOPERM"):
+            raise RedisUnavailable(f"redis refused SCRIPT LOAD: {reply}") from reply
+
+
+def _dropped(url: str, exc: OSError) -> str:
+    """Why the server dropped a new connection; over TLS without a client certificate, the
+    likely reason (the server checks clients, and says nothing but a reset)."""
+    tls = parse_redis_url(url).tls
+    if tls is None or tls.certfile is not None or isinstance(exc, ssl.SSLError):
+        return describe(exc)
+    return (
+        f"{describe(exc)}; a server that checks client certificates drops a client without "
+        "one: give ssl_certfile and ssl_keyfile"
+    )
 
 
 async def ensure_group(conn: Connection, stream: str, group: str) -> None:

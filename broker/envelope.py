@@ -7,12 +7,14 @@ never decodes it. Schema evolution adds defaulted fields only.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from .errors import InvalidEnvelope
+from .headers import headers_problem, idempotency_key_problem, traceparent_problem
 from .ids import new_message_id
 
 # `(?!\n)$`: Python's `$` also matches before a final newline; ECMA's (the schema's) does not.
@@ -27,6 +29,10 @@ MessageId = Annotated[str, msgspec.Meta(pattern=MESSAGE_ID_PATTERN)]
 Priority = Annotated[int, msgspec.Meta(ge=0, le=9)]
 TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
 MaxAttempts = Annotated[int, msgspec.Meta(ge=1, le=100)]
+# Reply streams are key names: bounded, printable ASCII without spaces (decode_envelope).
+ReplyTo = Annotated[str, msgspec.Meta(max_length=256)]
+Target = Annotated[str, msgspec.Meta(pattern=MESSAGE_ID_PATTERN)]
+CallbackUrl = Annotated[str, msgspec.Meta(max_length=2048)]
 
 _NULL = msgspec.Raw(b"null")
 
@@ -42,14 +48,14 @@ class Envelope(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     payload: msgspec.Raw = msgspec.field(default_factory=_null_payload)
     id: MessageId | None = None
     tags: dict[str, str] = msgspec.field(default_factory=dict)
-    target: str | None = None
+    target: Target | None = None
     session_id: SessionId | None = None
     mode: Literal["unicast", "broadcast"] = "unicast"
     priority: Priority = 0
     timeout_s: TimeoutS = 300.0
     idempotency_key: str | None = None
-    reply_to: str | None = None
-    callback_url: str | None = None
+    reply_to: ReplyTo | None = None
+    callback_url: CallbackUrl | None = None
     max_attempts: MaxAttempts = 3
     budget: Annotated[float, msgspec.Meta(ge=0)] | None = None
     traceparent: str | None = None
@@ -83,6 +89,7 @@ def capability_problem(value: str) -> str | None:
     return None
 
 
+_STREAM_NAME = re.compile(r"[\x21-\x7e]+\Z")
 _decoder = msgspec.json.Decoder(Envelope)
 _encoder = msgspec.json.Encoder()
 
@@ -101,7 +108,31 @@ def decode_envelope(raw: bytes, *, max_bytes: int, reply_prefix: str) -> Envelop
         raise InvalidEnvelope(
             f"reply_to {envelope.reply_to!r} must start with {reply_prefix!r}", raw
         )
+    if envelope.reply_to is not None and not _STREAM_NAME.match(envelope.reply_to):
+        raise InvalidEnvelope(
+            f"reply_to {envelope.reply_to!r} must be printable ASCII without spaces", raw
+        )
+    check_envelope(envelope, raw)
     return envelope
+
+
+def envelope_problem(envelope: Envelope) -> str | None:
+    """Why an envelope that decoded cannot be carried to an agent (:mod:`broker.headers`),
+    or ``None``: the rules msgspec's types cannot state."""
+    if problem := headers_problem(envelope.headers):
+        return f"invalid envelope: {problem}"
+    if envelope.traceparent is not None and (problem := traceparent_problem(envelope.traceparent)):
+        return f"invalid envelope: {problem}"
+    key = envelope.idempotency_key
+    if key is not None and (problem := idempotency_key_problem(key)):
+        return f"invalid envelope: {problem}"
+    return None
+
+
+def check_envelope(envelope: Envelope, raw: bytes = b"") -> None:
+    """Raise :class:`InvalidEnvelope` with :func:`envelope_problem`'s reason, if any."""
+    if problem := envelope_problem(envelope):
+        raise InvalidEnvelope(problem, raw)
 
 
 def _describe_decode_error(text: str) -> str:
@@ -122,6 +153,21 @@ def complete(envelope: Envelope, *, now_s: float | None = None) -> Envelope:
         created_at=envelope.created_at
         if envelope.created_at is not None
         else (now_s if now_s is not None else time.time()),
+    )
+
+
+_sorted_encoder = msgspec.json.Encoder(order="sorted")
+
+
+def request_fingerprint(envelope: Envelope) -> bytes:
+    """What makes two envelopes under one id the same request: every field but ``id``, the
+    ways of telling the producer (``reply_to``, ``callback_url``), its trace context and its
+    clock (``created_at``) — a retry from a new client legitimately changes those. Compare
+    completed envelopes (``idempotency_key`` filled)."""
+    return _sorted_encoder.encode(
+        msgspec.structs.replace(
+            envelope, id=None, reply_to=None, callback_url=None, traceparent=None, created_at=None
+        )
     )
 
 

@@ -14,7 +14,10 @@
     └── ClientNotOpen            a client was used outside ``async with Client(...)`` (request)
                                  or ``with SyncClient(...)``
 
-Redis errors are translated into these in :mod:`broker.redis_store`, with the original
+Outside ``broker``, ``workers.egress.EgressRefused`` is a ``ReachError`` too: a webhook host
+resolves only to addresses the allow-list does not let a delivery reach.
+
+Redis errors are translated into these in :mod:`broker.resp`, with the original
 exception kept in ``__cause__``.
 """
 

@@ -31,10 +31,19 @@ def new_message_id() -> str:
     return encode_ulid(time.time_ns() // 1_000_000, os.urandom(10))
 
 
-def ulid_for_entry(stream: str, entry_id: str) -> str:
-    """A ULID derived from a stream entry: its time, and randomness hashed from the stream and
-    entry id. Handling the same ingress entry twice (a dispatcher restarted mid-batch) must
-    name the same message, or it would run twice under two ids."""
-    millis = int(entry_id.split("-", 1)[0])
+def entry_message_id(stream: str, entry_id: str, *, now_ms: int) -> str | None:
+    """The id of the message an ingress entry without one names: a ULID of the entry's time,
+    its randomness hashed from the stream and entry id — so handling the entry twice (a
+    dispatcher restarted mid-batch) names the same message, which must not run twice under
+    two ids.
+
+    ``None`` when the entry's time is not in the past — a producer chose an explicit entry
+    id ahead of the clock (and every ``*`` id Redis gives after it inherits that time) — or
+    is no entry id at all: a producer's explicit id must not decide the time, or the
+    validity, of other producers' message ids. The dispatcher then mints a fresh id and keeps
+    it beside the entry until the entry is acknowledged (``Keyspace.entry_name``)."""
+    millis, sep, seq = entry_id.partition("-")
+    if not (sep and millis.isdigit() and seq.isdigit()) or int(millis) > now_ms:
+        return None
     digest = hashlib.blake2b(f"{stream}\0{entry_id}".encode(), digest_size=10).digest()
-    return encode_ulid(millis, digest)
+    return encode_ulid(int(millis), digest)

@@ -4,6 +4,8 @@
 key                       type    holds
 ========================  ======  ==========================================================
 ``P:in``                  stream  ingress envelopes; consumer group ``dispatch``
+``P:e:<stream>:<entry>``  string  the message id minted for an ingress entry without one
+                                  whose entry time is ahead of the clock; until acknowledged
 ``P:m:{<id>}``            hash    message record: envelope, stage, attempt, instance, ...
 ``P:t:{<id>}``            list    the message's timeline (capped): JSON items
 ``P:b:{<id>}``            hash    a broadcast's ended children: child id -> outcome JSON
@@ -45,6 +47,11 @@ class Keyspace:
     @property
     def ingress(self) -> str:
         return f"{self.prefix}:in"
+
+    def entry_name(self, stream: str, entry_id: str) -> str:
+        """The message id minted for ingress entry ``entry_id`` of ``stream`` (see
+        :func:`broker.ids.entry_message_id`)."""
+        return f"{self.prefix}:e:{stream.removeprefix(self.prefix + ':')}:{entry_id}"
 
     def record(self, message_id: str) -> str:
         return f"{self.prefix}:m:{{{message_id}}}"

@@ -23,10 +23,12 @@ from .store import MessageStore, Move, now_ms, timeline_entry
 
 PAGE = 500  # due-index entries read per round trip
 
-# Where a replay may start: the message ended, or waits for an operator. Nothing in flight.
-REPLAYABLE: frozenset[Stage] = frozenset(
-    {Stage.NEEDS_CONFIRMATION, Stage.DEAD, Stage.FAILED, Stage.EXPIRED, Stage.CANCELLED}
-)
+# Where a replay may start: the message waits for an operator, or gave up (DEAD). Nothing
+# in flight. Messages that ended with an answer their producer has had — FAILED, EXPIRED,
+# CANCELLED — only when the operator says so (`include_ended`): the producer gets a new one.
+REPLAYABLE: frozenset[Stage] = frozenset({Stage.NEEDS_CONFIRMATION, Stage.DEAD})
+ENDED_REPLAYABLE: frozenset[Stage] = frozenset({Stage.FAILED, Stage.EXPIRED, Stage.CANCELLED})
+REPLAYED_NOTICE = "replayed"
 # Where a cancel may start: no sidecar has taken the message yet.
 CANCELLABLE: frozenset[Stage] = frozenset({Stage.ACCEPTED, Stage.WAITING, Stage.ROUTED})
 
@@ -94,6 +96,11 @@ class DeadLetters(msgspec.Struct, frozen=True):
 
 def replay_refusal(message_id: str, stage: Stage) -> str:
     """Why a message in ``stage`` is not replayed."""
+    if stage in ENDED_REPLAYABLE:
+        return (
+            f"{message_id} is {stage}: its producer has had that answer; replay it with "
+            "--include-ended to run it again and send a new one"
+        )
     if stage in _QUEUED:
         why = "not finished, it is still queued to run"
     elif stage in _IN_FLIGHT:
@@ -227,10 +234,14 @@ class Operator:
 
     # -- replay ----------------------------------------------------------------------------
 
-    async def plan_replay(self, message_ids: Sequence[str]) -> ReplayPlan:
-        """Replay these messages; :class:`UnknownMessage` (and nothing planned) when one of
-        them has no record."""
-        return await self._plan(await self._records(_unique(message_ids)), [])
+    async def plan_replay(
+        self, message_ids: Sequence[str], *, include_ended: bool = False
+    ) -> ReplayPlan:
+        """Replay these messages — NEEDS_CONFIRMATION and DEAD ones, and with
+        ``include_ended`` FAILED, EXPIRED and CANCELLED ones too; :class:`UnknownMessage`
+        (and nothing planned) when one of them has no record."""
+        records = await self._records(_unique(message_ids))
+        return await self._plan(records, [], include_ended=include_ended)
 
     async def plan_dlq_replay(self) -> ReplayPlan:
         """Replay every message the dead-letter stream lists as DEAD and that still is."""
@@ -256,12 +267,15 @@ class Operator:
         records = [r async for page in self.live_records() for r in page if r.stage is stage]
         return await self._plan(records, [])
 
-    async def _plan(self, records: list[MessageRecord], refused: list[Action]) -> ReplayPlan:
-        replayable = [r for r in records if r.stage in REPLAYABLE]
+    async def _plan(
+        self, records: list[MessageRecord], refused: list[Action], *, include_ended: bool = False
+    ) -> ReplayPlan:
+        allowed = REPLAYABLE | ENDED_REPLAYABLE if include_ended else REPLAYABLE
+        replayable = [r for r in records if r.stage in allowed]
         refused = refused + [
             _refused(r.id, r.stage, replay_refusal(r.id, r.stage))
             for r in records
-            if r.stage not in REPLAYABLE
+            if r.stage not in allowed
         ]
         unsafe = await self.unsafe_to_repeat({r.capability for r in replayable})
         return ReplayPlan(replayable, refused, unsafe)
@@ -283,8 +297,11 @@ class Operator:
 
     async def replay(self, plan: ReplayPlan, *, by: str) -> list[Action]:
         """Send every planned record back to WAITING as a new attempt with the same
-        idempotency key and a fresh deadline; the next drain assigns it (the attempt counter
-        goes up there). The refused ones are reported as they are."""
+        idempotency key and a fresh deadline; the next drain assigns it. The attempt counter
+        goes up at once: the answer the replay leads to is another answer than the one the
+        producer may have had (its ``attempt``, and its webhook's ``webhook-id``, differ),
+        and the producer's reply stream is told now (``notice: replayed``). The refused ones
+        are reported as they are."""
         return plan.refused + [await self._replay_one(r, by) for r in plan.records]
 
     async def _replay_one(self, record: MessageRecord, by: str) -> Action:
@@ -298,8 +315,9 @@ class Operator:
                 record.id,
                 Stage.WAITING,
                 # exactly what was planned (and confirmed): not a later state of the message
-                any_of=frozenset({record.stage}) & REPLAYABLE,
+                any_of=frozenset({record.stage}) & (REPLAYABLE | ENDED_REPLAYABLE),
                 expect_attempt=record.attempt,
+                new_attempt="+",
                 reason=f"replayed by {by}",
                 # a fresh start: no back-off pending, no instance to steer away from
                 fields={
@@ -315,6 +333,17 @@ class Operator:
             return _refused(record.id, moved.stage, _no_replay(record.id, moved.stage))
         await self.conn.call("HDEL", self.conn.keys.record(record.id), "deadline_told")
         await self.store.park(record.capability, record.id, record.priority, record.accepted_ms)
+        if record.reply_to:
+            await self.store.send_reply(
+                record.reply_to,
+                {
+                    "id": record.id,
+                    "stage": Stage.WAITING.value,
+                    "attempt": str(moved.attempt),
+                    "notice": REPLAYED_NOTICE,
+                    "error": f"replayed by {by} (was {record.stage}): a new answer follows",
+                },
+            )
         return Action(record.id, True, Stage.WAITING, f"{record.id} (was {record.stage})")
 
     # -- resolve, cancel -------------------------------------------------------------------

@@ -5,37 +5,239 @@ pipeline each reply costs a timeout context and a response callback, which profi
 largest cost of the dispatch path. This connection writes one packed buffer and reads the
 replies straight out of a hiredis reader. Replies are raw RESP values (bytes, ints, lists;
 errors as :class:`redis.exceptions.ResponseError` instances, not raised).
+
+Every connection any process opens comes through :meth:`RespConnection.open`, so what a Redis
+URL may say is decided here, once (:func:`parse_redis_url`):
+
+- ``redis://[[user]:password@]host[:port][/db]``, ``unix:///path/to/socket``;
+- ``rediss://...`` for TLS, with the query parameters ``ssl_ca_certs`` (the CA bundle that
+  signs the server's certificate; default: the system's), ``ssl_certfile`` and
+  ``ssl_keyfile`` (our certificate and key, for a server that checks clients), and
+  ``ssl_cert_reqs``: ``required`` (the default: the certificate chain and the host name are
+  verified), ``optional`` (the chain is verified, the host name is not: a certificate
+  issued to a name, reached by its address) or ``none`` (nothing is verified: encrypted,
+  not authenticated).
+
+Any other query parameter, an ``ssl_*`` one on a URL that is not ``rediss://``, or a file
+that cannot be read is a :class:`~broker.errors.ConfigError` naming it: a process with a
+wrong URL stops at start-up with that sentence instead of retrying for ever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-from typing import Any
-from urllib.parse import unquote, urlparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import hiredis
 from redis.exceptions import NoScriptError, ResponseError
 
-from .errors import RedisUnavailable
+from .errors import ConfigError, RedisUnavailable
 
 Command = tuple[Any, ...]
 _READ_CHUNK = 1 << 16
-
+_DEFAULT_PORT = 6379
 
 # Error replies that mean "Redis cannot serve now" (loading its AOF, over maxmemory, a
 # script running, a replica or a cluster in failover): retry later, like a lost connection.
 TRANSIENT = frozenset(
     {"LOADING", "BUSY", "OOM", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN"}
 )
+_UNAVAILABLE = "redis unavailable: "
+
+CertReqs = Literal["required", "optional", "none"]
+CERT_REQS: tuple[CertReqs, ...] = ("required", "optional", "none")
+_CERT_REQS: dict[str, CertReqs] = {name: name for name in CERT_REQS}
+TLS_PARAMETERS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 
 
 def _error(message: str) -> Exception:
     if message.startswith("NOSCRIPT"):
         return NoScriptError(message)
     if message.split(" ", 1)[0] in TRANSIENT:  # the error code, exactly (not BUSYGROUP)
-        return RedisUnavailable(f"redis unavailable: {message}")
+        return RedisUnavailable(f"{_UNAVAILABLE}{message}")
     return ResponseError(message)
+
+
+def is_loading(error: BaseException) -> bool:
+    """Whether ``error`` is Redis answering ``LOADING``: it is reading its data at start-up,
+    so it is not ready yet (rather than failing)."""
+    return isinstance(error, RedisUnavailable) and str(error).startswith(_UNAVAILABLE + "LOADING")
+
+
+def refused_by_acl(error: BaseException) -> bool:
+    """Whether ``error`` is Redis refusing a command to this connection's user (``NOPERM``):
+    the user's ACL rules do not grant it, on this key or at all."""
+    return isinstance(error, ResponseError) and str(error).startswith("NOPERM")
+
+
+@dataclass(frozen=True, slots=True)
+class TlsOptions:
+    """The TLS query parameters of a ``rediss://`` URL."""
+
+    ca_certs: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+    cert_reqs: CertReqs = "required"
+
+
+@dataclass(frozen=True, slots=True)
+class RedisAddress:
+    """What a Redis URL says, checked: where to connect, who to be, which database."""
+
+    host: str
+    port: int
+    unix_path: str | None = None
+    username: str | None = None
+    password: str | None = None
+    db: int = 0
+    tls: TlsOptions | None = None
+
+    @property
+    def where(self) -> str:
+        """The server, for messages: ``host:port`` or the socket's path (never a secret)."""
+        return self.unix_path if self.unix_path is not None else f"{self.host}:{self.port}"
+
+
+def _url_error(problem: str) -> ConfigError:
+    return ConfigError("redis_url", problem)
+
+
+def parse_redis_url(url: str) -> RedisAddress:
+    """A ``redis://``, ``rediss://`` or ``unix://`` URL as a :class:`RedisAddress`; anything
+    else it says is a :class:`ConfigError` naming what is wrong (the message never repeats
+    the URL: it may hold a password)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port that is not a number, a malformed IPv6 host
+        raise _url_error(f"not a usable Redis URL: {exc}") from exc
+    scheme = parts.scheme.lower()
+    if scheme not in ("redis", "rediss", "unix"):
+        raise _url_error(
+            f"unsupported scheme {parts.scheme + '://' if parts.scheme else '(none)'}; "
+            "use redis://, rediss:// (TLS) or unix://"
+        )
+    tls = _tls_options(scheme, _query(parts.query))
+    unix_path = unquote(parts.path) if scheme == "unix" else None
+    if unix_path == "":
+        raise _url_error("a unix:// URL needs the socket's path: unix:///path/to/redis.sock")
+    return RedisAddress(
+        host=parts.hostname or "127.0.0.1",
+        port=port or _DEFAULT_PORT,
+        unix_path=unix_path,
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+        db=_db(parts.path) if scheme != "unix" else 0,
+        tls=tls,
+    )
+
+
+def _query(query: str) -> dict[str, str]:
+    """The query parameters; an unknown or repeated one is an error naming it."""
+    pairs = parse_qsl(query, keep_blank_values=True)
+    names = [name for name, _ in pairs]
+    unknown = sorted({name for name in names if name not in TLS_PARAMETERS})
+    if unknown:
+        raise _url_error(
+            f"unknown query parameter{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))}; known: {', '.join(TLS_PARAMETERS)}"
+        )
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise _url_error(f"query parameter {', '.join(map(repr, repeated))} given twice")
+    empty = sorted(name for name, value in pairs if not value)
+    if empty:
+        raise _url_error(f"query parameter {', '.join(map(repr, empty))} has no value")
+    return dict(pairs)
+
+
+def _tls_options(scheme: str, query: dict[str, str]) -> TlsOptions | None:
+    if scheme != "rediss":
+        if query:
+            names = ", ".join(sorted(query))
+            raise _url_error(f"{names} only apply to TLS: use a rediss:// URL")
+        return None
+    cert_reqs = _CERT_REQS.get(query.get("ssl_cert_reqs", "required").lower())
+    if cert_reqs is None:
+        raise _url_error(f"ssl_cert_reqs={query['ssl_cert_reqs']!r}: use {', '.join(CERT_REQS)}")
+    if "ssl_keyfile" in query and "ssl_certfile" not in query:
+        raise _url_error("ssl_keyfile needs ssl_certfile (the certificate that goes with it)")
+    return TlsOptions(
+        ca_certs=query.get("ssl_ca_certs"),
+        certfile=query.get("ssl_certfile"),
+        keyfile=query.get("ssl_keyfile"),
+        cert_reqs=cert_reqs,
+    )
+
+
+def _db(path: str) -> int:
+    name = unquote(path).strip("/")
+    if not name:
+        return 0
+    if not name.isdigit() or not name.isascii():
+        raise _url_error(f"the database (the URL's path) must be a number, got {name!r}")
+    return int(name)
+
+
+def tls_context(tls: TlsOptions) -> ssl.SSLContext:
+    """The client TLS context of ``tls``; a file that cannot be read, or a certificate and
+    key that do not load, is a :class:`ConfigError` naming the parameter and the file."""
+    for parameter, path in (
+        ("ssl_ca_certs", tls.ca_certs),
+        ("ssl_certfile", tls.certfile),
+        ("ssl_keyfile", tls.keyfile),
+    ):
+        if path is not None:
+            _check_readable(parameter, path)
+    try:
+        context = ssl.create_default_context(cafile=tls.ca_certs)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        raise _url_error(f"ssl_ca_certs {tls.ca_certs}: not a PEM CA bundle ({exc})") from exc
+    if tls.certfile is not None:
+        try:
+            context.load_cert_chain(tls.certfile, tls.keyfile)
+        except (OSError, ValueError) as exc:
+            raise _url_error(
+                f"ssl_certfile {tls.certfile}"
+                + (f" with ssl_keyfile {tls.keyfile}" if tls.keyfile else "")
+                + f": not a PEM certificate and matching key ({exc})"
+            ) from exc
+    if tls.cert_reqs != "required":
+        context.check_hostname = False  # must go before verify_mode may drop to CERT_NONE
+    if tls.cert_reqs == "none":
+        context.verify_mode = ssl.CERT_NONE
+    # "optional" keeps CERT_REQUIRED: a client always gets a certificate from the server,
+    # and one it cannot verify is refused (Python's CERT_OPTIONAL means the same for a client)
+    return context
+
+
+def _check_readable(parameter: str, path: str) -> None:
+    try:
+        with Path(path).open("rb"):
+            pass
+    except OSError as exc:
+        raise _url_error(f"{parameter} {path}: cannot read it ({exc.strerror or exc})") from exc
+
+
+def describe(exc: BaseException) -> str:
+    """A connection failure as a short reason; a TLS one says what to check."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return (
+            f"TLS: the server's certificate was not accepted ({exc.verify_message or exc}); "
+            "check ssl_ca_certs, or ssl_cert_reqs"
+        )
+    if isinstance(exc, ssl.SSLError):
+        reason = exc.reason or str(exc)
+        if "CERTIFICATE_REQUIRED" in reason.upper():
+            return "TLS: the server wants a client certificate (ssl_certfile, ssl_keyfile)"
+        return f"TLS: {reason}"
+    if isinstance(exc, TimeoutError):
+        return "no answer in time"
+    return str(exc) or type(exc).__name__
 
 
 class RespConnection:
@@ -46,35 +248,43 @@ class RespConnection:
 
     @classmethod
     async def open(cls, url: str, *, timeout_s: float = 10.0) -> RespConnection:
-        """Connect to ``redis://``, ``rediss://`` or ``unix://`` URLs, with AUTH and SELECT."""
-        parts = urlparse(url)
+        """Connect to a ``redis://``, ``rediss://`` or ``unix://`` URL (see the module's
+        docstring), then AUTH and SELECT as it says. A URL that says something wrong is a
+        :class:`ConfigError`; a server that cannot be reached, or refuses the handshake or
+        the set-up, is :class:`RedisUnavailable`."""
+        address = parse_redis_url(url)
+        context = tls_context(address.tls) if address.tls is not None else None
         try:
             async with asyncio.timeout(timeout_s):
-                if parts.scheme == "unix":
-                    reader, writer = await asyncio.open_unix_connection(parts.path)
-                else:
-                    context = ssl.create_default_context() if parts.scheme == "rediss" else None
-                    reader, writer = await asyncio.open_connection(
-                        parts.hostname or "127.0.0.1", parts.port or 6379, ssl=context
-                    )
+                reader, writer = await _connect(address, context)
         except (OSError, TimeoutError) as exc:
-            raise RedisUnavailable(
-                f"cannot connect to {parts.hostname}:{parts.port}: {exc}"
-            ) from exc
+            raise RedisUnavailable(f"cannot connect to {address.where}: {describe(exc)}") from exc
         conn = cls(reader, writer)
-        setup: list[Command] = []
-        if parts.password:
-            user = unquote(parts.username) if parts.username else None
-            password = unquote(parts.password)
-            setup.append(("AUTH", user, password) if user else ("AUTH", password))
-        db = parts.path.strip("/") if parts.scheme != "unix" else ""
-        if db and db != "0":
-            setup.append(("SELECT", db))
-        for reply in await conn.execute(setup) if setup else []:
-            if isinstance(reply, ResponseError):
-                await conn.close()
-                raise RedisUnavailable(f"redis refused the connection set-up: {reply}")
+        try:
+            await conn._set_up(address)
+        except BaseException:
+            await conn.close()
+            raise
         return conn
+
+    async def _set_up(self, address: RedisAddress) -> None:
+        setup: list[Command] = []
+        if address.password:
+            user = address.username
+            setup.append(("AUTH", user, address.password) if user else ("AUTH", address.password))
+        if address.db:
+            setup.append(("SELECT", address.db))
+        if not setup:
+            return
+        try:
+            replies = await self.execute(setup)
+        except OSError as exc:  # ConnectionError, ssl.SSLError: both are OSErrors
+            raise RedisUnavailable(
+                f"redis at {address.where} dropped the connection set-up: {describe(exc)}"
+            ) from exc
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise RedisUnavailable(f"redis refused the connection set-up: {reply}")
 
     async def execute(self, commands: list[Command], *, timeout_s: float = 30.0) -> list[Any]:
         """Send every command in one write and return their replies in order. A silent peer
@@ -117,3 +327,11 @@ class RespConnection:
             await self._writer.wait_closed()
         except OSError:
             pass
+
+
+async def _connect(
+    address: RedisAddress, context: ssl.SSLContext | None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    if address.unix_path is not None:
+        return await asyncio.open_unix_connection(address.unix_path)
+    return await asyncio.open_connection(address.host, address.port, ssl=context)

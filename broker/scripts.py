@@ -19,6 +19,7 @@ class ScriptName(StrEnum):
     RESCHEDULE_DUE = "reschedule_due"
     CHILD_DONE = "child_done"
     NOTE = "note"
+    FORGET_INSTANCE = "forget_instance"
 
 
 @dataclass(frozen=True, slots=True)

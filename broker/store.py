@@ -206,14 +206,42 @@ class MessageStore:
         await self.run_all(self.park_commands(items))
 
     def park_commands(self, items: list[tuple[str, str, int, int]]) -> list[tuple[Any, ...]]:
+        """The waiting-set entries, then the capability index: in that order, so that a
+        prune of the index (:meth:`prune_waiting_index`) never drops a capability that has
+        just been given work."""
         commands: list[tuple[Any, ...]] = [
-            ("SADD", self.keys.waiting_index, capability) for capability in {i[0] for i in items}
-        ]
-        commands += [
             ("ZADD", self.keys.waiting(capability), waiting_score(priority, accepted), message_id)
             for capability, message_id, priority, accepted in items
         ]
+        commands += [
+            ("SADD", self.keys.waiting_index, capability) for capability in {i[0] for i in items}
+        ]
         return commands
+
+    async def prune_waiting_index(self, capabilities: list[str]) -> list[str]:
+        """Drop from ``P:waiting`` the capabilities with nothing waiting, so the index — and
+        every sweep's work — does not grow with each capability name a producer ever sent.
+        Removed, then checked again and put back if work arrived meanwhile: work is parked
+        before its capability is indexed (:meth:`park_commands`), so whichever order the two
+        run in, a capability with waiting work ends up indexed. Returns those dropped."""
+        empty = await self._empty_waiting(capabilities)
+        if not empty:
+            return []
+        await self.conn.call("SREM", self.keys.waiting_index, *empty)
+        still = set(await self._empty_waiting(empty))
+        back = [c for c in empty if c not in still]
+        if back:
+            await self.conn.call("SADD", self.keys.waiting_index, *back)
+        return [c for c in empty if c in still]
+
+    async def _empty_waiting(self, capabilities: list[str]) -> list[str]:
+        keys = [(self.keys.waiting(c), self.keys.unmatched(c)) for c in capabilities]
+        replies = await self.conn.call_many([("ZCARD", k) for pair in keys for k in pair])
+        return [
+            c
+            for i, c in enumerate(capabilities)
+            if not _raise(replies[2 * i]) and not _raise(replies[2 * i + 1])
+        ]
 
     async def run_all(self, commands: list[tuple[Any, ...]]) -> None:
         """Commands in one round trip; the first error reply is raised."""
@@ -391,7 +419,14 @@ class MessageStore:
     # -- results, dead letters ---------------------------------------------------------------
 
     async def send_reply(self, reply_to: str, fields: Mapping[str, str | bytes]) -> None:
-        await self.conn.call("XADD", reply_to, "*", *_flat(fields))
+        """One entry on a reply stream (a notice, say), which then expires ``reply_ttl_s``
+        after it; a stream Redis refuses to write is dead-lettered, as for any reply."""
+        commands: list[Command] = [
+            ("XADD", reply_to, "*", *_flat(fields)),
+            ("EXPIRE", reply_to, self.conn.settings.reply_ttl_s),
+        ]
+        owner = _text(fields.get("id", b""))
+        await self.after_delivery([owner] * 2, commands, await self.conn.call_many(commands))
 
     async def dead_letter_message(self, message_id: str, reason: str) -> None:
         """Dead-letter a record: its envelope, the final reason, and the chain of reasons on

@@ -15,6 +15,7 @@ from .errors import RedisUnavailable
 from .resp import RespConnection
 
 StreamEntry = tuple[str, dict[str, bytes]]
+RawEntry = tuple[str, list[bytes]]
 
 
 class GroupReader:
@@ -33,12 +34,29 @@ class GroupReader:
         pending: bool = False,
     ) -> list[StreamEntry]:
         """New entries (``>``), or this consumer's own pending ones when ``pending``."""
+        raw = await self.read_raw(
+            stream, group, consumer, count=count, block_ms=block_ms, pending=pending
+        )
+        return [(entry_id, fields_of(flat)) for entry_id, flat in raw]
+
+    async def read_raw(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        count: int,
+        block_ms: int | None,
+        pending: bool = False,
+    ) -> list[RawEntry]:
+        """As :meth:`read`, the fields as Redis gave them: a flat list of name, value bytes
+        (a name may repeat; nothing is decoded)."""
         command: list[Any] = ["XREADGROUP", "GROUP", group, consumer, "COUNT", count]
         if block_ms is not None:
             command += ["BLOCK", block_ms]
         command += ["STREAMS", stream, "0" if pending else ">"]
         reply = await self._execute(tuple(command))
-        return parse_read_reply(reply)
+        return raw_entries(reply[0][1]) if reply else []
 
     async def read_stream(
         self, stream: str, after: str, *, count: int = 1000, block_ms: int | None = None
@@ -84,6 +102,12 @@ def parse_read_reply(reply: Any) -> list[StreamEntry]:
     return parse_entries(reply[0][1])
 
 
+def raw_entries(raw: Any) -> list[RawEntry]:
+    """``[[id, [field, value, ...]], ...]`` as ``(id, flat fields)`` pairs, undecoded;
+    entries deleted while pending (no fields) are left out."""
+    return [(entry_id.decode(), list(flat)) for entry_id, flat in raw if flat is not None]
+
+
 def parse_entries(raw: Any) -> list[StreamEntry]:
     """``[[id, [field, value, ...]], ...]`` (XRANGE, XAUTOCLAIM) as ``(id, fields)`` pairs;
     entries deleted while pending come back without fields and are skipped.
@@ -91,13 +115,12 @@ def parse_entries(raw: Any) -> list[StreamEntry]:
     Never raises on what a producer wrote: a field name that is not UTF-8 is kept with its
     undecodable bytes as surrogates (``field_bytes`` gives them back), so the entry's reader
     can refuse it with a reason instead of crashing; a repeated name keeps its last value."""
-    entries: list[StreamEntry] = []
-    for entry_id, flat in raw:
-        if flat is None:
-            continue
-        fields = {field_name(flat[i]): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
-        entries.append((entry_id.decode(), fields))
-    return entries
+    return [(entry_id, fields_of(flat)) for entry_id, flat in raw_entries(raw)]
+
+
+def fields_of(flat: list[bytes]) -> dict[str, bytes]:
+    """A flat ``[name, value, ...]`` as a dict (see :func:`parse_entries`)."""
+    return {field_name(flat[i]): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
 
 
 def field_name(raw: bytes) -> str:

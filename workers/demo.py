@@ -5,10 +5,14 @@ in the same process, a burst of requests with live progress, and a report comput
 message records: delivered, failed, waiting, latency percentiles, each agent's share, and
 "lost", counted — never assumed — as submitted ids whose record is missing or neither
 terminal nor visibly parked.
+
+The demo works under a key prefix of its own and removes every key of it when it ends —
+normally, on an error, on Ctrl-C — so running it leaves the user's Redis as it found it.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -30,6 +34,7 @@ from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection
 from broker.envelope import Envelope
+from broker.errors import ReachError
 from broker.records import InstanceCard, MessageRecord
 from broker.stages import PARKED, TERMINAL, Stage
 from broker.store import MessageStore
@@ -38,6 +43,11 @@ from .dispatcher import Dispatcher
 from .runtime import connected
 
 CAPABILITY = "demo.echo"
+# Keys removed per round trip, and how long the removal may take however the demo ended.
+REMOVE_BATCH = 1000
+REMOVE_TIMEOUT_S = 60.0
+
+log = logging.getLogger("agent_reach.demo")
 
 
 @dataclass(frozen=True)
@@ -76,9 +86,22 @@ async def serve_demo_agent(host: str, port: int, delay_s: float, fail_rate: floa
 
 
 async def run_demo(settings: Settings, messages: int, timeout_s: float) -> int:
-    """Run the demo and print its report; returns the number of lost messages."""
+    """Run the demo and print its report; returns the number of lost messages. Every key
+    under ``settings.prefix`` is removed when it ends, however it ends: give it a prefix of
+    its own."""
     console = Console()
-    async with connected(settings) as conn, anyio.create_task_group() as tg:
+    async with connected(settings) as conn:
+        try:
+            ids, records = await _run(conn, messages, timeout_s, console)
+        finally:
+            await remove_demo_keys(conn)
+    return print_report(console, ids, records)
+
+
+async def _run(
+    conn: Connection, messages: int, timeout_s: float, console: Console
+) -> tuple[list[str], dict[str, MessageRecord | None]]:
+    async with anyio.create_task_group() as tg:
         for agent in DEMO_AGENTS:
             await tg.start(_run_agent, conn, agent)
         await tg.start(Dispatcher(conn, consumer="demo").run)
@@ -88,7 +111,31 @@ async def run_demo(settings: Settings, messages: int, timeout_s: float) -> int:
         await _follow(conn, reply_to, ids, timeout_s, console)
         records = await _records(conn, ids)
         tg.cancel_scope.cancel()
-    return print_report(console, ids, records)
+    return ids, records
+
+
+async def remove_demo_keys(conn: Connection) -> None:
+    """Remove every key of the demo's prefix. Shielded, so a Ctrl-C that cancelled the demo
+    does not cancel its cleaning up; bounded in time; a failure is said, not raised, so it
+    cannot hide the error that ended the demo."""
+    pattern = f"{conn.keys.prefix}:*"  # prefixes hold no glob characters (config checks)
+    with anyio.move_on_after(REMOVE_TIMEOUT_S, shield=True) as scope:
+        try:
+            await _unlink_matching(conn, pattern)
+        except ReachError as exc:
+            log.warning("could not remove the demo's keys (%s): %s", pattern, exc)
+    if scope.cancelled_caught:
+        log.warning("removing the demo's keys (%s) took over %g s", pattern, REMOVE_TIMEOUT_S)
+
+
+async def _unlink_matching(conn: Connection, pattern: str) -> None:
+    cursor = b"0"
+    while True:
+        cursor, keys = await conn.call("SCAN", cursor, "MATCH", pattern, "COUNT", REMOVE_BATCH)
+        if keys:
+            await conn.call("UNLINK", *keys)
+        if cursor == b"0":
+            return
 
 
 async def _run_agent(

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import msgspec
 from anyio.abc import TaskStatus
 from redis.exceptions import ResponseError
 
@@ -39,39 +38,37 @@ from broker.broadcast import (
     decode_children,
     encode_children,
     fan_out,
-    id_problem,
     members,
     no_members_reason,
 )
 from broker.connection import Connection, ensure_group
 from broker.deadletters import Letter
+from broker.entries import fields_as_bytes
 from broker.envelope import (
     Envelope,
-    complete,
-    decode_envelope,
     encode_envelope,
     load_envelope,
-    salvage_id,
-    salvage_reply_to,
 )
-from broker.errors import InvalidEnvelope, RedisUnavailable
-from broker.ids import ulid_for_entry
+from broker.errors import RedisUnavailable
+from broker.ids import entry_message_id, new_message_id
 from broker.keyspace import DISPATCH_GROUP
 from broker.records import MessageRecord
 from broker.registry import Registry
 from broker.routing import Decision
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore, ack, now_ms, trim_acknowledged
-from broker.streams import GroupReader, StreamEntry, Subscriber, parse_entries
-from broker.webhooks import callback_problem
+from broker.streams import GroupReader, RawEntry, Subscriber, raw_entries
 
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
+from .intake import Intake
 from .routing_table import RoutingTable, routing_policy
 from .waiting import WaitingRoom
 
 log = logging.getLogger("agent_reach.dispatcher")
 
 READ_BLOCK_MS = 1000
+PRUNE_EVERY_S = 10.0  # how often the waiting index is pruned of capabilities with nothing
+MAX_ENTRY_FAILURES = 3  # an entry failing this often on its own is rejected with the error
 TRIM_EVERY_S = 10.0
 BEHIND_WAITING = "queued behind waiting work of its capability"
 LISTED_INSTANCES = 10  # a broadcast's timeline names this many of its instances (trace: all)
@@ -114,8 +111,12 @@ class Dispatcher:
         self.table = RoutingTable(routing_policy(self.settings))
         self.assigner = Assigner(self.store, self.table)
         self.waiting = WaitingRoom(self.store, self.table, batch=self.settings.dispatch_batch)
+        self.intake = Intake(conn, self.store)
         self._credit_freed = anyio.Event()
         self._to_drain: set[str] = set()
+        self._suspect = False  # a batch failed unexpectedly: handle entries one at a time
+        self._failures: dict[str, int] = {}  # entry id -> unexpected failures handling it
+        self._next_prune = 0.0
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await ensure_group(self.conn, self.keys.ingress, DISPATCH_GROUP)
@@ -135,7 +136,7 @@ class Dispatcher:
 
     async def _recover(self, reader: GroupReader) -> None:
         """Re-handle this consumer's own pending entries: a restart after a crash mid-batch."""
-        entries = await reader.read(
+        entries = await reader.read_raw(
             self.keys.ingress,
             DISPATCH_GROUP,
             self.consumer,
@@ -145,7 +146,7 @@ class Dispatcher:
         )
         if entries:
             log.info("recovering %d pending ingress entries", len(entries))
-            await self.handle_batch(entries, recovering=True)
+            await self._handle(entries, recovering=True)
 
     async def claim_abandoned(self) -> int:
         """Take over ingress entries another dispatcher read and never finished (it died, and
@@ -161,10 +162,10 @@ class Dispatcher:
             "COUNT",
             self.settings.dispatch_batch,
         )
-        entries = parse_entries(reply[1])
+        entries = raw_entries(reply[1])
         if entries:
             log.info("claimed %d ingress entries abandoned by another dispatcher", len(entries))
-            await self.handle_batch(entries, recovering=True)
+            await self._handle(entries, recovering=True)
         gone = [e[0] for e in reply[1] if e and not e[1]]  # deleted while pending (Redis 6.2)
         if gone:
             await ack(self.conn, self.keys.ingress, DISPATCH_GROUP, [g.decode() for g in gone])
@@ -176,7 +177,7 @@ class Dispatcher:
             try:
                 if backoff > 0.1:  # after a failure: first finish what this consumer holds
                     await self._recover(reader)
-                entries = await reader.read(
+                entries = await reader.read_raw(
                     self.keys.ingress,
                     DISPATCH_GROUP,
                     self.consumer,
@@ -184,53 +185,60 @@ class Dispatcher:
                     block_ms=READ_BLOCK_MS,
                 )
                 if entries:
-                    await self.handle_batch(entries)
+                    await self._handle(entries, recovering=False)
                 backoff = 0.1
             except (RedisUnavailable, ResponseError) as exc:
                 backoff = min(backoff * 2, 5.0)
                 log.warning("ingress failed, retrying in %.1fs: %s", backoff, exc)
                 await anyio.sleep(backoff)
+            except Exception:
+                # A defect met on some entry: never out of the loop. The pending entries are
+                # handled again, one at a time (_handle), so the one that keeps failing is
+                # told apart and set aside instead of failing every batch it is in.
+                backoff = min(backoff * 2, 5.0)
+                self._suspect = True
+                log.exception("ingress failed unexpectedly, retrying in %.1fs", backoff)
+                await anyio.sleep(backoff)
 
-    async def handle_batch(
-        self, entries: Sequence[StreamEntry], *, recovering: bool = False
-    ) -> None:
-        """Accept, route, assign or park, then acknowledge: a few round trips per batch."""
-        envelopes: list[Envelope] = []
-        for entry_id, fields in entries:
-            fallback_id = ulid_for_entry(self.keys.ingress, entry_id)
+    async def _handle(self, entries: Sequence[RawEntry], *, recovering: bool) -> None:
+        """A batch at once, or — after a batch failed unexpectedly — one entry at a time:
+        an entry that fails ``MAX_ENTRY_FAILURES`` times alone is REJECTED with the error
+        (dead-lettered, acknowledged), so no entry can stop the ingress for ever."""
+        if not self._suspect:
+            await self.handle_batch(entries, recovering=recovering)
+            return
+        for entry in entries:
             try:
-                envelopes.append(self._decode(fields, fallback_id))
-            except InvalidEnvelope as exc:
-                await self._reject(exc, fallback_id)
-        routed = await self._accept(envelopes, recovering)
+                await self.handle_batch([entry], recovering=True)
+            except (RedisUnavailable, ResponseError):
+                raise
+            except Exception as exc:
+                failures = self._failures[entry[0]] = self._failures.get(entry[0], 0) + 1
+                if failures < MAX_ENTRY_FAILURES:
+                    raise
+                await self._set_aside(entry, exc)
+            self._failures.pop(entry[0], None)
+        self._suspect = False
+
+    async def _set_aside(self, entry: RawEntry, exc: Exception) -> None:
+        entry_id, flat = entry
+        log.error("ingress entry %s failed %d times; rejected", entry_id, MAX_ENTRY_FAILURES)
+        reason = f"the dispatcher could not handle it: {type(exc).__name__}: {exc}"
+        name = entry_message_id(self.keys.ingress, entry_id, now_ms=now_ms()) or new_message_id()
+        raw = fields_as_bytes(zip(flat[::2], flat[1::2], strict=False))
+        await self.intake.reject([self.intake.rejection(entry_id, name, reason, raw)])
+        await self.intake.acknowledge([entry_id], [])
+
+    async def handle_batch(self, entries: Sequence[RawEntry], *, recovering: bool = False) -> None:
+        """Take in, accept, route, assign or park, then acknowledge: a few round trips per
+        batch, whatever the entries hold (:mod:`workers.intake`)."""
+        intaken = await self.intake.take(entries, recovering=recovering)
+        routed = await self._accept(intaken.envelopes, recovering)
         assigned = await self.assigner.assign(routed)
         if len(assigned) < len(routed):  # refused for want of a credit: now they wait
             taken = {r.message_id for r in assigned}
             self.waiting.note_waiting({r.capability for r in routed if r.message_id not in taken})
-        await ack(self.conn, self.keys.ingress, DISPATCH_GROUP, [e for e, _ in entries])
-
-    def _decode(self, fields: dict[str, bytes], fallback_id: str) -> Envelope:
-        raw = fields.get("envelope")
-        if raw is None:
-            readable = {k: v.decode(errors="replace") for k, v in fields.items()}
-            original = msgspec.json.encode(readable)
-            raise InvalidEnvelope("stream entry has no `envelope` field", original)
-        envelope = decode_envelope(
-            raw, max_bytes=self.settings.max_envelope_bytes, reply_prefix=self.keys.reply_prefix
-        )
-        if envelope.parent is not None:
-            raise InvalidEnvelope("invalid envelope: `parent` is set by the broker only", raw)
-        if envelope.callback_url is not None and (
-            problem := callback_problem(
-                envelope.callback_url, self.settings.callback_hosts, self.settings.webhook_secret
-            )
-        ):
-            raise InvalidEnvelope(problem, raw)
-        if envelope.id is None:
-            envelope = msgspec.structs.replace(envelope, id=fallback_id)
-        if envelope.mode == "broadcast" and (problem := id_problem(envelope.id or "")):
-            raise InvalidEnvelope(problem, raw)
-        return complete(envelope)
+        await self.intake.acknowledge([entry_id for entry_id, _ in entries], intaken.minted)
 
     async def _accept(self, envelopes: list[Envelope], recovering: bool) -> list[Routed]:
         """Route each envelope and create its record, ROUTED or WAITING (a broadcast: the
@@ -272,17 +280,15 @@ class Dispatcher:
         """Create the planned records (one round trip) and sort out what each needs next."""
         results = await self.store.accept_many([p.acceptance for p in plans])
         reaper_look = now + int(self.settings.delivery_timeout_s * 1000)
-        existing: list[str] = []
-        planned_children: dict[str, Envelope] = {}  # of those, planned as broadcast children
+        existing: list[tuple[str, Envelope]] = []
         for plan, result in zip(plans, results, strict=True):
             a = plan.acceptance
             if not result.created:
                 # A redelivery after a crash, or a producer's retry: not run again, but the
                 # index writes for the record's stage are re-applied (each is idempotent).
+                # Unless it is another request under a taken id (see _repair).
                 self.table.unreserve(a.instance)
-                existing.append(a.message_id)
-                if plan.envelope.parent is not None:
-                    planned_children[a.message_id] = plan.envelope
+                existing.append((a.message_id, plan.envelope))
                 continue
             if a.next_stage is Stage.REJECTED:
                 admitted.rejected.append((plan.envelope, a.reason))
@@ -301,7 +307,7 @@ class Dispatcher:
                     admitted.bindings.append((plan.envelope.session_id, a.instance))
             else:
                 admitted.to_park.append((a.capability, a.message_id, a.priority, now))
-        await self._repair(existing, admitted, planned_children)
+        await self._repair(existing, admitted)
 
     def _plan(
         self,
@@ -362,19 +368,42 @@ class Dispatcher:
         acceptance = _acceptance(envelope, now, deadline_ms, stage, reason, fields)
         return _Plan(acceptance, envelope, children)
 
-    async def _repair(
-        self,
-        message_ids: list[str],
-        admitted: _Admitted,
-        planned_children: Mapping[str, Envelope] | None = None,
-    ) -> None:
-        """Re-apply the index writes for each record's current stage (each is idempotent), in
-        a few round trips for the lot; a broadcast parent's children are planned again (the
-        missing ones get created, the others repaired in turn)."""
-        if not message_ids:
+    async def _repair(self, existing: list[tuple[str, Envelope]], admitted: _Admitted) -> None:
+        """Ids that name a message already: the same request gets the existing message — the
+        index writes for its stage re-applied (each is idempotent), in a few round trips for
+        the lot, a broadcast parent's children planned again (the missing ones get created);
+        another request under a taken id is refused, the first message untouched."""
+        if not existing:
             return
-        records = [r for r in await self.store.get_records(message_ids) if r is not None]
-        records = await self._foreign_children(records, planned_children or {})
+        ids = list(dict.fromkeys(message_id for message_id, _ in existing))
+        found = dict(zip(ids, await self.store.get_records(ids), strict=True))
+        records: dict[str, MessageRecord] = {}
+        for message_id, planned in existing:
+            record = found[message_id]
+            if record is None:
+                continue
+            if not self.intake.same_request(record, planned):
+                await self._refuse(record, planned)
+                continue
+            records[message_id] = record
+            await self.intake.tell_again(record, planned)
+        await self._reapply(list(records.values()), admitted)
+
+    async def _refuse(self, record: MessageRecord, planned: Envelope) -> None:
+        """Another request under ``record``'s id. A broadcast's child whose id a producer
+        had already used (``X.1`` before broadcast ``X``): that message is left alone, and
+        the child's slot on the parent ends REJECTED with the reason, so the parent does not
+        wait for it for ever. Anything else: REJECTED ``id_conflict`` (:mod:`workers.intake`)."""
+        if planned.parent is None:
+            await self.intake.conflict(record, planned)
+            return
+        reason = f"child id {record.id} already names another message"
+        await self.store.deliver(planned, Stage.REJECTED, None, reason, attempt=0)
+        log.warning("broadcast %s: %s", planned.parent, reason)
+
+    async def _reapply(self, records: list[MessageRecord], admitted: _Admitted) -> None:
+        if not records:
+            return
         # never later than a look already due (a delivery timeout, a lease): only sooner
         commands = [self.store.due_at_most_command(r.id, r.deadline_ms) for r in records]
         commands += self.store.park_commands(
@@ -403,24 +432,6 @@ class Dispatcher:
             if r.stage is Stage.REJECTED and r.reply_pending:  # a broadcast nobody could take
                 await self._reject_broadcast(load_envelope(r.envelope), r.error or "")
 
-    async def _foreign_children(
-        self, records: list[MessageRecord], children: Mapping[str, Envelope]
-    ) -> list[MessageRecord]:
-        """A child id a producer had already used for a message of its own (``X.1`` before
-        broadcast ``X``): that message is left alone, and the child's slot on the parent ends
-        REJECTED with the reason, so the parent does not wait for it forever. Returns the
-        records that are what they were planned to be."""
-        own: list[MessageRecord] = []
-        for record in records:
-            planned = children.get(record.id)
-            if planned is None or load_envelope(record.envelope).parent == planned.parent:
-                own.append(record)
-                continue
-            reason = f"child id {record.id} already names another message"
-            await self.store.deliver(planned, Stage.REJECTED, None, reason, attempt=0)
-            log.warning("broadcast %s: %s", planned.parent, reason)
-        return own
-
     async def _reject_broadcast(self, envelope: Envelope, reason: str) -> None:
         """A broadcast no instance could take: dead-lettered like every REJECTED envelope, its
         producer told (reply and webhook), then the record's ``reply_pending`` cleared."""
@@ -441,40 +452,6 @@ class Dispatcher:
             await self.conn.call("HDEL", self.keys.record(message_id), "reply_pending")
         log.info("broadcast %s rejected: %s", message_id, reason)
 
-    async def _reject(self, exc: InvalidEnvelope, fallback_id: str) -> None:
-        """Record REJECTED with the precise reason, dead-letter the original bytes, tell the
-        producer where it left a usable ``reply_to``."""
-        message_id = salvage_id(exc.raw) or fallback_id
-        reply_to = salvage_reply_to(exc.raw, self.keys.reply_prefix) or ""
-        result = await self.store.accept(
-            Acceptance(
-                message_id,
-                exc.raw,
-                capability="",
-                deadline_ms=0,
-                reply_to=reply_to,
-                priority=0,
-                next_stage=Stage.REJECTED,
-                accepted_ms=now_ms(),
-                reason=exc.reason,
-            )
-        )
-        reason = exc.reason if result.created else f"{exc.reason} (id already in use)"
-        await self.store.dead_letter(
-            Letter(
-                id=message_id,
-                stage=Stage.REJECTED.value,
-                reason=reason,
-                raw=exc.raw,
-                ts_ms=now_ms(),
-            )
-        )
-        if reply_to and result.created:
-            await self.store.send_reply(
-                reply_to, {"id": message_id, "stage": Stage.REJECTED.value, "error": reason}
-            )
-        log.info("message %s rejected: %s", message_id, reason)
-
     # -- waiting -----------------------------------------------------------------------------
 
     async def _drain_loop(self) -> None:
@@ -492,7 +469,7 @@ class Dispatcher:
                     next_sweep = anyio.current_time() + self.settings.sweep_interval_s
                     await self.refresh()
                     await self.claim_abandoned()
-                    waiting = await self.store.waiting_capabilities()
+                    waiting = await self._waiting_capabilities()
                     await self.waiting.reconsider_unmatched(waiting)
                     capabilities |= set(waiting)
                 await self.drain(capabilities)
@@ -501,6 +478,18 @@ class Dispatcher:
 
     async def drain(self, capabilities: Iterable[str]) -> int:
         return await self.waiting.drain(capabilities)
+
+    async def _waiting_capabilities(self) -> list[str]:
+        """The capabilities with waiting work; now and then the index is pruned of those
+        with none left, and so is this dispatcher's memory of them."""
+        waiting = await self.store.waiting_capabilities()
+        now = anyio.current_time()
+        if now < self._next_prune:
+            return waiting
+        self._next_prune = now + PRUNE_EVERY_S
+        dropped = set(await self.store.prune_waiting_index(waiting))
+        self.waiting.forget(dropped)
+        return [c for c in waiting if c not in dropped]
 
     def _drain_soon(self, capabilities: Iterable[str]) -> None:
         self._to_drain.update(capabilities)

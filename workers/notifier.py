@@ -1,11 +1,19 @@
 """The notifier: POSTs each ended message's result to its ``callback_url``, signed, with retries.
 
-Whoever ends a message adds an entry to ``P:outbox`` (:mod:`broker.results`): ``id``, ``url``,
-``body`` (the JSON the webhook receives), ``attempt``. Notifiers share the stream through the
-consumer group ``notify``. A POST carries ``X-Reach-Message-Id`` (receivers de-duplicate on
-it: delivery is at least once, DESIGN §3 invariant 7), ``X-Reach-Timestamp``,
-``X-Reach-Signature`` (:mod:`broker.webhooks`) and ``X-Reach-Delivery-Attempt``. Redirects are
-not followed: the allow-list names the hosts results may go to.
+Whoever ends a message adds an entry to ``P:outbox`` (:mod:`broker.results`): ``id``,
+``webhook_id``, ``url``, ``body`` (the JSON the webhook receives), ``attempt``. Notifiers share
+the stream through the consumer group ``notify``. A POST is signed as the Standard Webhooks
+specification says (:mod:`broker.webhooks`): ``webhook-id`` (the entry's ``webhook_id``, the
+message id for an entry written without one; the same on every retry, so receivers
+de-duplicate on it: delivery is at least once, DESIGN §3 invariant 7), ``webhook-timestamp``
+and ``webhook-signature``; the older ``X-Reach-Message-Id``, ``X-Reach-Timestamp``,
+``X-Reach-Signature`` and ``X-Reach-Delivery-Attempt`` are sent too, unsigned as a whole.
+
+Where a POST may go is checked twice: the URL's host against ``callback_hosts``
+(:func:`broker.webhooks.callback_problem`), then, at connect time, every address that host
+resolves to (:mod:`workers.egress`): a name on the list that leads to a loopback, private or
+otherwise internal address is refused unless the list covers that address too. Redirects are
+not followed. A refusal is final: the delivery is dead-lettered at once.
 
 Every delivery is one outbox entry, pending with exactly one notifier from the moment it is
 read until it is settled:
@@ -16,9 +24,11 @@ read until it is settled:
   left: in one ``MULTI`` a new entry (``attempt`` + 1, ``not_before_ms`` after an exponential
   back-off with jitter, ``last_error``) is added and the old one acknowledged and deleted, so
   the retry is as durable as the first attempt;
-- out of attempts, or the URL refused by this notifier's own settings (they may differ from the
-  dispatcher's): dead-lettered with reason ``callback_undeliverable``, then acknowledged and
-  deleted.
+- out of attempts, the URL refused by this notifier's own settings (they may differ from the
+  dispatcher's), or its host's addresses refused by the egress guard: dead-lettered with
+  reason ``callback_undeliverable``, then acknowledged and deleted;
+- an entry this notifier cannot read (a field missing, not UTF-8 — names included —, an
+  attempt that is not a positive number): dead-lettered the same way, with what is wrong.
 
 An entry whose ``not_before_ms`` is ahead is *held* — read, pending, not acknowledged — until
 then, without taking a delivery slot. The holder renews its claim on everything it holds
@@ -35,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -49,25 +60,19 @@ from redis.exceptions import ResponseError
 from adapters.http import retry_after_s
 from broker.connection import Connection, ensure_group
 from broker.deadletters import Letter, dead_letter_command
-from broker.errors import RedisUnavailable
+from broker.errors import ConfigError, RedisUnavailable
 from broker.keyspace import NOTIFY_GROUP
 from broker.retry import retry_delay_ms
 from broker.store import now_ms
-from broker.streams import GroupReader, StreamEntry, parse_entries
+from broker.streams import GroupReader, StreamEntry, field_bytes, parse_entries
 from broker.timeline import CALLBACK_DELIVERED, note_command
-from broker.webhooks import (
-    MESSAGE_ID_HEADER,
-    SIGNATURE_HEADER,
-    TIMESTAMP_HEADER,
-    callback_problem,
-    signature,
-)
+from broker.webhooks import Allowlist, Signer, callback_problem
 
 from .dispatcher import default_consumer_name
+from .egress import EgressRefused, guarded_client
 
 log = logging.getLogger("agent_reach.notifier")
 
-ATTEMPT_HEADER = "X-Reach-Delivery-Attempt"
 UNDELIVERABLE = "callback_undeliverable"
 CONCURRENCY = 64  # POSTs in flight at once; a held (waiting) entry takes no slot
 MAX_HELD = 10_000  # entries read and not yet settled; reading pauses beyond this
@@ -76,15 +81,19 @@ READ_BLOCK_MS = 1000
 CLAIM_BATCH = 256
 XCLAIM_CHUNK = 1000
 SETTLE_TIMEOUT_S = 10.0
+# ids go into headers as they are: visible ASCII only (no CR/LF, no space), bounded
+HEADER_SAFE = re.compile(r"[!-~]{1,512}")
+MAX_COUNT_DIGITS = 15  # an attempt or a time in ms; more is not a number we wrote
 
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
     """One outbox entry: the ``attempt``-th POST of ``body`` to ``url``, not before
-    ``not_before_ms`` (0: at once)."""
+    ``not_before_ms`` (0: at once), signed as ``webhook_id``."""
 
     entry_id: str
     message_id: str
+    webhook_id: str
     url: str
     body: bytes
     attempt: int
@@ -110,19 +119,75 @@ class _BodyStage(msgspec.Struct):
 
 
 def parse_delivery(entry_id: str, fields: dict[str, bytes]) -> Delivery | str:
-    """The delivery an outbox entry describes, or why it describes none."""
+    """The delivery an outbox entry describes, or why it describes none. Never raises,
+    whatever bytes the entry holds (anyone who can ``XADD`` can write one)."""
     try:
-        return Delivery(
-            entry_id=entry_id,
-            message_id=fields["id"].decode(),
-            url=fields["url"].decode(),
-            body=fields["body"],
-            attempt=int(fields.get("attempt") or 1),
-            not_before_ms=int(fields.get("not_before_ms") or 0),
-            last_error=fields.get("last_error", b"").decode(errors="replace"),
+        return _delivery(entry_id, fields)
+    except ValueError as exc:
+        return f"malformed outbox entry {entry_id}: {exc}"
+
+
+def _delivery(entry_id: str, fields: dict[str, bytes]) -> Delivery:
+    for name in fields:
+        if not _is_utf8(name):
+            raise ValueError(f"field name {_shown(field_bytes(name))} is not UTF-8")
+    message_id = _header_value(fields, "id")
+    return Delivery(
+        entry_id=entry_id,
+        message_id=message_id,
+        webhook_id=_header_value(fields, "webhook_id") if "webhook_id" in fields else message_id,
+        url=_text(fields, "url"),
+        body=_utf8(fields, "body"),
+        attempt=_count(fields, "attempt", default=1, least=1),
+        not_before_ms=_count(fields, "not_before_ms", default=0, least=0),
+        last_error=fields.get("last_error", b"").decode(errors="replace"),
+    )
+
+
+def _is_utf8(name: str) -> bool:
+    """Whether a field name came as UTF-8 (:func:`broker.streams.field_name` keeps other
+    bytes as surrogates, which do not encode)."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _utf8(fields: dict[str, bytes], name: str) -> bytes:
+    """A field that must be present and UTF-8 (a receiver's verification decodes the body)."""
+    _text(fields, name)
+    return fields[name]
+
+
+def _text(fields: dict[str, bytes], name: str) -> str:
+    if name not in fields:
+        raise ValueError(f"field {name!r} is missing")
+    try:
+        return fields[name].decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"field {name!r} is not UTF-8: {_shown(fields[name])}") from None
+
+
+def _header_value(fields: dict[str, bytes], name: str) -> str:
+    text = _text(fields, name)
+    if not HEADER_SAFE.fullmatch(text):
+        raise ValueError(
+            f"field {name!r} must be 1 to 512 visible ASCII characters: {_shown(fields[name])}"
         )
-    except (KeyError, ValueError) as exc:
-        return f"malformed outbox entry {entry_id}: {type(exc).__name__}: {exc}"
+    return text
+
+
+def _count(fields: dict[str, bytes], name: str, *, default: int, least: int) -> int:
+    raw = fields.get(name) or str(default).encode()
+    if not (raw.isdigit() and len(raw) <= MAX_COUNT_DIGITS and int(raw) >= least):
+        raise ValueError(f"field {name!r} must be a whole number from {least}: {_shown(raw)}")
+    return int(raw)
+
+
+def _shown(raw: bytes) -> str:
+    """``raw`` for an error message: its first 40 bytes."""
+    return repr(raw[:40]) + ("…" if len(raw) > 40 else "")
 
 
 def backoff_ms(
@@ -135,16 +200,6 @@ def backoff_ms(
     return min(cap_ms, spread)
 
 
-def signed_headers(secret: str, delivery: Delivery, timestamp: str) -> dict[str, str]:
-    return {
-        "Content-Type": "application/json",
-        MESSAGE_ID_HEADER: delivery.message_id,
-        TIMESTAMP_HEADER: timestamp,
-        SIGNATURE_HEADER: signature(secret, timestamp, delivery.body),
-        ATTEMPT_HEADER: str(delivery.attempt),
-    }
-
-
 class Notifier:
     def __init__(
         self, conn: Connection, *, consumer: str | None = None, rng: random.Random | None = None
@@ -154,6 +209,8 @@ class Notifier:
         self.settings = conn.settings
         self.consumer = consumer or default_consumer_name()
         self.rng = rng or random.Random()
+        self.allowlist = Allowlist.parse(self.settings.callback_hosts)
+        self.signer = _signer(self.settings.webhook_secret)
         self.handled: dict[str, int] = {}  # delivered / retried / dead-lettered, over its life
         self._limit = anyio.CapacityLimiter(CONCURRENCY)
         self._held: dict[str, anyio.CancelScope] = {}  # entry id -> its task's scope
@@ -168,11 +225,17 @@ class Notifier:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await ensure_group(self.conn, self.keys.outbox, NOTIFY_GROUP)
+        for entry in self.allowlist.unusable:
+            log.warning(
+                "callback_hosts entry %r is no host, host:port, IP address or network: it"
+                " allows nothing",
+                entry,
+            )
         timeout_s = self.settings.webhook_timeout_s
-        self._http = httpx.AsyncClient(
+        self._http = guarded_client(
+            self.allowlist,
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
             limits=httpx.Limits(max_connections=CONCURRENCY),
-            follow_redirects=False,
         )
         try:
             async with self.conn.reader() as reader, anyio.create_task_group() as tg:
@@ -346,22 +409,30 @@ class Notifier:
             await settle
 
     async def _attempt(self, delivery: Delivery) -> Attempt:
-        secret = self.settings.webhook_secret
-        problem = callback_problem(delivery.url, self.settings.callback_hosts, secret)
-        if problem or not secret:
+        signer = self.signer
+        problem = callback_problem(delivery.url, self.allowlist, signer.secret if signer else None)
+        if problem or not signer:
             return Attempt(False, problem or "no webhook_secret", posted=False, final=True)
         async with self._limit:
-            return await self._post(delivery, secret)
+            return await self._post(delivery, signer)
 
-    async def _post(self, delivery: Delivery, secret: str) -> Attempt:
+    async def _post(self, delivery: Delivery, signer: Signer) -> Attempt:
         assert self._http is not None
-        headers = signed_headers(secret, delivery, str(int(time.time())))
+        headers = signer.headers(
+            webhook_id=delivery.webhook_id,
+            message_id=delivery.message_id,
+            timestamp=int(time.time()),
+            body=delivery.body,
+            attempt=delivery.attempt,
+        )
         timeout_s = self.settings.webhook_timeout_s
         with anyio.move_on_after(timeout_s):  # in all: a receiver trickling bytes counts too
             try:
                 response = await self._http.post(
                     delivery.url, content=delivery.body, headers=headers
                 )
+            except EgressRefused as exc:  # nothing was sent, and nothing else would change
+                return Attempt(False, str(exc), posted=False, final=True)
             except httpx.ReadTimeout:
                 return Attempt(False, f"no answer within {timeout_s:g} s")
             except httpx.HTTPError as exc:
@@ -410,6 +481,7 @@ class Notifier:
         wait_ms = max(wait_ms, min(attempt.retry_after_ms, s.webhook_backoff_max_ms))
         fields: dict[str, Any] = {
             "id": delivery.message_id,
+            "webhook_id": delivery.webhook_id,
             "url": delivery.url,
             "body": delivery.body,
             "attempt": delivery.attempt + 1,
@@ -456,7 +528,9 @@ class Notifier:
     ) -> None:
         letter = Letter(
             id=fields.get("id", b"").decode(errors="replace"),
+            stage=_stage_of(fields.get("body", b"")),
             reason=UNDELIVERABLE,
+            raw=_entry_json(fields),
             url=fields.get("url", b"").decode(errors="replace"),
             attempts=0,
             error=problem,
@@ -494,6 +568,27 @@ class Notifier:
 
     def _count(self, action: str) -> None:
         self.handled[action] = self.handled.get(action, 0) + 1
+
+
+def _signer(secret: str | None) -> Signer | None:
+    """The signer of ``secret`` (``None``: webhooks are off). A ``whsec_`` secret that is not
+    base64 is refused when settings are built; settings made some other way meet it here."""
+    if not secret:
+        return None
+    try:
+        return Signer.from_secret(secret)
+    except ValueError as exc:
+        raise ConfigError("webhook_secret", str(exc)) from exc
+
+
+def _entry_json(fields: dict[str, bytes]) -> bytes:
+    """A malformed entry as JSON for its dead letter: every name and value as text, bytes
+    that are not UTF-8 shown as U+FFFD."""
+    readable = {
+        field_bytes(name).decode(errors="replace"): value.decode(errors="replace")
+        for name, value in fields.items()
+    }
+    return msgspec.json.encode(readable)
 
 
 def _flat(fields: dict[str, Any]) -> list[Any]:

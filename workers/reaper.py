@@ -43,6 +43,7 @@ from redis.exceptions import ResponseError
 from adapters.status import StatusClient
 from broker.broadcast import decode_children
 from broker.connection import Connection
+from broker.deadletters import Letter
 from broker.envelope import Envelope, load_envelope
 from broker.errors import RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
@@ -53,6 +54,7 @@ from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move, now_ms
 from broker.streams import parse_entries
 
+from .janitor import Janitor
 from .routing_table import RoutingTable, routing_policy
 from .waiting import WaitingRoom
 
@@ -63,6 +65,8 @@ CLAIM_BATCH = 200
 RESOLVE_CONCURRENCY = 32  # with 3 s status queries, a batch of 200 ends well inside its lease
 MAX_EXTENSIONS = 5  # "running" answers before the reaper treats the agent as not knowing
 PARKED_RECHECK_MS = 3_600_000
+MAX_JUDGE_ERRORS = 3  # unexpected errors resolving one message before it is ended DEAD
+JUDGE_ERROR_RETRY_MS = 2_000
 _AGENT_NOT_ASKED = (Stage.ROUTED, Stage.RECEIVED)
 _HOLDS_CREDIT = (Stage.ROUTED, Stage.RECEIVED, Stage.PROCESSING, Stage.CALLBACK_RECEIVED)
 
@@ -93,6 +97,8 @@ class Reaper:
         self.callback_timeout_ms = int(conn.settings.callback_timeout_s * 1000)
         self.handled: dict[str, int] = {}  # action -> count, over this reaper's life
         self._limit = anyio.CapacityLimiter(RESOLVE_CONCURRENCY)
+        self._errors: dict[str, int] = {}  # message id -> unexpected errors resolving it
+        self.janitor = Janitor(conn, self.store)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -115,13 +121,22 @@ class Reaper:
         while True:
             now = now_ms()
             ids = await self.store.claim_due(now, LEASE_MS, CLAIM_BATCH)
-            if not ids:
-                return total
             total += len(ids)
-            verdicts = await self._judge_all(ids, now)
-            await self.store.reschedule_due(now + LEASE_MS, verdicts)
+            if ids:
+                verdicts = await self._judge_all(ids, now)
+                await self.store.reschedule_due(now + LEASE_MS, verdicts)
             if len(ids) < CLAIM_BATCH:
-                return total
+                break
+        await self._sweep(now_ms())
+        return total
+
+    async def _sweep(self, now: int) -> None:
+        try:
+            await self.janitor.step(now)
+        except RedisUnavailable:
+            raise
+        except Exception:  # the sweep is housekeeping: it must never stop the reaping
+            log.exception("janitor step failed (the next tick goes on)")
 
     async def _judge_all(self, ids: list[str], now: int) -> list[tuple[str, int | None]]:
         """Resolve a leased batch concurrently: a slow status endpoint must not hold the rest
@@ -141,9 +156,51 @@ class Reaper:
         verdicts: list[tuple[str, int | None]],
     ) -> None:
         async with self._limit:
-            verdict = await self.resolve(message_id, record, now)
+            verdict = await self.resolve_guarded(message_id, record, now)
         self.handled[verdict.action] = self.handled.get(verdict.action, 0) + 1
         verdicts.append((message_id, verdict.next_due_ms))
+
+    async def resolve_guarded(
+        self, message_id: str, record: MessageRecord | None, now: int
+    ) -> Verdict:
+        """:meth:`resolve`, with one message's defect kept to that message: the others of the
+        batch are resolved all the same. A message that fails ``MAX_JUDGE_ERRORS`` times in
+        a row is ended DEAD with the error (dead-lettered, visible) rather than looked at for
+        ever."""
+        try:
+            verdict = await self.resolve(message_id, record, now)
+        except RedisUnavailable:
+            raise
+        except Exception as exc:
+            log.exception("message %s: could not be resolved", message_id)
+            failures = self._errors[message_id] = self._errors.get(message_id, 0) + 1
+            if failures >= MAX_JUDGE_ERRORS and record is not None:
+                del self._errors[message_id]
+                return await self._unresolvable(record, exc)
+            return Verdict("error", now + JUDGE_ERROR_RETRY_MS)
+        self._errors.pop(message_id, None)
+        return verdict
+
+    async def _unresolvable(self, record: MessageRecord, exc: Exception) -> Verdict:
+        """End a message the reaper cannot resolve (an unreadable record, say) as DEAD with
+        the error; nothing is sent to the agent, and the record's bytes go to the dead
+        letters as they are."""
+        error = f"the reaper could not resolve it: {type(exc).__name__}: {exc}"
+        moved = await self.store.apply(
+            self._fenced(record, Stage.DEAD, reason=error, fields={"error": error})
+        )
+        if moved.ok:
+            await self.store.dead_letter(
+                Letter(
+                    id=record.id,
+                    stage=Stage.DEAD.value,
+                    reason=error,
+                    raw=record.envelope,
+                    ts_ms=now_ms(),
+                )
+            )
+            return Verdict("dead: unresolvable", None)
+        return Verdict("raced", now_ms() + 1_000)
 
     async def dead_instances(self, now: int) -> int:
         """The work of instances that are down, at once (not at its delivery timeout): every
@@ -172,7 +229,7 @@ class Reaper:
             if record is None or record.instance != instance_id:
                 continue
             if record.stage in _AGENT_NOT_ASKED:
-                verdict = await self.resolve(message_id, record, now)
+                verdict = await self.resolve_guarded(message_id, record, now)
                 self.handled[verdict.action] = self.handled.get(verdict.action, 0) + 1
                 if verdict.next_due_ms is not None:
                     commands.append(self.store.due_command(message_id, verdict.next_due_ms))
@@ -183,9 +240,17 @@ class Reaper:
                 # finished, but the sidecar died before it returned the credit — and maybe
                 # before the reply left: send it (at least once; it carries the id)
                 await self._release(record)
-                await self._reply(record, record.stage, record.result, record.error)
+                await self._retell(record)
         await self.store.run_all(commands)
         return len(ids)
+
+    async def _retell(self, record: MessageRecord) -> None:
+        try:
+            await self._reply(record, record.stage, record.result, record.error)
+        except RedisUnavailable:
+            raise
+        except Exception:  # one unreadable record must not stop the take-over of the rest
+            log.exception("message %s: its ending could not be told again", record.id)
 
     async def _claim_pending(self, instance_id: str, now: int) -> int:
         """Entries a dead sidecar read and never acknowledged: claim, resolve, acknowledge."""

@@ -27,6 +27,7 @@ def routing_policy(settings: Settings) -> RoutingPolicy:
         cold_start_confidence=settings.cold_start_confidence,
         panic_threshold=settings.panic_threshold,
         down_after_ms=int(settings.down_after_s * 1000),
+        max_listed=settings.route_from_max_listed,
     )
 
 

@@ -130,6 +130,13 @@ class WaitingRoom:
             )
             self.note_waiting([capability])
 
+    def forget(self, capabilities: Iterable[str]) -> None:
+        """Capabilities with nothing waiting any more: what this room kept about them goes."""
+        for capability in capabilities:
+            self.backlogged.discard(capability)
+            self.rotation.forget(capability)
+            self._review_from.pop(capability, None)
+
     def note_waiting(self, capabilities: Iterable[str]) -> None:
         """Work of these capabilities now waits. Those without a free credit are backlogged;
         where credits are free, what waits could not use them (no instance matches its

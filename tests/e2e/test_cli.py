@@ -42,7 +42,7 @@ def test_every_command_has_help(argv: list[str]) -> None:
 
 def test_commands_that_talk_to_redis_take_a_redis_url() -> None:
     names = "up dispatcher reaper sidecar send trace agents stats demo"
-    names += " stuck replay resolve dlq cancel"
+    names += " stuck replay resolve dlq cancel acl"
     for name in names.split():
         assert "--redis URL" in CliRunner().invoke(main, [name, "--help"]).output, name
 

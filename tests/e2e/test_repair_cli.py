@@ -48,6 +48,11 @@ async def cli(settings: Settings, *argv: str, answer: str | None = None) -> tupl
         (["resolve", "01A", "--succeeded", "{}", "--failed", "x"], "give exactly one of"),
         (["resolve", "01A", "--succeeded", '{"a": '], "Invalid value for --succeeded: not JSON"),
         (["resolve", "01A", "--failed", " "], "Invalid value for --failed: give the reason"),
+        (
+            ["resolve", "01A", "--succeeded", "[" * 100 + "]" * 100],
+            "Invalid value for --succeeded: JSON nested 100 levels deep; at most 64 levels",
+        ),
+        (["resolve", "01A", "--succeeded", "[" * 100_000], "nested 100000 levels deep"),
         (["dlq", "--count", "0"], "0 is not in the range x>=1"),
     ],
 )

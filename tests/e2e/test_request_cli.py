@@ -6,12 +6,13 @@ import json
 from typing import Any
 
 import anyio
+import pytest
 from click.testing import CliRunner
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from broker.client import Client
-from broker.config import Settings
+from broker.config import Settings, answer_grace_s
 from broker.connection import Connection
 from broker.stages import Stage
 from broker.store import MessageStore
@@ -21,12 +22,15 @@ from tests.support.processes import AGENT_REACH, process_env
 from workers.cli import main
 
 
-async def request(settings: Settings, *argv: str) -> tuple[int, str, str]:
-    """``agent-reach request ARGV``: exit code, stdout, stderr."""
-    done = await anyio.run_process(
-        [AGENT_REACH, "request", *argv], env=process_env(settings), check=False
-    )
+async def cli(settings: Settings, *argv: str) -> tuple[int, str, str]:
+    """``agent-reach ARGV``: exit code, stdout, stderr."""
+    done = await anyio.run_process([AGENT_REACH, *argv], env=process_env(settings), check=False)
     return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+
+async def request(settings: Settings, *argv: str) -> tuple[int, str, str]:
+    """``agent-reach request ARGV``."""
+    return await cli(settings, "request", *argv)
 
 
 async def reply_streams(conn: Connection) -> list[bytes]:
@@ -72,15 +76,23 @@ async def test_request_exits_one_when_the_message_fails(
     assert agent.log.total == 1
 
 
-async def test_request_exits_three_with_the_id_when_no_result_comes_in_time(
-    conn: Connection, settings: Settings
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
+@pytest.mark.parametrize("verb", ["request", "send --wait"])
+async def test_exit_three_with_the_id_when_no_result_comes_by_the_deadline_and_grace(
+    conn: Connection, settings: Settings, verb: str
 ) -> None:
     # nothing serves text.nobody, and no reaper runs to end it at its deadline
     async with running_dispatcher(conn, reaper=False):
-        code, out, err = await request(settings, "text.nobody", "--timeout", "0.5")
+        started = anyio.current_time()
+        code, out, err = await cli(settings, *verb.split(), "text.nobody", "--timeout", "0.5")
+        took = anyio.current_time() - started
     assert code == 3, out + err
     pending = json.loads(out)
-    assert pending["stage"] == "PENDING" and "0.5" in pending["error"]
+    waited = 0.5 + answer_grace_s(settings)
+    assert pending["stage"] == "PENDING"
+    assert f"no result within {waited:g}s (the 0.5s deadline and" in pending["error"]
+    assert f"agent-reach trace {pending['id']}" in pending["error"]
+    assert took >= waited  # it waited past the deadline for the broker's answer
     store = MessageStore(conn)
 
     async def accepted() -> bool:  # the id names the message the dispatcher accepted
@@ -91,6 +103,27 @@ async def test_request_exits_three_with_the_id_when_no_result_comes_in_time(
     assert trace.record.capability == "text.nobody"
 
 
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
+@pytest.mark.parametrize("verb", ["request", "send --wait"])
+async def test_a_capability_nobody_serves_ends_expired_with_the_nearest_one(
+    conn: Connection, settings: Settings, verb: str
+) -> None:
+    """The message expires at its 1 s deadline, and the answer — not a local timeout — says
+    why, with what was probably meant."""
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("no.such-thing",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        code, out, err = await cli(settings, *verb.split(), "no.such", "--timeout", "1")
+    assert code == 1, out + err
+    result = json.loads(out)
+    assert result["stage"] == "EXPIRED"
+    assert "no_capability_match: no instance serves 'no.such'" in result["error"]
+    assert "nearest registered: no.such-thing" in result["error"]
+    assert agent.log.total == 0
+
+
 def test_request_refuses_a_payload_that_is_not_json() -> None:
     result = CliRunner().invoke(main, ["request", "text.echo", "--payload", '{"x": }'])
     assert result.exit_code == 2
@@ -99,4 +132,11 @@ def test_request_refuses_a_payload_that_is_not_json() -> None:
     assert result.exit_code == 2 and "domain.action" in result.output
     result = CliRunner().invoke(main, ["request", "text.echo", "--timeout", "-1"])
     assert result.exit_code == 2 and "--timeout" in result.output
+    result = CliRunner().invoke(main, ["send", "text.echo", "--wait", "--timeout", "0"])
+    assert result.exit_code == 2 and "--timeout" in result.output
+    deep = "[" * 100 + "]" * 100
+    for command in ("request", "send"):
+        result = CliRunner().invoke(main, [command, "text.echo", "--payload", deep])
+        assert result.exit_code == 2
+        assert "--payload: JSON nested 100 levels deep; at most 64" in result.output
     assert "--redis URL" in CliRunner().invoke(main, ["request", "--help"]).output

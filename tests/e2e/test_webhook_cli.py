@@ -1,5 +1,6 @@
 """Webhooks through the command line: ``agent-reach up`` runs the notifier, configured from
-the environment, and ``agent-reach send --callback-url`` asks for one."""
+the environment, and ``agent-reach send --callback-url`` asks for one; a receiver verifies the
+delivery with the README's snippet (the ``standardwebhooks`` library)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,21 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_the_readme_shows_the_verification_the_tests_run() -> None:
-    assert README_VERIFY in README.read_text(encoding="utf-8")
+    assert f"```python\n{README_VERIFY}```" in README.read_text(encoding="utf-8")
+
+
+async def test_a_whsec_secret_that_is_not_base64_stops_the_notifier_at_start(
+    settings: Settings,
+) -> None:
+    env = process_env(settings, AGENT_REACH_WEBHOOK_SECRET="whsec_not*base64")
+
+    with anyio.fail_after(30):
+        done = await anyio.run_process([AGENT_REACH, "notifier"], env=env, check=False)
+
+    assert done.returncode == 2
+    stderr = done.stderr.decode()
+    assert "config key 'webhook_secret': a whsec_ secret must be base64" in stderr
+    assert "not*base64" not in stderr
 
 
 async def test_send_callback_url_is_delivered_signed_by_up(
@@ -56,6 +71,7 @@ async def test_send_callback_url_is_delivered_signed_by_up(
 
     (hit,) = receiver.accepted
     assert hit.headers["x-reach-message-id"] == message_id
+    assert hit.headers["webhook-id"] == f"{message_id}.1"
     assert signature_ok(hit)
     assert json.loads(hit.body) == {
         "id": message_id,

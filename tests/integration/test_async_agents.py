@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
 import httpx
 import msgspec
 import pytest
 
+from adapters.callbacks import TOKEN_HEADER, CallbackTokens
 from adapters.http import HttpAsyncTransport
 from adapters.sidecar import Sidecar
 from broker.client import Client
@@ -21,7 +23,15 @@ from broker.envelope import Envelope
 from broker.records import MessageRecord
 from broker.stages import Stage
 from broker.store import MessageStore
-from tests.support.async_agents import AsyncAgent, async_agent
+from tests.support.async_agents import (
+    AsyncAgent,
+    async_agent,
+    raw_connection,
+    raw_post,
+    read_response,
+    read_until_closed,
+    status_of,
+)
 from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
 
 INSTANCE = "thinker-1"
@@ -140,7 +150,15 @@ async def test_a_callback_after_the_sync_timeout_is_delivered_not_dropped(
         await eventually(credit_returned, timeout_s=10)
 
 
-async def test_forged_token_is_refused_and_changes_nothing(conn: Connection) -> None:
+async def instance_tokens(conn: Connection) -> CallbackTokens:
+    """The tokens the sidecar hands out, from the instance key it keeps in Redis."""
+    return CallbackTokens(await conn.call("GET", conn.keys.callback_key(INSTANCE)))
+
+
+async def test_a_bad_token_is_401_whether_or_not_the_id_exists(conn: Connection) -> None:
+    """Nothing about an id is revealed to a caller without its token: the same 401 for a
+    forged token, an earlier form of forged token, another message's token and none at all,
+    on a known id and an unknown one alike; nothing changes."""
     async with (
         async_agent() as agent,
         running_dispatcher(conn),
@@ -149,16 +167,50 @@ async def test_forged_token_is_refused_and_changes_nothing(conn: Connection) -> 
         _, message_id = await submitted(conn, agent)
         before = await record_of(conn, message_id)
         timeline = await stages_of(conn, message_id)
+        known = agent.received[message_id].callback_url
+        unknown = known.rsplit("/", 1)[0] + "/no-such-id"
+        tokens = await instance_tokens(conn)
+        other = tokens.token("another-message", 1)
 
-        forged = await agent.call_back(message_id, {"result": "evil"}, token="0" * 64)
-        missing = await agent.client.post(agent.received[message_id].callback_url, json={})
+        answers = []
+        for url in (known, unknown):
+            for token in ("1." + "0" * 64, "0" * 64, other, tokens.token(message_id, 1)[:-1]):
+                response = await agent.client.post(
+                    url, json={"result": "evil"}, headers={TOKEN_HEADER: token}
+                )
+                answers.append((response.status_code, response.json()))
+            missing = await agent.client.post(url, json={"result": "evil"})
+            answers.append((missing.status_code, {}))
 
-        assert forged.status == 401
-        assert missing.status_code == 401
+        refused = {"error": "callback token does not match"}
+        assert answers == [(401, refused)] * 4 + [(401, {})] + [(401, refused)] * 4 + [(401, {})]
         after = await record_of(conn, message_id)
         assert after.stage is Stage.PROCESSING and after.result is None
         assert after.updated_ms == before.updated_ms
         assert await stages_of(conn, message_id) == timeline
+        # a good token for an id with no record: only now is "unknown" said
+        response = await agent.client.post(
+            unknown, json={"result": 1}, headers={TOKEN_HEADER: tokens.token("no-such-id", 1)}
+        )
+        assert response.status_code == 404
+
+
+async def test_a_token_of_the_earlier_bare_hex_form_still_settles(conn: Connection) -> None:
+    """Callbacks handed out before tokens carried their attempt still land."""
+    async with (
+        async_agent() as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent),
+    ):
+        reply_to, message_id = await submitted(conn, agent)
+        token = agent.received[message_id].token
+        assert token.startswith("1.")
+
+        answer = await agent.call_back(message_id, {"result": "old"}, token=token[2:])
+        replies = await collect_replies(conn, reply_to, 1)
+
+        assert answer.status == 200
+        assert replies[message_id].result == "old"
 
 
 async def test_a_duplicate_callback_is_recorded_once(conn: Connection) -> None:
@@ -203,9 +255,12 @@ async def test_unknown_id_is_404_bad_body_400_oversize_413(conn: Connection) -> 
         _, message_id = await submitted(conn, agent)
         taken = agent.received[message_id]
         base = taken.callback_url.rsplit("/", 1)[0]
-        headers = {"X-Reach-Callback-Token": taken.token}
+        headers = {TOKEN_HEADER: taken.token}
 
-        unknown = await agent.client.post(f"{base}/no-such-id", json={"result": 1}, headers=headers)
+        valid_for_unknown = {TOKEN_HEADER: (await instance_tokens(conn)).token("no-such-id", 1)}
+        unknown = await agent.client.post(
+            f"{base}/no-such-id", json={"result": 1}, headers=valid_for_unknown
+        )
         neither = await agent.client.post(taken.callback_url, json={"x": 1}, headers=headers)
         both = await agent.client.post(
             taken.callback_url, json={"result": 1, "error": "e"}, headers=headers
@@ -385,3 +440,125 @@ async def test_a_retry_to_the_same_instance_lets_go_of_the_old_attempt(conn: Con
             return await credits_in_use(conn) == 0
 
         await eventually(credit_returned, timeout_s=10)
+
+
+async def test_a_chunked_body_past_the_limit_is_413_and_changes_nothing(conn: Connection) -> None:
+    """2 MB in chunks, no Content-Length to refuse up front: the endpoint stops at the limit."""
+    async with (
+        clocks(conn, max_callback_bytes=1024) as conn,
+        async_agent() as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent),
+    ):
+        _, message_id = await submitted(conn, agent)
+        taken = agent.received[message_id]
+        before = await record_of(conn, message_id)
+
+        async def two_megabytes() -> AsyncIterator[bytes]:
+            yield b'{"result": "'
+            for _ in range(2048):
+                yield b"x" * 1024
+            yield b'"}'
+
+        response = await agent.client.post(
+            taken.callback_url, content=two_megabytes(), headers={TOKEN_HEADER: taken.token}
+        )
+
+        assert response.request.headers.get("transfer-encoding") == "chunked"
+        assert response.status_code == 413 and "1024-byte limit" in response.json()["error"]
+        after = await record_of(conn, message_id)
+        assert after.stage is Stage.PROCESSING and after.updated_ms == before.updated_ms
+        assert after.result is None
+
+
+async def test_a_lying_content_length_reads_no_further_than_declared(conn: Connection) -> None:
+    """Declared 16 bytes, sent 3000: the first 16 are the body (not JSON: 400); declared
+    past the limit, sent little: 413 before reading. The message stays as it was."""
+    async with (
+        clocks(conn, max_callback_bytes=1024) as conn,
+        async_agent() as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent),
+    ):
+        _, message_id = await submitted(conn, agent)
+        taken = agent.received[message_id]
+        body = b'{"result": "' + b"x" * 3000 + b'"}'
+
+        answers = []
+        for declared, sent in ((16, body), (10_000_000, b'{"result": 1}')):
+            async with raw_connection(taken.callback_url) as stream:
+                await stream.send(
+                    raw_post(taken.callback_url, taken.token, sent, content_length=declared)
+                )
+                answers.append(await read_until_closed(stream, timeout_s=10))
+
+        assert status_of(answers[0]) == 400 and b"not JSON" in answers[0]
+        assert status_of(answers[1]) == 413
+        assert (await record_of(conn, message_id)).stage is Stage.PROCESSING
+
+
+async def test_json_nested_too_deep_is_400_and_within_the_limit_is_taken(
+    conn: Connection,
+) -> None:
+    async with (
+        async_agent() as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent),
+    ):
+        reply_to, message_id = await submitted(conn, agent)
+        taken = agent.received[message_id]
+        headers = {TOKEN_HEADER: taken.token, "Content-Type": "application/json"}
+
+        def nested(depth: int) -> bytes:
+            return b'{"result": ' + b"[" * depth + b"1" + b"]" * depth + b"}"
+
+        deep = await agent.client.post(taken.callback_url, content=nested(100), headers=headers)
+        assert deep.status_code == 400
+        assert "nested 101 levels deep; at most 64" in deep.json()["error"]
+        assert (await record_of(conn, message_id)).stage is Stage.PROCESSING
+
+        fine = await agent.client.post(taken.callback_url, content=nested(60), headers=headers)
+        replies = await collect_replies(conn, reply_to, 1)
+
+        assert fine.status_code == 200
+        result: object = replies[message_id].result
+        for _ in range(60):
+            assert isinstance(result, list)
+            (result,) = result
+        assert result == 1
+
+
+async def test_a_connection_that_never_finishes_its_headers_is_closed(conn: Connection) -> None:
+    """Header timeout 1 s: half a request's headers, then silence — the sidecar closes the
+    connection, while callbacks on other connections go on; the same for the second request
+    on a kept-alive connection (uvicorn's keep-alive timer, 5 s, stops at its first byte)."""
+    async with (
+        clocks(conn, callback_header_timeout_s=1.0) as conn,
+        async_agent() as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent),
+    ):
+        reply_to, message_id = await submitted(conn, agent)
+        taken = agent.received[message_id]
+        half = raw_post(taken.callback_url, taken.token, b"", content_length=0).split(b"\r\n")[0]
+
+        async with raw_connection(taken.callback_url) as slow:
+            await slow.send(half + b"\r\nHost: 127")
+            opened = anyio.current_time()
+            answer = await agent.call_back(message_id, {"result": "meanwhile"})
+            closed_with = await read_until_closed(slow, timeout_s=10)
+            waited = anyio.current_time() - opened
+
+        assert closed_with == b""  # closed, not answered
+        assert 0.9 <= waited < 5
+        assert answer.status == 200
+        assert (await collect_replies(conn, reply_to, 1))[message_id].result == "meanwhile"
+
+        async with raw_connection(taken.callback_url) as kept:
+            first = raw_post(taken.callback_url, taken.token, b"{}", content_length=2)
+            await kept.send(first.replace(b"Connection: close", b"Connection: keep-alive"))
+            assert status_of(await read_response(kept, timeout_s=10)) == 400  # neither field
+            await kept.send(half)
+            sent_half = anyio.current_time()
+            assert await read_until_closed(kept, timeout_s=10) == b""
+            assert anyio.current_time() - sent_half < 4  # the header deadline, not keep-alive

@@ -121,10 +121,7 @@ async def test_a_raw_entry_handled_twice_is_one_message(conn: Connection) -> Non
             "XREADGROUP", "GROUP", "dispatch", "d1", "COUNT", 10, "STREAMS", conn.keys.ingress, ">"
         )
         ((entry_id, flat),) = reply[0][1]
-        entry = (
-            entry_id.decode(),
-            {"envelope": dict(zip(flat[::2], flat[1::2], strict=True))[b"envelope"]},
-        )
+        entry = (entry_id.decode(), flat)
         await Dispatcher(conn, consumer="d1").handle_batch([entry])  # first handling
         async with (
             running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),

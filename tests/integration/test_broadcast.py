@@ -277,7 +277,7 @@ async def test_a_dispatcher_stopped_mid_fan_out_creates_each_child_once(
         await first.refresh()
         parent = await client.submit(broadcast("cache.flush", reply_to))
         async with conn.reader() as reader:
-            entries = await reader.read(
+            entries = await reader.read_raw(
                 conn.keys.ingress, DISPATCH_GROUP, "d1", count=10, block_ms=1000
             )
         accept_many = first.store.accept_many

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
+import subprocess
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -24,9 +27,12 @@ from broker import (
     SyncClient,
     UnknownMessage,
 )
+from broker.client import reply_stream_owner
 from broker.config import Settings
 from broker.connection import Connection, open_connection
+from broker.embedded import RedisServer, free_port, server_info
 from broker.envelope import Envelope
+from broker.errors import RedisUnavailable
 from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.agents import Gate, http_agent
@@ -205,6 +211,33 @@ async def test_request_refuses_invalid_fields_before_submitting(conn: Connection
     assert int(await conn.call("XLEN", conn.keys.ingress)) == 0  # nothing was submitted
 
 
+@pytest.mark.parametrize(
+    ("url", "owner"),
+    [
+        ("redis://alice:pw@127.0.0.1:6379/0", "alice"),
+        ("rediss://svc.billing_2:pw@h/0?ssl_cert_reqs=none", "svc.billing_2"),
+        ("redis://:pw@127.0.0.1:6379/0", "client"),  # the default user: no name given
+        ("redis://127.0.0.1:6379/0", "client"),
+        ("redis://a%20b:pw@h/0", "client"),  # not a name a stream key can carry as it is
+        ("unix:///run/redis.sock", "client"),
+    ],
+)
+def test_reply_streams_are_named_after_the_redis_user(url: str, owner: str) -> None:
+    assert reply_stream_owner(url) == owner
+
+
+async def test_a_client_on_a_named_user_makes_its_reply_streams_under_that_name(
+    settings: Settings,
+) -> None:
+    assert settings.redis_url is not None
+    named = settings.redis_url.replace("redis://", "redis://default:any@")  # nopass accepts any
+    async with open_connection(settings, named) as conn, Client(conn) as client:
+        with pytest.raises(RequestTimeout):  # no dispatcher: only the stream's name matters
+            await client.request("text.echo", None, timeout=0.2, wait_s=0.2)
+        stream = client.reply_stream
+    assert stream is not None and stream.startswith(f"{settings.prefix}:reply:default-")
+
+
 T = TypeVar("T")
 
 
@@ -257,3 +290,69 @@ def test_sync_client_from_plain_code(settings: Settings) -> None:
         assert client.trace(late).record.capability == "text.nobody"
     with pytest.raises(ClientNotOpen):
         client.result(sent)
+
+
+# -- a client started while Redis loads its data ------------------------------------------
+
+LOADED_KEYS = 200_000
+
+
+def write_aof(path: Path, keys: int) -> None:
+    """An append-only file of ``keys`` SETs: what Redis replays at start-up."""
+    with path.open("wb") as aof:
+        aof.write(b"*2\r\n$6\r\nSELECT\r\n$1\r\n0\r\n")
+        for n in range(keys):
+            key = b"k%d" % n
+            aof.write(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$1\r\nv\r\n" % (len(key), key))
+
+
+@contextmanager
+def loading_redis(binary: Path, directory: Path, *, delay: int) -> Iterator[RedisServer]:
+    """A redis-server replaying a large AOF, yielded as soon as it answers: while it loads,
+    every command gets ``LOADING``. ``--key-load-delay`` (Redis' own test knob; negative:
+    pause once in -N keys) stretches the load to seconds whatever the machine."""
+    write_aof(directory / "appendonly.aof", LOADED_KEYS)
+    port = free_port()
+    args = [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory)]
+    args += ["--appendonly", "yes", "--save", "", "--key-load-delay", str(delay)]
+    args += ["--logfile", str(directory / "redis.log"), "--daemonize", "no"]
+    server = RedisServer(
+        subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL),
+        port,
+        directory,
+    )
+    try:
+        info = poll(lambda: server_info(port, "persistence"), timeout_s=10)
+        assert info["loading"] == "1", info  # the premise: it has not loaded yet
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_a_client_opened_while_redis_loads_its_data_waits_then_works(
+    settings: Settings, redis7_binary: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        loading_redis(redis7_binary, tmp_path, delay=-5) as server,
+        caplog.at_level(logging.WARNING, logger="agent_reach.connection"),
+    ):
+        loading = msgspec.structs.replace(settings, redis_url=server.url)
+        async with open_connection(loading, server.url) as conn:
+            assert int(await conn.call("DBSIZE")) == LOADED_KEYS  # all of it, not a part
+            sent = await Client(conn).submit(Envelope(capability="text.echo"))
+            assert int(await conn.call("XLEN", conn.keys.ingress)) == 1
+    assert sent
+    waits = [r.getMessage() for r in caplog.records if "loading its data" in r.getMessage()]
+    assert waits == [f"redis at {server.url} is loading its data; waiting up to 120 s"]
+
+
+async def test_a_redis_that_loads_for_too_long_is_unavailable_with_the_reason(
+    settings: Settings, redis7_binary: Path, tmp_path: Path
+) -> None:
+    with loading_redis(redis7_binary, tmp_path, delay=-2) as server:
+        loading = msgspec.structs.replace(settings, redis_url=server.url)
+        started = time.monotonic()
+        with pytest.raises(RedisUnavailable, match=r"still loading its data after 0\.3 s"):
+            async with open_connection(loading, server.url, loading_wait_s=0.3):
+                pass
+        assert time.monotonic() - started < 5  # bounded by the wait, not by the load

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 
 import msgspec
 
@@ -14,10 +15,12 @@ from broker.store import MessageStore
 from tests.support.agents import http_agent
 from tests.support.harness import (
     collect_replies,
+    dead_letters,
     eventually,
     running_dispatcher,
     running_sidecar,
 )
+from workers.intake import Intake
 
 
 def redis_cli(server: RedisServer, *args: str) -> str:
@@ -30,13 +33,6 @@ def redis_cli(server: RedisServer, *args: str) -> str:
         timeout=10,
     )
     return done.stdout.strip()
-
-
-async def dead_letters(conn: Connection) -> list[dict[str, bytes]]:
-    entries = await conn.call("XRANGE", conn.keys.dlq, "-", "+")
-    return [
-        {k.decode(): v for k, v in zip(flat[::2], flat[1::2], strict=True)} for _, flat in entries
-    ]
 
 
 async def test_raw_redis_cli_xadd_without_id_is_processed(
@@ -101,8 +97,8 @@ async def test_invalid_envelopes_are_rejected_with_a_reason_and_the_next_one_run
         record = await store.get_record(letter["id"].decode())
         assert record is not None and record.stage is Stage.REJECTED
         assert reason in (record.error or "")
-    assert letters[3]["reason"] == b"stream entry has no `envelope` field"
-    assert letters[3]["raw"] == b'{"nothing":"here"}'
+    assert letters[3]["reason"] == b"stream entry has no `envelope` field (its fields: 'nothing')"
+    assert letters[3]["raw"] == b'[["nothing","here"]]'  # every field, losslessly
     assert agent.log.total == 1
 
 
@@ -167,3 +163,59 @@ async def test_a_producer_cannot_pose_as_a_broadcast_child(conn: Connection) -> 
         await _until_dead_letter(conn)
     (letter,) = await dead_letters(conn)
     assert letter["reason"] == b"invalid envelope: `parent` is set by the broker only"
+
+
+async def test_an_entry_id_far_ahead_of_the_clock_poisons_no_message_id(conn: Connection) -> None:
+    reply_to = conn.keys.reply("far")
+    far = 1 << 50  # beyond what a ULID's time can hold
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        for n in (1, 2):
+            raw = msgspec.json.encode(
+                {"capability": "text.echo", "payload": n, "reply_to": reply_to}
+            )
+            entry_id = f"{far}-0" if n == 1 else "*"  # then Redis's own ids inherit that time
+            added = await conn.call("XADD", conn.keys.ingress, entry_id, "envelope", raw)
+            assert int(added.split(b"-")[0]) == far
+        results = await collect_replies(conn, reply_to, 2)
+
+    assert sorted(r.result["echo"] for r in results.values()) == [1, 2]
+    assert all(r.stage is Stage.SUCCEEDED for r in results.values())
+    now = time.time()
+    for message_id in results:  # minted from the dispatcher's clock, not the entry's
+        assert abs(decode_ulid_time(message_id) / 1000 - now) < 120
+
+    async def names_forgotten() -> bool:  # kept only until the entries were acknowledged
+        return not await conn.call("KEYS", f"{conn.keys.prefix}:e:*")
+
+    await eventually(names_forgotten)
+
+
+async def test_an_entry_handled_again_names_the_same_message(conn: Connection) -> None:
+    """A dispatcher restarted mid-batch handles its pending entries again: each names the
+    message it named the first time, whether its id was derived or minted."""
+    raw = msgspec.json.encode({"capability": "text.echo"})
+    await conn.call("XADD", conn.keys.ingress, f"{1 << 50}-0", "envelope", raw)  # ahead: minted
+    entries = await conn.call("XRANGE", conn.keys.ingress, "-", "+")
+    await conn.call("DEL", conn.keys.ingress)
+    await conn.call("XADD", conn.keys.ingress, "*", "envelope", raw)  # in the past: derived
+    entries += await conn.call("XRANGE", conn.keys.ingress, "-", "+")
+    batch = [(entry_id.decode(), flat) for entry_id, flat in entries]
+    intake = Intake(conn, MessageStore(conn))
+    first = await intake.take(batch, recovering=False)
+    again = await intake.take(batch, recovering=True)
+    assert [e.message_id for e in again.envelopes] == [e.message_id for e in first.envelopes]
+    assert len({e.message_id for e in first.envelopes}) == 2
+    assert len(first.minted) == 1 and again.minted == first.minted
+
+
+def decode_ulid_time(text: str) -> int:
+    """The milliseconds of a ULID (its first ten Crockford base32 characters)."""
+    alphabet = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+    value = 0
+    for char in text[:10]:
+        value = value * 32 + alphabet.index(char)
+    return value

@@ -1,7 +1,10 @@
-"""The notifier against real Redis and a real webhook receiver on loopback (issue 6, point 2).
+"""The notifier against real Redis and a real webhook receiver on loopback (issue 6, point 2;
+issue 11, point 5: Standard Webhooks signatures, the egress guard, no redirects, any bytes in
+the outbox).
 
 Deliveries are driven by outbox entries built by :func:`broker.results.delivery_commands`, as
-whoever ends a message builds them; one test runs a message end to end instead.
+whoever ends a message builds them; one test runs a message end to end instead. Receivers
+verify what they get with the README's snippet, through the ``standardwebhooks`` library.
 """
 
 from __future__ import annotations
@@ -9,10 +12,9 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import msgspec
@@ -23,7 +25,7 @@ from starlette.applications import Starlette
 from adapters.asgi import serve_app
 from broker.client import Client
 from broker.config import Settings
-from broker.connection import Connection, open_connection
+from broker.connection import Connection
 from broker.envelope import Envelope, complete
 from broker.keyspace import NOTIFY_GROUP
 from broker.results import delivery_commands
@@ -31,10 +33,24 @@ from broker.stages import Stage
 from broker.store import MessageStore, pairs
 from broker.timeline import CALLBACK_DELIVERED
 from tests.support.agents import http_agent
-from tests.support.harness import eventually, running_dispatcher, running_sidecar
+from tests.support.harness import (
+    connected,
+    eventually,
+    running_dispatcher,
+    running_notifier,
+    running_sidecar,
+)
 from tests.support.processes import process_env, start, stop
-from tests.support.webhooks import SECRET, Receiver, readme_verify, serving, signature_ok
-from workers.notifier import Notifier, backoff_ms
+from tests.support.webhooks import (
+    SECRET,
+    WHSEC_SECRET,
+    Receiver,
+    legacy_signature_ok,
+    readme_verify,
+    serving,
+    signature_ok,
+)
+from workers.notifier import backoff_ms
 
 # -- fixtures and helpers --------------------------------------------------------------------
 
@@ -52,30 +68,21 @@ def hook_settings(settings: Settings, **changes: Any) -> Settings:
     return msgspec.structs.replace(settings, **(base | changes))
 
 
-@asynccontextmanager
-async def connected(settings: Settings) -> AsyncIterator[Connection]:
-    assert settings.redis_url is not None
-    async with open_connection(settings, settings.redis_url) as conn:
-        yield conn
-
-
-@asynccontextmanager
-async def running_notifier(conn: Connection, name: str = "n1") -> AsyncIterator[Notifier]:
-    notifier = Notifier(conn, consumer=name)
-    async with anyio.create_task_group() as tg:
-        await tg.start(notifier.run)
-        yield notifier
-        tg.cancel_scope.cancel()
-
-
 async def ended_message(
-    conn: Connection, url: str, *, with_timeline: bool = True
+    conn: Connection,
+    url: str,
+    *,
+    with_timeline: bool = True,
+    attempt: int = 1,
+    message_id: str | None = None,
 ) -> tuple[str, bytes]:
-    """A message that SUCCEEDED with a callback_url: its timeline (expiring, like a terminal
-    record's) and the outbox entry, exactly as whoever ended it writes them. Returns its id
-    and the body the webhook should receive."""
+    """A message that SUCCEEDED (at ``attempt``) with a callback_url: its timeline (expiring,
+    like a terminal record's) and the outbox entry, exactly as whoever ended it writes them.
+    Returns its id and the body the webhook should receive."""
     envelope = complete(
-        Envelope(capability="text.echo", payload=msgspec.Raw(b"{}"), callback_url=url)
+        Envelope(
+            id=message_id, capability="text.echo", payload=msgspec.Raw(b"{}"), callback_url=url
+        )
     )
     message_id = envelope.message_id
     if with_timeline:
@@ -97,7 +104,7 @@ async def ended_message(
             ]
         )
     (command,) = delivery_commands(
-        conn.keys, envelope, Stage.SUCCEEDED, b'{"ok":true}', None, attempt=1
+        conn.keys, envelope, Stage.SUCCEEDED, b'{"ok":true}', None, attempt=attempt
     )
     await conn.call(*command)
     fields = dict(zip(command[3::2], command[4::2], strict=True))
@@ -173,9 +180,15 @@ async def test_receiver_failing_three_times_gets_the_fourth_signed(settings: Set
         "attempt": 1,
         "result": {"ok": True},
     }
-    # the same snippet refuses a body that was tampered with
-    stamp, sig = fourth.headers["x-reach-timestamp"], fourth.headers["x-reach-signature"]
-    assert not readme_verify()(SECRET.encode(), body + b" ", stamp, sig)
+    # one answer, one webhook-id, on every try
+    assert {h.headers["webhook-id"] for h in receiver.hits} == {f"{message_id}.1"}
+    # the README's verification refuses a tampered body, or a tampered id
+    verify = readme_verify()
+    assert verify(SECRET, body + b" ", fourth.headers) is None
+    assert verify(SECRET, body, fourth.headers | {"webhook-id": f"{message_id}.2"}) is None
+    # receivers written before Standard Webhooks still verify what they did
+    assert legacy_signature_ok(fourth)
+    assert fourth.headers["x-reach-timestamp"] == fourth.headers["webhook-timestamp"]
     # exponential back-off: wait n (from 0) lasts at least base·2^n, less the jitter
     gaps = [b.at - a.at for a, b in zip(receiver.hits, receiver.hits[1:], strict=False)]
     assert all(gap >= 0.8 * 0.050 * 2**n for n, gap in enumerate(gaps)), gaps
@@ -284,21 +297,236 @@ async def test_a_busy_receiver_s_retry_after_is_honoured(settings: Settings) -> 
     assert receiver.hits[1].at - receiver.hits[0].at >= 1.0
 
 
-async def test_a_malformed_outbox_entry_is_dead_lettered(settings: Settings) -> None:
+async def delivered_and_settled(conn: Connection, *receivers: Receiver) -> bool:
+    return all(r.accepted for r in receivers) and await outbox_settled(conn)
+
+
+# -- Standard Webhooks -----------------------------------------------------------------------
+
+
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
+@pytest.mark.parametrize("secret", [SECRET, WHSEC_SECRET], ids=["plain", "whsec"])
+async def test_a_standard_webhooks_receiver_verifies_every_try_under_one_id(
+    settings: Settings, secret: str
+) -> None:
+    receiver = Receiver(answers=[500, 503])
     with anyio.fail_after(30):
-        async with connected(hook_settings(settings)) as conn, running_notifier(conn):
-            await conn.call("XADD", conn.keys.outbox, "*", "id", "m-1", "attempt", "1")
+        async with connected(hook_settings(settings, webhook_secret=secret)) as conn:
+            async with serving(receiver) as url, running_notifier(conn):
+                message_id, body = await ended_message(conn, url)
+                await eventually(lambda: delivered_and_settled(conn, receiver), timeout_s=20)
 
-            async def dead() -> bool:
-                return bool(await dead_letters(conn))
+    verify = readme_verify()
+    assert [h.status for h in receiver.hits] == [500, 503, 200]
+    assert [h.headers["webhook-id"] for h in receiver.hits] == [f"{message_id}.1"] * 3
+    assert [verify(secret, h.body, h.headers) for h in receiver.hits] == [
+        msgspec.json.decode(body)
+    ] * 3
+    last = receiver.hits[-1]
+    assert verify(secret, body.replace(b"SUCCEEDED", b"FAILED"), last.headers) is None
+    assert verify(secret, body, last.headers | {"webhook-id": "someone-else.1"}) is None
+    assert verify(WHSEC_SECRET if secret == SECRET else SECRET, body, last.headers) is None
 
-            await eventually(dead, timeout_s=10)
-            await eventually(lambda: outbox_settled(conn), timeout_s=5)
+
+async def test_an_answer_after_a_replay_has_a_new_webhook_id(settings: Settings) -> None:
+    receiver = Receiver()
+    with anyio.fail_after(30):
+        async with connected(hook_settings(settings)) as conn:
+            async with serving(receiver) as url, running_notifier(conn):
+                message_id, _ = await ended_message(conn, url)
+                # replayed by an operator, it ends again under its next attempt
+                await ended_message(conn, url, attempt=2, message_id=message_id)
+
+                async def both() -> bool:
+                    return len(receiver.accepted) == 2 and await outbox_settled(conn)
+
+                await eventually(both, timeout_s=20)
+
+    assert sorted(h.headers["webhook-id"] for h in receiver.hits) == [
+        f"{message_id}.1",
+        f"{message_id}.2",
+    ]
+    assert all(signature_ok(h) for h in receiver.hits)
+
+
+async def test_an_entry_without_a_webhook_id_is_signed_under_its_message_id(
+    settings: Settings,
+) -> None:
+    receiver = Receiver()
+    with anyio.fail_after(30):
+        async with connected(hook_settings(settings)) as conn:
+            async with serving(receiver) as url, running_notifier(conn):
+                # as a broker that predates `webhook_id` wrote it
+                body = b'{"id":"m-old","stage":"SUCCEEDED","attempt":1}'
+                fields = ("id", "m-old", "url", url, "body", body, "attempt", 1)
+                await conn.call("XADD", conn.keys.outbox, "*", *fields)
+                await eventually(lambda: delivered_and_settled(conn, receiver), timeout_s=10)
+
+    (hit,) = receiver.hits
+    assert hit.headers["webhook-id"] == "m-old"
+    assert signature_ok(hit)
+
+
+# -- where a delivery may go -----------------------------------------------------------------
+
+
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
+@pytest.mark.parametrize(
+    ("hosts", "delivered"),
+    [(["localhost"], False), (["localhost", "127.0.0.0/8"], True)],
+    ids=["the-name-only", "and-its-network"],
+)
+async def test_a_name_that_resolves_to_loopback_needs_its_address_allowed_too(
+    settings: Settings, hosts: list[str], delivered: bool
+) -> None:
+    receiver = Receiver()
+    with anyio.fail_after(30):
+        async with connected(hook_settings(settings, callback_hosts=hosts)) as conn:
+            async with serving(receiver) as url, running_notifier(conn) as notifier:
+                by_name = url.replace("//127.0.0.1:", "//localhost:")
+                message_id, _ = await ended_message(conn, by_name)
+
+                async def ended() -> bool:
+                    return bool(notifier.handled) and await outbox_settled(conn)
+
+                await eventually(ended, timeout_s=10)
+            letters = await dead_letters(conn)
+            timeline = await events(conn, message_id)
+
+    if delivered:
+        (hit,) = receiver.hits
+        assert signature_ok(hit)
+        assert notifier.handled == {"delivered": 1}
+        assert letters == []
+        return
+    assert receiver.hits == []
+    assert notifier.handled == {"dead-lettered": 1}  # at once: a refusal is not retried
+    (letter,) = letters
+    assert letter[b"id"].decode() == message_id
+    assert letter[b"reason"] == b"callback_undeliverable"
+    assert letter[b"url"].decode() == by_name
+    assert letter[b"attempts"] == b"0"
+    assert letter[b"error"].decode() == (
+        f"refused to connect to localhost:{urlsplit(by_name).port}: 127.0.0.1 is a loopback"
+        " address and no callback_hosts entry covers it (to allow it, add 127.0.0.1 or"
+        " 127.0.0.0/8 to callback_hosts)"
+    )
+    assert CALLBACK_DELIVERED not in timeline
+
+
+async def test_a_redirect_is_never_followed(settings: Settings) -> None:
+    elsewhere = Receiver()
+    with anyio.fail_after(30):
+        async with serving(elsewhere) as other_url:
+            redirecting = Receiver(answers=[307, 307, 307], location=other_url)
+            changes = {"webhook_attempts": 3}
+            async with (
+                connected(hook_settings(settings, **changes)) as conn,
+                serving(redirecting) as url,
+                running_notifier(conn),
+            ):
+                message_id, _ = await ended_message(conn, url)
+
+                async def dead() -> bool:
+                    return bool(await dead_letters(conn)) and await outbox_settled(conn)
+
+                await eventually(dead, timeout_s=20)
+                (letter,) = await dead_letters(conn)
+
+    assert elsewhere.hits == []  # allowed, and still never reached through a redirect
+    assert [h.status for h in redirecting.hits] == [307, 307, 307]
+    assert letter[b"id"].decode() == message_id
+    assert letter[b"error"] == b"answered 307"
+    assert letter[b"attempts"] == b"3"
+
+
+# -- outbox entries with any bytes -----------------------------------------------------------
+
+URL_MARK = b"<url>"  # replaced by the live receiver's URL: a wrongly accepted entry would POST
+GOOD: dict[bytes, bytes] = {
+    b"id": b"m-bad",
+    b"webhook_id": b"m-bad.1",
+    b"url": URL_MARK,
+    b"body": b'{"id":"m-bad","stage":"SUCCEEDED","attempt":1}',
+    b"attempt": b"1",
+}
+
+
+def but(**changes: bytes | None) -> dict[bytes, bytes]:
+    """The good entry's fields with some changed (``None``: left out)."""
+    fields = dict(GOOD)
+    for name, value in changes.items():
+        if value is None:
+            fields.pop(name.encode())
+        else:
+            fields[name.encode()] = value
+    return fields
+
+
+MALFORMED: dict[str, tuple[dict[bytes, bytes], str]] = {
+    "no-id": (but(id=None), "field 'id' is missing"),
+    "no-url": (but(url=None), "field 'url' is missing"),
+    "no-body": (but(body=None), "field 'body' is missing"),
+    "only-other-fields": ({b"x": b"y"}, "field 'id' is missing"),
+    "id-not-utf8": (but(id=b"m-\xff\xfe"), "field 'id' is not UTF-8"),
+    "url-not-utf8": (but(url=b"http://127.0.0.1/\xff"), "field 'url' is not UTF-8"),
+    "body-not-utf8": (but(body=b'{"x":"\xc3"}'), "field 'body' is not UTF-8"),
+    "webhook-id-not-utf8": (but(webhook_id=b"\x80"), "field 'webhook_id' is not UTF-8"),
+    "webhook-id-splits-headers": (
+        but(webhook_id=b"m-bad.1\r\nX-Injected: 1"),
+        "field 'webhook_id' must be 1 to 512 visible ASCII characters",
+    ),
+    "id-with-a-space": (but(id=b"m bad"), "field 'id' must be 1 to 512 visible ASCII"),
+    "id-empty-after-all": (but(id=b""), "field 'id' must be 1 to 512 visible ASCII"),
+    "attempt-in-words": (but(attempt=b"two"), "field 'attempt' must be a whole number from 1"),
+    "attempt-zero": (but(attempt=b"0"), "field 'attempt' must be a whole number from 1"),
+    "attempt-negative": (but(attempt=b"-1"), "field 'attempt' must be a whole number from 1"),
+    "attempt-huge": (but(attempt=b"9" * 40), "field 'attempt' must be a whole number from 1"),
+    "attempt-not-utf8": (but(attempt=b"\xff"), "field 'attempt' must be a whole number"),
+    "not-before-in-words": (
+        but(not_before_ms=b"soon"),
+        "field 'not_before_ms' must be a whole number from 0",
+    ),
+    "field-name-not-utf8": (
+        {**GOOD, b"\xffid": b"m-bad"},
+        "field name b'\\xffid' is not UTF-8",
+    ),
+}
+
+
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
+@pytest.mark.parametrize("case", list(MALFORMED))
+async def test_a_malformed_outbox_entry_is_dead_lettered_and_the_next_delivered(
+    settings: Settings, case: str
+) -> None:
+    fields, says = MALFORMED[case]
+    receiver = Receiver()
+    with anyio.fail_after(30):
+        async with connected(hook_settings(settings)) as conn:
+            async with serving(receiver) as url, running_notifier(conn) as notifier:
+                flat = [v for pair in fields.items() for v in pair]
+                flat = [url.encode() if v == URL_MARK else v for v in flat]
+                bad = (await conn.call("XADD", conn.keys.outbox, "*", *flat)).decode()
+                message_id, _ = await ended_message(conn, url)
+
+                async def both_ended() -> bool:
+                    return len(await dead_letters(conn)) == 1 and await delivered_and_settled(
+                        conn, receiver
+                    )
+
+                await eventually(both_ended, timeout_s=10)
             (letter,) = await dead_letters(conn)
 
-    assert letter[b"id"] == b"m-1"
+    (hit,) = receiver.hits  # the good one, and only it
+    assert hit.headers["webhook-id"] == f"{message_id}.1"
+    assert notifier.handled == {"dead-lettered": 1, "delivered": 1}
     assert letter[b"reason"] == b"callback_undeliverable"
-    assert letter[b"error"].startswith(b"malformed outbox entry")
+    error = letter[b"error"].decode()
+    assert error.startswith(f"malformed outbox entry {bad}: "), error
+    assert says in error, error
+    assert letter[b"source"].decode() == f"{conn.keys.outbox} {bad}"
+    assert letter[b"attempts"] == b"0"
+    assert msgspec.json.decode(letter[b"raw"])  # what the entry held, for a person to read
 
 
 @pytest.mark.anyio  # parametrized: the marker must be there before collection ends

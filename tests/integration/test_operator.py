@@ -60,10 +60,11 @@ async def test_replay_of_a_needs_confirmation_message_runs_it_again_to_success(
     assert pair.agent.log.calls[message_id] == 2
     first, second = pair.agent.log.headers
     assert first["x-reach-idempotency-key"] == second["x-reach-idempotency-key"] == message_id
-    assert (first["x-reach-attempt"], second["x-reach-attempt"]) == ("1", "2")
+    # the replay is attempt 2 (the answer it leads to is a new one); its delivery attempt 3
+    assert (first["x-reach-attempt"], second["x-reach-attempt"]) == ("1", "3")
     timeline = await MessageStore(conn).get_timeline(message_id)
     replayed = next(e for e in timeline if e.reason == "replayed by alice")
-    assert replayed.stage is Stage.WAITING and replayed.attempt == 1  # the drain adds one
+    assert replayed.stage is Stage.WAITING and replayed.attempt == 2  # the replay is one
 
 
 async def test_replay_from_the_dead_letter_stream_runs_the_dead_and_notes_the_rejected(
@@ -98,7 +99,7 @@ async def test_replay_from_the_dead_letter_stream_runs_the_dead_and_notes_the_re
     assert any("an invalid envelope cannot be replayed" in s for s in skipped), skipped
     assert "x was dead-lettered for reply_undeliverable: WRONGTYPE: not DEAD" in skipped[0]
     record = await MessageStore(conn).get_record(dead)
-    assert record is not None and record.attempt == 2 and record.error in ("", None)
+    assert record is not None and record.attempt == 3 and record.error in ("", None)
     again = await operator.plan_dlq_replay()
     assert not again.records
     assert f"{dead} is no longer DEAD (now SUCCEEDED), not replayed" in [
@@ -133,13 +134,37 @@ async def test_replay_brings_an_ended_message_back_without_its_expiry(conn: Conn
     assert int(await conn.call("TTL", conn.keys.record(failed))) > 0  # ended: it expires
     before = await MessageStore(conn).get_record(failed)
     assert before is not None and before.error == "agent answered 500"
-    (action,) = await Operator(conn).replay(await Operator(conn).plan_replay([failed]), by="ida")
+    operator = Operator(conn)
+    plan = await operator.plan_replay([failed], include_ended=True)
+    (action,) = await operator.replay(plan, by="ida")
     assert action.done and action.detail == f"{failed} (was FAILED)"
     record = await MessageStore(conn).get_record(failed)
     assert record is not None and record.stage is Stage.WAITING and record.error == ""
+    assert record.attempt == before.attempt + 1  # a new attempt: another answer
     assert int(await conn.call("TTL", conn.keys.record(failed))) == -1  # lives until it ends
     assert int(await conn.call("TTL", conn.keys.timeline(failed))) == -1
     assert await last_reason(conn, failed) == "replayed by ida"
+
+
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
+@pytest.mark.parametrize("stage", [Stage.FAILED, Stage.EXPIRED, Stage.CANCELLED])
+async def test_an_ended_message_is_replayed_only_when_asked_and_its_producer_told(
+    conn: Connection, stage: Stage
+) -> None:
+    reply_to = conn.keys.reply("ended")
+    ended = await record_in(conn, stage, reply_to=reply_to, reason="it ended")
+    operator = Operator(conn)
+    (refused,) = (await operator.plan_replay([ended])).refused
+    assert not refused.done and "--include-ended" in refused.detail
+    assert await stage_of(conn, ended) is stage  # untouched
+    (action,) = await operator.replay(
+        await operator.plan_replay([ended], include_ended=True), by="ida"
+    )
+    assert action.done
+    entries = await conn.call("XRANGE", reply_to, "-", "+")
+    fields = {k.decode(): v for k, v in zip(entries[-1][1][::2], entries[-1][1][1::2], strict=True)}
+    assert fields["notice"] == b"replayed" and fields["id"] == ended.encode()
+    assert b"a new answer follows" in fields["error"]
 
 
 async def test_resolve_closes_by_hand_tells_the_producer_and_records_who(

@@ -13,7 +13,12 @@ from broker.registry import Registry
 from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.agents import http_agent
-from tests.support.harness import collect_replies, running_dispatcher, running_sidecar
+from tests.support.harness import (
+    collect_replies,
+    dead_letters,
+    running_dispatcher,
+    running_sidecar,
+)
 
 HAPPY_PATH = [Stage.ACCEPTED, Stage.ROUTED, Stage.RECEIVED, Stage.PROCESSING, Stage.SUCCEEDED]
 
@@ -104,23 +109,52 @@ async def test_same_id_submitted_twice_executes_once(conn: Connection) -> None:
     client = Client(conn)
     reply_to = client.new_reply_stream()
     first = msgspec.structs.replace(echo(1, reply_to), id="order-42")
-    second = msgspec.structs.replace(echo(2, reply_to), id="order-42")
     async with (
         http_agent("a") as agent,
         running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
         running_dispatcher(conn),
     ):
         await client.submit(first)
-        await client.submit(second)
+        await client.submit(first)  # a producer's retry: the same request
         results = await collect_replies(conn, reply_to, 1)
-        # a third, later repeat is also ignored once the first has finished
-        await client.submit(second)
+        # a later retry from another client (another reply stream) gets the same answer
+        elsewhere = client.new_reply_stream()
+        await client.submit(msgspec.structs.replace(first, reply_to=elsewhere))
+        again = await collect_replies(conn, elsewhere, 1)
         marker = await client.submit(echo(3, reply_to))
         results = await collect_replies(conn, reply_to, 2)
 
     assert set(results) == {"order-42", marker}
     assert agent.log.calls["order-42"] == 1
-    assert results["order-42"].result["echo"] == {"n": 1}  # the first acceptance won
+    assert results["order-42"].result["echo"] == {"n": 1}
+    assert again["order-42"] == results["order-42"]
+
+
+async def test_another_request_under_a_taken_id_is_refused_and_the_first_untouched(
+    conn: Connection,
+) -> None:
+    client = Client(conn)
+    reply_to, squatter = client.new_reply_stream(), client.new_reply_stream()
+    first = msgspec.structs.replace(echo(1, reply_to), id="order-43")
+    second = msgspec.structs.replace(echo(2, squatter), id="order-43")
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        await client.submit(first)
+        results = await collect_replies(conn, reply_to, 1)
+        await client.submit(second)  # after it ended
+        refused = await collect_replies(conn, squatter, 1)
+
+    assert results["order-43"].result["echo"] == {"n": 1}
+    assert refused["order-43"].stage is Stage.REJECTED
+    assert (refused["order-43"].error or "").startswith("id_conflict: id order-43")
+    assert agent.log.calls["order-43"] == 1
+    record = await MessageStore(conn).get_record("order-43")
+    assert record is not None and record.stage is Stage.SUCCEEDED  # the first, untouched
+    (letter,) = [e for e in await dead_letters(conn) if e["id"] == b"order-43"]
+    assert letter["reason"].startswith(b"id_conflict") and b'"n":2' in letter["raw"]
 
 
 async def test_timeline_records_instance_attempt_and_time(conn: Connection) -> None:

@@ -27,6 +27,7 @@ Behaviour = Callable[[dict[str, Any], Request], Awaitable[Response | None]]
 class AgentLog:
     calls: Counter[str] = field(default_factory=Counter)
     headers: list[dict[str, str]] = field(default_factory=list)
+    raw_headers: list[list[tuple[bytes, bytes]]] = field(default_factory=list)  # as sent
     concurrent: int = 0
     peak_concurrent: int = 0
 
@@ -47,6 +48,7 @@ def _app(name: str, log: AgentLog, delay_s: float, behaviour: Behaviour | None) 
         message_id = request.headers.get("x-reach-message-id", "")
         log.calls[message_id] += 1
         log.headers.append(dict(request.headers))
+        log.raw_headers.append(list(request.headers.raw))
         log.concurrent += 1
         log.peak_concurrent = max(log.peak_concurrent, log.concurrent)
         try:

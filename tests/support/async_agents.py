@@ -1,5 +1,7 @@
 """A real async agent on loopback: it answers 202, works, and POSTs its result to the
-callback URL it was given; it also answers status queries (``GET /status/<id>``)."""
+callback URL it was given; it also answers status queries (``GET /status/<id>``). And a raw
+HTTP client, for what a well-behaved one cannot send (a lying ``Content-Length``, half a
+request's headers)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any, Literal
 
 import anyio
 import httpx
-from anyio.abc import TaskGroup
+from anyio.abc import SocketStream, TaskGroup
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -112,3 +114,60 @@ async def async_agent(
         finally:
             tg.cancel_scope.cancel()
             await agent.client.aclose()
+
+
+@asynccontextmanager
+async def raw_connection(url: str) -> AsyncIterator[SocketStream]:
+    """A plain TCP connection to the host and port of ``url``."""
+    parsed = httpx.URL(url)
+    assert parsed.port is not None
+    async with await anyio.connect_tcp(parsed.host, parsed.port) as stream:
+        yield stream
+
+
+async def read_until_closed(stream: SocketStream, *, timeout_s: float) -> bytes:
+    """Everything the server sends until it closes the connection; fails after
+    ``timeout_s`` if it does not."""
+    received = b""
+    with anyio.fail_after(timeout_s):
+        while True:
+            try:
+                received += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                return received
+
+
+async def read_response(stream: SocketStream, *, timeout_s: float) -> bytes:
+    """One whole response (head and ``Content-Length`` body) from a kept-alive connection."""
+    received = b""
+    with anyio.fail_after(timeout_s):
+        while b"\r\n\r\n" not in received:
+            received += await stream.receive()
+        head, _, body = received.partition(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        while len(body) < length:
+            body += await stream.receive()
+    return head + b"\r\n\r\n" + body
+
+
+def raw_post(url: str, token: str, body: bytes, *, content_length: int) -> bytes:
+    """A POST to ``url`` declaring ``content_length``, whatever ``body``'s real length."""
+    target = httpx.URL(url)
+    head = (
+        f"POST {target.raw_path.decode()} HTTP/1.1\r\n"
+        f"Host: {target.host}:{target.port}\r\n"
+        f"X-Reach-Callback-Token: {token}\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {content_length}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def status_of(response: bytes) -> int:
+    """The status code of the first response in raw bytes."""
+    return int(response.split(b" ", 2)[1])

@@ -11,10 +11,29 @@ from adapters.http import HttpTransport
 from adapters.sidecar import Sidecar
 from adapters.transport import Transport
 from broker.client import Result, result_from_fields
-from broker.connection import Connection
+from broker.config import Settings
+from broker.connection import Connection, open_connection
 from broker.records import InstanceCard
 from workers.dispatcher import Dispatcher
+from workers.notifier import Notifier
 from workers.reaper import Reaper
+
+
+@asynccontextmanager
+async def connected(settings: Settings) -> AsyncIterator[Connection]:
+    """A connection for ``settings`` (another user, another prefix, other settings)."""
+    assert settings.redis_url is not None
+    async with open_connection(settings, settings.redis_url) as conn:
+        yield conn
+
+
+@asynccontextmanager
+async def running_notifier(conn: Connection, name: str = "n1") -> AsyncIterator[Notifier]:
+    notifier = Notifier(conn, consumer=name)
+    async with anyio.create_task_group() as tg:
+        await tg.start(notifier.run)
+        yield notifier
+        tg.cancel_scope.cancel()
 
 
 @asynccontextmanager
@@ -104,7 +123,8 @@ async def eventually(
 async def collect_replies(
     conn: Connection, reply_to: str, count: int, *, timeout_s: float = 60.0
 ) -> dict[str, Result]:
-    """Read a reply stream until ``count`` distinct message ids have answered."""
+    """Read a reply stream until ``count`` distinct message ids have answered (notices,
+    which are no answer, are passed over)."""
     results: dict[str, Result] = {}
     last = "0"
     async with conn.reader() as reader:
@@ -112,6 +132,16 @@ async def collect_replies(
             while len(results) < count:
                 for entry_id, fields in await reader.read_stream(reply_to, last, block_ms=500):
                     last = entry_id
+                    if "notice" in fields:  # not an outcome (deadline passed, replayed)
+                        continue
                     result = result_from_fields(fields)
                     results[result.id] = result
     return results
+
+
+async def dead_letters(conn: Connection) -> list[dict[str, bytes]]:
+    """Every entry of the dead-letter stream, oldest first, as field -> value."""
+    entries = await conn.call("XRANGE", conn.keys.dlq, "-", "+")
+    return [
+        {k.decode(): v for k, v in zip(flat[::2], flat[1::2], strict=True)} for _, flat in entries
+    ]

@@ -28,6 +28,7 @@ from .agents import Behaviour, Gate, RunningAgent, http_agent
 from .harness import eventually, running_dispatcher, running_sidecar
 
 _WALK = (Stage.RECEIVED, Stage.PROCESSING)
+_ENDED_WITH_ERROR = (Stage.FAILED, Stage.EXPIRED, Stage.CANCELLED)
 
 
 def echo(reply_to: str = "", capability: str = "text.echo") -> Envelope:
@@ -64,13 +65,19 @@ async def record_in(
         )
     )
     await conn.call(*store.due_command(envelope.message_id, deadline))
-    for step in (*_WALK, stage) if stage not in _WALK else _WALK[: _WALK.index(stage) + 1]:
+    if stage in (Stage.EXPIRED, Stage.CANCELLED):  # ended before any agent was asked
+        walk: tuple[Stage, ...] = (stage,)
+    elif stage in _WALK:
+        walk = _WALK[: _WALK.index(stage) + 1]
+    else:
+        walk = (*_WALK, stage)
+    for step in walk:
         last = step is stage
         moved = await store.move(
             envelope.message_id,
             step,
             reason=reason if last else "",
-            fields={"error": reason} if last and stage is Stage.FAILED else None,
+            fields={"error": reason} if last and stage in _ENDED_WITH_ERROR else None,
         )
         assert moved.ok, (step, moved)
     if stage is Stage.DEAD:

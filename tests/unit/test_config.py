@@ -151,6 +151,15 @@ def test_unknown_override_is_named() -> None:
     assert config_error(overrides={"bogus": 1}).key == "bogus"
 
 
+def test_redis_pool_size_is_gone_and_named_when_given() -> None:
+    """No pool is sized any more: every connection is a dedicated one of ours (the
+    pipeliner's, a blocking reader's, the subscriber's). A file that still sets it is told."""
+    assert "redis_pool_size" not in Settings.__struct_fields__
+    assert config_error(overrides={"redis_pool_size": 64}).key == "redis_pool_size"
+    error = config_error(environ={"AGENT_REACH_REDIS_POOL_SIZE": "64"})
+    assert error.key == "AGENT_REACH_REDIS_POOL_SIZE"
+
+
 @pytest.mark.parametrize(
     ("key", "value"),
     [
@@ -159,7 +168,6 @@ def test_unknown_override_is_named() -> None:
         ("heartbeat_s", 86401),
         ("dispatch_batch", 0),
         ("dispatch_batch", 10_001),
-        ("redis_pool_size", 3),
         ("max_envelope_bytes", 255),
         ("record_ttl_s", 59),
         ("timeline_max", 9),

@@ -24,6 +24,7 @@ from broker.envelope import (
     salvage_reply_to,
 )
 from broker.errors import InvalidEnvelope
+from broker.headers import is_reserved
 
 PREFIX = "reach:reply:"
 LIMIT = 64 * 1024
@@ -382,6 +383,20 @@ json_values = st.recursive(
 )
 str_maps = st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=4)
 optional_text = st.none() | st.text(max_size=20)
+printable = st.from_regex(r"[!-~]([ -~]{0,18}[!-~])?", fullmatch=True)
+header_names = st.from_regex(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,20}", fullmatch=True).filter(
+    lambda name: not is_reserved(name)
+)
+header_maps = st.dictionaries(
+    header_names, st.from_regex(r"[\t -~]{0,20}", fullmatch=True), max_size=4
+).filter(lambda headers: len({name.lower() for name in headers}) == len(headers))
+hex_digits = "0123456789abcdef"
+traceparents = st.builds(
+    lambda trace, parent, flags: f"00-{trace}-{parent}-{flags}",
+    st.text(hex_digits, min_size=32, max_size=32).filter(lambda t: set(t) != {"0"}),
+    st.text(hex_digits, min_size=16, max_size=16).filter(lambda p: set(p) != {"0"}),
+    st.text(hex_digits, min_size=2, max_size=2),
+)
 
 valid_fields = st.fixed_dictionaries(
     {"capability": capabilities},
@@ -389,18 +404,19 @@ valid_fields = st.fixed_dictionaries(
         "payload": json_values,
         "id": st.none() | message_ids,
         "tags": str_maps,
-        "target": optional_text,
+        "target": st.none() | message_ids,
         "session_id": st.none() | st.from_regex(r"[^{}\s]{1,40}", fullmatch=True),
         "mode": st.sampled_from(["unicast", "broadcast"]),
         "priority": st.integers(0, 9),
         "timeout_s": st.floats(min_value=0, max_value=7 * 86400, exclude_min=True),
-        "idempotency_key": optional_text,
-        "reply_to": st.none() | st.text(max_size=10).map(lambda s: PREFIX + s),
+        "idempotency_key": st.none() | printable,
+        "reply_to": st.none()
+        | st.from_regex(r"[!-~]{0,10}", fullmatch=True).map(lambda s: PREFIX + s),
         "callback_url": optional_text,
         "max_attempts": st.integers(1, 100),
         "budget": st.none() | st.floats(min_value=0, allow_infinity=False),
-        "traceparent": optional_text,
-        "headers": str_maps,
+        "traceparent": st.none() | traceparents,
+        "headers": header_maps,
         "created_at": st.none() | st.floats(allow_nan=False, allow_infinity=False),
     },
 )

@@ -93,10 +93,39 @@ def test_new_message_id_is_current_and_unique() -> None:
 
 
 def test_an_ingress_entry_always_names_the_same_message() -> None:
-    from broker.ids import ulid_for_entry
+    from broker.ids import entry_message_id
 
-    first = ulid_for_entry("reach:in", "1700000000000-3")
-    assert first == ulid_for_entry("reach:in", "1700000000000-3")
-    assert first != ulid_for_entry("reach:in", "1700000000000-4")
-    assert first != ulid_for_entry("other:in", "1700000000000-3")
+    now = 1_800_000_000_000
+    first = entry_message_id("reach:in", "1700000000000-3", now_ms=now)
+    assert first is not None
+    assert first == entry_message_id("reach:in", "1700000000000-3", now_ms=now + 5_000)
+    assert first != entry_message_id("reach:in", "1700000000000-4", now_ms=now)
+    assert first != entry_message_id("other:in", "1700000000000-3", now_ms=now)
     assert first[:10] == encode_ulid(1_700_000_000_000, bytes(10))[:10]  # its time
+
+
+@pytest.mark.parametrize(
+    "entry_id",
+    [
+        "1800000000001-0",  # ahead of the clock: a producer's explicit id, or one after it
+        f"{1 << 48}-0",  # beyond what a ULID can hold
+        "18446744073709551615-18446744073709551615",  # the largest id Redis accepts
+        "garbage",
+        "12-",
+        "-1",
+    ],
+)
+def test_an_entry_time_the_clock_has_not_reached_names_nothing(entry_id: str) -> None:
+    from broker.ids import entry_message_id
+
+    assert entry_message_id("reach:in", entry_id, now_ms=1_800_000_000_000) is None
+
+
+@PROPERTY
+@given(millis=st.integers(0, 1 << 64), seq=st.integers(0, 1 << 64), now=timestamps)
+def test_any_entry_id_names_a_valid_id_or_nothing(millis: int, seq: int, now: int) -> None:
+    from broker.ids import entry_message_id
+
+    named = entry_message_id("reach:in", f"{millis}-{seq}", now_ms=now)
+    assert (named is None) == (millis > now)
+    assert named is None or ULID.match(named)

@@ -28,6 +28,10 @@ PURE = [
     "results",
     "webhooks",
     "broadcast",
+    "headers",
+    "entries",
+    "deadletters",
+    "jsondepth",
 ]
 IO_LIBRARIES = {"redis", "httpx", "anyio"}
 PACKAGES = ["broker", "workers", "adapters"]

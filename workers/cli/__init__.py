@@ -6,6 +6,7 @@ from __future__ import annotations
 import click
 
 from ..runtime import configure_logging
+from .acl import acl
 from .inspect import agents, config, drain, redis_url_command, schema, stats, trace, weight
 from .notify import notifier
 from .processes import demo, demo_agent, dispatcher, reaper, sidecar, up
@@ -46,5 +47,6 @@ for command in (
     resolve,
     dlq,
     cancel,
+    acl,
 ):
     main.add_command(command)

@@ -274,10 +274,17 @@ def sidecar(
     help="How long to wait for the burst to finish.",
 )
 def demo(settings: Settings, messages: int, timeout_s: float) -> None:
-    """Run the whole system on the embedded Redis with three demo agents, and report."""
+    """Run the whole system on the embedded Redis with three demo agents, and report.
+
+    The demo works under a key prefix of its own (demo-<time>-<random>, never --prefix) and
+    removes its keys when it ends, so it leaves any Redis as it found it."""
+    import secrets
+
     from ..demo import run_demo
 
-    prefix = settings.prefix if settings.prefix != "reach" else f"demo-{int(time.time())}"
+    # Its own prefix, whatever --prefix or AGENT_REACH_PREFIX say: the demo removes every
+    # key of its prefix when it ends, and must never take a user's keys with it.
+    prefix = f"demo-{int(time.time())}-{secrets.token_hex(3)}"
     settings = msgspec.structs.replace(settings, prefix=prefix)
     lost = run(run_demo, settings, messages, timeout_s)
     sys.exit(0 if lost == 0 else 1)

@@ -21,6 +21,7 @@ import msgspec
 from broker.config import Settings
 from broker.durations import format_age, parse_duration
 from broker.errors import ReachError
+from broker.jsondepth import depth_problem
 from broker.operator import Action, Operator, ReplayPlan, StuckMessage
 from broker.stages import TERMINAL, Stage
 
@@ -169,6 +170,12 @@ def print_stuck(found: list[StuckMessage]) -> None:
     default=None,
     help="Every message in this stage (NEEDS_CONFIRMATION).",
 )
+@click.option(
+    "--include-ended",
+    is_flag=True,
+    help="Also replay FAILED, EXPIRED and CANCELLED messages: their producer had an answer "
+    "and gets a new one.",
+)
 @click.option("--yes", is_flag=True, help="Do not ask, even where the agent is not idempotent.")
 @by_option
 def replay(
@@ -176,12 +183,16 @@ def replay(
     message_ids: tuple[str, ...],
     dlq: bool,
     stage: Stage | None,
+    include_ended: bool,
     yes: bool,
     by: str,
 ) -> None:
-    """Run messages again: a new attempt with the same idempotency key. Allowed from
-    NEEDS_CONFIRMATION, DEAD, FAILED, EXPIRED and CANCELLED. Where an agent serving the
-    capability is not idempotent (or none is registered) it asks first, unless --yes."""
+    """Run messages again: a new attempt with the same idempotency key.
+
+    Replays NEEDS_CONFIRMATION and DEAD messages; with --include-ended also FAILED, EXPIRED
+    and CANCELLED ones, whose producer then gets a new answer (told at once on its reply
+    stream, and with a new webhook-id). Where an agent serving the capability is not
+    idempotent (or none is registered) it asks first, unless --yes."""
     if sum((bool(message_ids), dlq, stage is not None)) != 1:
         raise click.UsageError("give message ids, --dlq or --stage: exactly one of them")
 
@@ -191,7 +202,7 @@ def replay(
         elif stage is not None:
             plan = await operator.plan_stage_replay(stage)
         else:
-            plan = await operator.plan_replay(message_ids)
+            plan = await operator.plan_replay(message_ids, include_ended=include_ended)
         if plan.records and plan.unsafe and not yes:
             if not await anyio.to_thread.run_sync(confirm_unsafe, plan):
                 raise click.ClickException("not confirmed: nothing replayed")
@@ -227,10 +238,7 @@ def resolve(
     if (result is None) == (reason is None):
         raise click.UsageError("give exactly one of --succeeded JSON and --failed REASON")
     if result is not None:
-        try:
-            msgspec.json.decode(result)
-        except msgspec.DecodeError as exc:
-            raise click.BadParameter(f"not JSON: {exc}", param_hint="--succeeded") from exc
+        check_result_json(result)
     if reason is not None and not reason.strip():
         raise click.BadParameter("give the reason it failed", param_hint="--failed")
 
@@ -238,6 +246,18 @@ def resolve(
     finished(
         operate(settings, lambda op: op.resolve(message_id, by=by, result=encoded, error=reason))
     )
+
+
+def check_result_json(result: str) -> None:
+    """A usage error unless ``--succeeded`` is JSON the broker can keep: decodable, and
+    nested no deeper than any result taken from an agent."""
+    too_deep = depth_problem(result)
+    if too_deep is not None:  # before decoding: the decoder recurses
+        raise click.BadParameter(too_deep, param_hint="--succeeded")
+    try:
+        msgspec.json.decode(result)
+    except msgspec.DecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--succeeded") from exc
 
 
 @click.command()

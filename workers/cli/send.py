@@ -12,16 +12,17 @@ import click
 import msgspec
 
 from broker.client import Client, Result
-from broker.config import Settings
-from broker.envelope import Envelope, capability_problem
+from broker.config import Settings, answer_grace_s
+from broker.envelope import Envelope, capability_problem, envelope_problem
 from broker.errors import RequestTimeout
+from broker.jsondepth import depth_problem
 
 from ..runtime import connected
 from .common import parse_tags, redis_options, run
 
 # The exit codes of `send --wait` and `request`.
 EXIT_FAILED = 1  # a terminal stage other than SUCCEEDED
-EXIT_PENDING = 3  # no result within the timeout
+EXIT_PENDING = 3  # no result by the deadline plus the broker's grace
 
 # The bounds of the envelope's `timeout_s` (broker.envelope.TimeoutS).
 TIMEOUT_RANGE = click.FloatRange(0, 7 * 86400, min_open=True)
@@ -29,6 +30,9 @@ TIMEOUT_RANGE = click.FloatRange(0, 7 * 86400, min_open=True)
 
 def parse_payload(payload: str) -> Any:
     """The ``--payload`` value decoded from JSON, or a usage error saying where it broke."""
+    too_deep = depth_problem(payload)
+    if too_deep is not None:  # before decoding: the decoder recurses
+        raise click.BadParameter(too_deep, param_hint="--payload")
     try:
         return msgspec.json.decode(payload)
     except msgspec.DecodeError as exc:
@@ -42,6 +46,8 @@ def build_envelope(fields: dict[str, Any], payload: str) -> Envelope:
         envelope = msgspec.convert({k: v for k, v in fields.items() if v is not None}, Envelope)
     except msgspec.ValidationError as exc:
         raise click.BadParameter(str(exc)) from exc
+    if problem := envelope_problem(envelope):
+        raise click.BadParameter(problem)
     return msgspec.structs.replace(envelope, payload=raw_payload)
 
 
@@ -69,10 +75,11 @@ def build_envelope(fields: dict[str, Any], payload: str) -> Envelope:
 @click.option(
     "--timeout",
     "timeout_s",
-    type=float,
+    type=TIMEOUT_RANGE,
     default=30.0,
     show_default=True,
-    help="End-to-end budget in seconds (and how long --wait waits).",
+    help="End-to-end budget in seconds: the message's deadline. --wait waits that long plus "
+    "the few seconds the broker may take to end a message at its deadline.",
 )
 def send(
     settings: Settings,
@@ -110,12 +117,13 @@ def send(
             if reply_to is None:
                 click.echo(sent)
                 return 0
+            waited_s = timeout_s + answer_grace_s(settings)
             try:
-                result = await client.wait_reply(reply_to, sent, timeout_s=timeout_s)
+                result = await client.wait_reply(reply_to, sent, timeout_s=waited_s)
             finally:
-                await conn.call("DEL", reply_to)
+                await client.discard_reply_stream(reply_to)
         if result is None:
-            return echo_pending(sent, timeout_s)
+            return echo_pending(sent, waited_s, timeout_s)
         return echo_result(result)
 
     sys.exit(run(submit))
@@ -137,7 +145,8 @@ def request(settings: Settings, capability: str, payload: str, timeout_s: float)
     """Send one request and wait for its result; print the result JSON.
 
     Exit code 0 when it SUCCEEDED, 1 when it ended otherwise (FAILED, DEAD, EXPIRED, ...),
-    3 when no result came within the timeout (the message may still finish: see `trace`).
+    3 when no result came by the deadline plus the few seconds the broker may take to end a
+    message at its deadline (the message may still finish: see `trace`).
     """
     problem = capability_problem(capability)
     if problem is not None:
@@ -149,7 +158,7 @@ def request(settings: Settings, capability: str, payload: str, timeout_s: float)
             try:
                 result = await client.request(capability, value, timeout=timeout_s)
             except RequestTimeout as exc:
-                return echo_pending(exc.message_id, timeout_s)
+                return echo_pending(exc.message_id, exc.timeout_s, timeout_s)
         return echo_result(result)
 
     sys.exit(run(ask))
@@ -160,7 +169,12 @@ def echo_result(result: Result) -> int:
     return 0 if result.ok else EXIT_FAILED
 
 
-def echo_pending(message_id: str, timeout_s: float) -> int:
-    pending = {"id": message_id, "stage": "PENDING", "error": f"no result within {timeout_s}s"}
-    click.echo(json.dumps(pending))
+def echo_pending(message_id: str, waited_s: float, deadline_s: float) -> int:
+    """The PENDING line: no answer after ``waited_s`` (the ``deadline_s`` and the grace)."""
+    why = (
+        f"no result within {waited_s:g}s (the {deadline_s:g}s deadline and "
+        f"{waited_s - deadline_s:g}s for the broker to end it); it may still finish: "
+        f"agent-reach trace {message_id}"
+    )
+    click.echo(json.dumps({"id": message_id, "stage": "PENDING", "error": why}))
     return EXIT_PENDING

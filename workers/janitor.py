@@ -1,0 +1,117 @@
+"""The janitor: finds what no index points at any more, one ``SCAN`` page per reaper tick.
+
+Every live message is indexed in ``P:due`` and every live instance in ``P:agents``; the
+reaper works from those. What falls out of them would stay in Redis for ever:
+
+- a live (non-terminal) record missing from ``P:due`` — its ingress entry deleted while it
+  was pending, say, so no dispatcher ever finished its writes — is indexed again, due at
+  once, and the reaper resolves it by its stage like any other;
+- the keys of an instance gone for good — silent for ``instance_gone_after_s``, holding no
+  credit and no entry its sidecar read and never finished — are removed: card, work stream,
+  in-flight set, callback key (``lua/forget_instance.lua``, atomic on the instance's slot)
+  and its ``P:agents`` entry. Sidecars started without ``--instance-id`` get a fresh id each
+  time, so without this every restart would leave a stream behind.
+
+A pass over the key space starts every ``orphan_sweep_s`` (0: never); several reapers may
+sweep at once, which only repeats idempotent work.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from broker.connection import Connection
+from broker.keyspace import SIDECAR_GROUP
+from broker.scripts import ScriptName
+from broker.stages import TERMINAL, Stage
+from broker.store import MessageStore
+
+log = logging.getLogger("agent_reach.janitor")
+
+PAGE = 1000
+_LIVE = frozenset(stage.value.encode() for stage in Stage if stage not in TERMINAL)
+
+
+class Janitor:
+    def __init__(self, conn: Connection, store: MessageStore) -> None:
+        self.conn = conn
+        self.store = store
+        self.keys = conn.keys
+        self.interval_ms = int(conn.settings.orphan_sweep_s * 1000)
+        self.gone_after_ms = int(conn.settings.instance_gone_after_s * 1000)
+        self._cursor: str | None = None  # a pass under way
+        self._next_pass_ms = 0
+        self.reindexed = 0  # records put back in P:due, over this janitor's life
+        self.forgotten = 0  # instances forgotten
+
+    async def step(self, now: int) -> None:
+        """One page of the current pass (starting a pass when one is due)."""
+        if self.interval_ms <= 0:
+            return
+        if self._cursor is None:
+            if now < self._next_pass_ms:
+                return
+            self._next_pass_ms = now + self.interval_ms
+            self._cursor = "0"
+            await self._forget(await self._silent_registered(now), now)
+        reply = await self.conn.call(
+            "SCAN", self._cursor, "MATCH", f"{self.keys.prefix}:*", "COUNT", PAGE
+        )
+        self._cursor = None if reply[0] == b"0" else reply[0].decode()
+        keys = [key.decode(errors="replace") for key in reply[1]]
+        await self._reindex(_tagged(keys, self.keys.record("")), now)
+        await self._forget(_tagged(keys, self.keys.queue("")), now)
+
+    async def _silent_registered(self, now: int) -> list[str]:
+        silent = await self.conn.call(
+            "ZRANGEBYSCORE", self.keys.agents, "-inf", f"({now - self.gone_after_ms}"
+        )
+        return [member.decode(errors="replace") for member in silent]
+
+    async def _reindex(self, message_ids: list[str], now: int) -> None:
+        if not message_ids:
+            return
+        stages = await self.conn.call_many(
+            [("HGET", self.keys.record(i), "stage") for i in message_ids]
+        )
+        live = [i for i, stage in zip(message_ids, stages, strict=True) if stage in _LIVE]
+        if not live:
+            return
+        scores = await self.conn.call_many([("ZSCORE", self.keys.due, i) for i in live])
+        lost = [i for i, score in zip(live, scores, strict=True) if score is None]
+        if lost:
+            await self.store.run_all([("ZADD", self.keys.due, "NX", now, i) for i in lost])
+            self.reindexed += len(lost)
+            log.warning("indexed %d live messages the due index had lost", len(lost))
+
+    async def _forget(self, instance_ids: list[str], now: int) -> None:
+        if not instance_ids:
+            return
+        commands: list[tuple[Any, ...]] = [
+            self.conn.script_command(
+                ScriptName.FORGET_INSTANCE,
+                (
+                    self.keys.card(i),
+                    self.keys.inflight(i),
+                    self.keys.queue(i),
+                    self.keys.callback_key(i),
+                ),
+                (now, self.gone_after_ms, SIDECAR_GROUP),
+            )
+            for i in instance_ids
+        ]
+        replies = await self.conn.call_many(commands)
+        gone = [i for i, reply in zip(instance_ids, replies, strict=True) if reply == 1]
+        if gone:
+            # A sidecar coming back under the same id now re-adds itself with its next beat.
+            await self.conn.call("ZREM", self.keys.agents, *gone)
+            self.forgotten += len(gone)
+            log.info("forgot %d instances gone for good: %s", len(gone), ", ".join(gone[:10]))
+
+
+def _tagged(keys: list[str], empty: str) -> list[str]:
+    """The hash tags of the keys shaped like ``empty`` (a key built for an empty tag,
+    ``P:m:{}``): ``P:m:{abc}`` -> ``abc``."""
+    head = empty[:-1]  # "P:m:{"
+    return [key[len(head) : -1] for key in keys if key.startswith(head) and key.endswith("}")]
