@@ -20,14 +20,13 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
-from redis.exceptions import ResponseError
 
 from broker import failpoints
 from broker.connection import Connection, ensure_group
 from broker.deadletters import Letter
 from broker.entries import Assignment, fields_as_bytes, parse_assignment
 from broker.envelope import Envelope, load_envelope
-from broker.errors import RedisUnavailable
+from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
 from broker.records import InstanceCard, InstanceState, MessageRecord, Moved
 from broker.registry import Registry
@@ -159,7 +158,7 @@ class Sidecar:
                 beats += 1
                 if beats % trim_every == 0:
                     await trim_acknowledged(self.conn, self.queue)
-            except (RedisUnavailable, ResponseError) as exc:
+            except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("heartbeat failed: %s", exc)
 
     async def _overdue_loop(self) -> None:
@@ -226,7 +225,7 @@ class Sidecar:
                     await self._take(pool, [e for e in pending if e[0] not in self._held])
                 entries = await self._read(reader)
                 await self._take(pool, entries)
-            except (RedisUnavailable, ResponseError) as exc:
+            except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("read failed, retrying in %.1fs: %s", backoff, exc)
                 self._recheck_pending = True
                 await anyio.sleep(backoff)
@@ -350,7 +349,7 @@ class Sidecar:
             self._finished_ready = anyio.Event()
             try:
                 await self._finish_now()
-            except (RedisUnavailable, ResponseError) as exc:
+            except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("release failed, retrying: %s", exc)
                 await anyio.sleep(0.5)
                 self._finished_ready.set()
@@ -571,7 +570,7 @@ class Sidecar:
             await anyio.sleep(self.conn.settings.sweep_interval_s)
             try:
                 await self._check_awaited()
-            except (RedisUnavailable, ResponseError) as exc:
+            except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("callback watch failed (the next one retries): %s", exc)
 
     async def _check_awaited(self) -> None:

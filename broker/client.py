@@ -3,8 +3,8 @@
 ``await client.request(...)`` waits on the client's own reply stream, made on the first
 request: ``P:reply:<user>-<hex>`` when the Redis URL names a user (so an ACL can give each
 producer its own streams and no one else's, see ``agent-reach acl``), else
-``P:reply:client-<hex>``. One reader task per client blocks on that stream with ``XREAD``
-and hands each outcome to the request waiting for its id, so any number of concurrent requests
+``P:reply:client-<hex>``. One reader task per client (:class:`broker.replies.ReplyInbox`)
+hands each outcome to the request waiting for its id, so any number of concurrent requests
 share one stream and one dedicated connection; their submits are coalesced by the pipeliner.
 Consumed entries are deleted as the reader goes, and the stream itself when the client closes.
 Both deletions are best effort: a user that may not run them (a producer on Redis 6.2, which
@@ -25,7 +25,6 @@ import re
 import secrets
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import ExitStack, asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -35,25 +34,30 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal, start_blocking_portal
-from redis.exceptions import ResponseError
 
 from .config import Settings, answer_grace_s, load_settings
 from .connection import Connection, open_connection
 from .embedded import embedded_redis
 from .envelope import Envelope, check_envelope, complete, encode_envelope
-from .errors import ClientNotOpen, InvalidEnvelope, RedisUnavailable, RequestTimeout, UnknownMessage
+from .errors import ClientNotOpen, InvalidEnvelope, RedisReplyError, RequestTimeout, UnknownMessage
 from .records import MessageRecord, TimelineEntry
-from .resp import refused_by_acl
-from .stages import TERMINAL, Stage
+from .replies import ReplyInbox, Result, answer_in, result_from_fields
+from .stages import TERMINAL
 from .store import MessageStore
+
+__all__ = [
+    "Client",
+    "Result",
+    "SyncClient",
+    "Trace",
+    "answer_in",
+    "reply_stream_owner",
+    "request_envelope",
+    "result_from_fields",
+]
 
 log = logging.getLogger("agent_reach.client")
 
-# How long one blocking XREAD of the reply stream lasts; cancellation ends it at once.
-_REPLY_BLOCK_MS = 5000
-_REPLY_BATCH = 1000
-# The reader's pause after Redis failed it: it reconnects on its next read.
-_RECONNECT_S = (0.05, 2.0)
 # A Redis user name that can name reply streams as it is (the rest fall back to "client").
 _STREAM_OWNER = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -69,30 +73,9 @@ def reply_stream_owner(url: str) -> str:
     return name if _STREAM_OWNER.fullmatch(name) else "client"
 
 
-class Result(msgspec.Struct, frozen=True):
-    """A message's outcome as a producer sees it."""
-
-    id: str
-    stage: Stage
-    result: Any = None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.stage is Stage.SUCCEEDED
-
-
 class Trace(msgspec.Struct, frozen=True):
     record: MessageRecord
     timeline: list[TimelineEntry]
-
-
-@dataclass(slots=True, eq=False)
-class _Waiter:
-    """One ``request`` waiting for its outcome."""
-
-    done: anyio.Event = field(default_factory=anyio.Event)
-    result: Result | None = None
 
 
 class Client:
@@ -108,10 +91,7 @@ class Client:
         self.keys = conn.keys
         self.store = MessageStore(conn)
         self._tg: TaskGroup | None = None
-        self._reply_stream: str | None = None
-        self._waiters: dict[str, _Waiter] = {}
-        self._consumed: list[str] = []
-        self._may_delete = True  # False once Redis refused this user XDEL on the stream
+        self._inbox: ReplyInbox | None = None
 
     def new_reply_stream(self) -> str:
         """A new reply stream name of this client's own: ``P:reply:<owner>-<hex>``, the owner
@@ -125,15 +105,15 @@ class Client:
         answer. A lost connection is raised."""
         try:
             await self.conn.call("DEL", stream)
-        except ResponseError as exc:
-            if not refused_by_acl(exc):
+        except RedisReplyError as exc:
+            if exc.code != "NOPERM":
                 raise
             log.debug("reply stream %s is left to its TTL: %s", stream, exc)
 
     @property
     def reply_stream(self) -> str | None:
         """This client's own reply stream, once a request has made it."""
-        return self._reply_stream
+        return self._inbox.stream if self._inbox is not None else None
 
     async def __aenter__(self) -> Client:
         if self._tg is not None:
@@ -151,19 +131,18 @@ class Client:
     ) -> None:
         tg, self._tg = self._tg, None
         assert tg is not None
-        for waiter in self._waiters.values():  # requests in other tasks: the client closed
-            waiter.done.set()
+        if self._inbox is not None:  # requests in other tasks: the client closed
+            self._inbox.wake_all()
         tg.cancel_scope.cancel()
         try:
             # The body's own exception is not passed in: it propagates as it is, not wrapped
             # in an ExceptionGroup; only a failure of the reader itself comes from here.
             await tg.__aexit__(None, None, None)
         finally:
-            stream, self._reply_stream = self._reply_stream, None
-            self._consumed.clear()
-            if stream is not None:
+            inbox, self._inbox = self._inbox, None
+            if inbox is not None:
                 with anyio.CancelScope(shield=True):
-                    await self.discard_reply_stream(stream)
+                    await self.discard_reply_stream(inbox.stream)
 
     async def request(
         self,
@@ -186,19 +165,14 @@ class Client:
         broker's grace (:func:`~broker.config.answer_grace_s`), so a message that ends at
         its deadline (EXPIRED, with why nothing served it) comes back as that answer.
         """
-        reply_to = self._open_reply_stream()
-        envelope = request_envelope(capability, payload, timeout, reply_to, envelope_fields)
+        inbox = self._open_inbox()
+        envelope = request_envelope(capability, payload, timeout, inbox.stream, envelope_fields)
         message_id = envelope.message_id
-        if message_id in self._waiters:
-            raise ValueError(f"a request for message id {message_id!r} is already waiting")
-        waiter = self._waiters[message_id] = _Waiter()
         waited = timeout + answer_grace_s(self.conn.settings) if wait_s is None else wait_s
-        try:
+        with inbox.expecting(message_id) as waiter:
             await self.submit(envelope)
             with anyio.move_on_after(waited):
                 await waiter.done.wait()
-        finally:
-            del self._waiters[message_id]
         if waiter.result is not None:
             return waiter.result
         if self._tg is None:
@@ -224,70 +198,16 @@ class Client:
             capability, payload, timeout=timeout, mode="broadcast", **envelope_fields
         )
 
-    def _open_reply_stream(self) -> str:
+    def _open_inbox(self) -> ReplyInbox:
         """The reply stream, with its reader started on the first request."""
         if self._tg is None:
             raise ClientNotOpen(
                 "Client.request() needs an open client: use `async with Client(conn) as client:`"
             )
-        if self._reply_stream is None:
-            self._reply_stream = self.new_reply_stream()
-            self._tg.start_soon(self._read_replies, self._reply_stream)
-        return self._reply_stream
-
-    async def _read_replies(self, stream: str) -> None:
-        """The one reader: every outcome on the stream to the request waiting for it."""
-        after = "0"  # the stream is new: nothing on it is older than the first request
-        pause = _RECONNECT_S[0]
-        async with self.conn.reader() as reader:
-            while True:
-                try:
-                    entries = await reader.read_stream(
-                        stream, after, count=_REPLY_BATCH, block_ms=_REPLY_BLOCK_MS
-                    )
-                except RedisUnavailable as exc:  # requests wait on, bounded by their timeouts
-                    log.warning("reply stream %s: %s; reading again in %.2fs", stream, exc, pause)
-                    await anyio.sleep(pause)
-                    pause = min(pause * 2, _RECONNECT_S[1])
-                    continue
-                pause = _RECONNECT_S[0]
-                if entries:
-                    after = entries[-1][0]
-                    for _, fields in entries:
-                        self._resolve(fields)
-                    await self._forget(stream, [entry_id for entry_id, _ in entries])
-
-    def _resolve(self, fields: Mapping[str, bytes]) -> None:
-        """Hand an outcome to its waiter. Notices (``deadline_passed`` while the agent still
-        works) are not outcomes; an entry for an id nobody waits on (a request that timed
-        out, a repeated reply) is dropped."""
-        if "notice" in fields:
-            return
-        waiter = self._waiters.get(fields.get("id", b"").decode(errors="replace"))
-        if waiter is None or waiter.done.is_set():
-            return
-        waiter.result = answer_in(fields)
-        if waiter.result is not None:
-            waiter.done.set()
-
-    async def _forget(self, stream: str, entry_ids: list[str]) -> None:
-        """``XDEL`` what the reader consumed, so a long-lived client's stream stays short.
-        Ids a failed ``XDEL`` left are retried with the next batch; a user refused ``XDEL``
-        (a producer on Redis 6.2) stops trying: its stream keeps its answers until it expires
-        (``reply_ttl_s`` after the last one)."""
-        if not self._may_delete:
-            return
-        self._consumed.extend(entry_ids)
-        try:
-            await self.conn.call("XDEL", stream, *self._consumed)
-        except RedisUnavailable:
-            return
-        except ResponseError as exc:
-            if not refused_by_acl(exc):
-                raise
-            self._may_delete = False
-            log.info("reply stream %s: not trimmed, its user may not XDEL (%s)", stream, exc)
-        self._consumed.clear()
+        if self._inbox is None:
+            self._inbox = ReplyInbox(self.conn, self.new_reply_stream())
+            self._tg.start_soon(self._inbox.read)
+        return self._inbox
 
     async def submit(self, envelope: Envelope) -> str:
         """``XADD`` one envelope to the ingress stream; returns its id (assigned here if absent)."""
@@ -321,10 +241,9 @@ class Client:
                 while True:
                     for entry_id, fields in await reader.read_stream(reply_to, last, block_ms=1000):
                         last = entry_id
-                        if fields.get("id") == message_id.encode() and "notice" not in fields:
-                            answer = answer_in(fields)
-                            if answer is not None:
-                                return answer
+                        answer = answer_in(fields)
+                        if answer is not None and answer.id == message_id:
+                            return answer
         return None
 
     async def result(self, message_id: str) -> Result | None:
@@ -346,28 +265,6 @@ class Client:
         if record is None:
             raise UnknownMessage(message_id)
         return Trace(record, await self.store.get_timeline(message_id))
-
-
-def answer_in(fields: Mapping[str, bytes]) -> Result | None:
-    """The outcome a reply-stream entry holds, or ``None`` for one that holds none (whoever
-    may write the stream may have written anything): never raises."""
-    try:
-        return result_from_fields(fields)
-    except (KeyError, ValueError, msgspec.DecodeError, RecursionError) as exc:
-        log.warning("unreadable reply entry %r: %s", dict(fields), exc)
-        return None
-
-
-def result_from_fields(fields: Mapping[str, bytes]) -> Result:
-    """A reply stream entry (fields ``id``, ``stage``, ``result`` or ``error``) as a Result."""
-    raw = fields.get("result")
-    error = fields.get("error")
-    return Result(
-        id=fields["id"].decode(),
-        stage=Stage(fields["stage"].decode()),
-        result=msgspec.json.decode(raw) if raw else None,
-        error=error.decode() if error is not None else None,
-    )
 
 
 def request_envelope(

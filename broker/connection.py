@@ -20,13 +20,12 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
-from redis.exceptions import ResponseError
 
 from .config import Settings
-from .errors import RedisUnavailable
+from .errors import RedisReplyError, RedisUnavailable
 from .keyspace import Keyspace
 from .pipeliner import Pipeliner
-from .resp import RespConnection, describe, is_loading, parse_redis_url
+from .resp import RespConnection, describe, parse_redis_url
 from .scripts import Script, ScriptName, load_scripts
 from .streams import GroupReader
 
@@ -50,7 +49,7 @@ class Connection:
 
     async def call(self, *command: Any) -> Any:
         """One command through the pipeliner (raw RESP reply); failures raise
-        :class:`RedisUnavailable`, error replies :class:`redis.exceptions.ResponseError`."""
+        :class:`RedisUnavailable`, error replies :class:`RedisReplyError`."""
         return await self.pipeliner.call(*command)
 
     async def evalsha(self, name: ScriptName, keys: tuple[str, ...], args: Any) -> Any:
@@ -132,11 +131,14 @@ async def _ping_until_loaded(conn: RespConnection, url: str, wait_s: float) -> N
     while True:
         try:
             (reply,) = await conn.execute([("PING",)])
-        except OSError as exc:  # ConnectionError, ssl.SSLError: the server dropped us
+        except RedisUnavailable as exc:
+            if not isinstance(exc.__cause__, OSError):  # silent, not gone: said as it is
+                raise
+            # ConnectionError, ssl.SSLError: the server dropped us
             raise RedisUnavailable(
-                f"cannot connect to redis at {where}: {_dropped(url, exc)}"
-            ) from exc
-        if not is_loading(reply):
+                f"cannot connect to redis at {where}: {_dropped(url, exc.__cause__)}"
+            ) from exc.__cause__
+        if not (isinstance(reply, RedisUnavailable) and reply.code == "LOADING"):
             break
         if not told:
             log.warning("redis at %s is loading its data; waiting up to %g s", where, wait_s)
@@ -151,7 +153,9 @@ async def _preload(conn: RespConnection, scripts: Sequence[Script]) -> None:
         return
     replies = await conn.execute([("SCRIPT", "LOAD", script.source) for script in scripts])
     for reply in replies:
-        if isinstance(reply, Exception) and not str(reply).startswith("NOPERM"):
+        if isinstance(reply, RedisReplyError) and reply.code == "NOPERM":
+            continue  # this user may not: the pipeliner loads them on first use, if it may
+        if isinstance(reply, Exception):
             raise RedisUnavailable(f"redis refused SCRIPT LOAD: {reply}") from reply
 
 
@@ -173,6 +177,6 @@ async def ensure_group(conn: Connection, stream: str, group: str) -> None:
     ``BUSYGROUP`` (the group exists) is the one error expected here, and handled by name."""
     try:
         await conn.call("XGROUP", "CREATE", stream, group, "0", "MKSTREAM")
-    except ResponseError as exc:
-        if not str(exc).startswith("BUSYGROUP"):
+    except RedisReplyError as exc:
+        if exc.code != "BUSYGROUP":
             raise RedisUnavailable(f"cannot create group {group} on {stream}: {exc}") from exc

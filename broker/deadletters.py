@@ -23,6 +23,7 @@ from .keyspace import Keyspace
 Command = tuple[Any, ...]
 
 _CUT = "…"
+_MAX_DIGITS = 19  # a count or a time in ms; a longer number is none we wrote
 
 
 class Letter(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,13 +112,11 @@ def parse_letter(entry_id: bytes, flat: list[bytes]) -> Letter:
         return value.decode(errors="replace") if value is not None else None
 
     def number(name: bytes) -> int | None:
-        value = fields.get(name, b"")
-        return int(value) if value.isdigit() else None
+        return _number(fields.get(name, b""))
 
     stamp = number(b"ts")
     if stamp is None:
-        head = entry_id.split(b"-", 1)[0]
-        stamp = int(head) if head.isdigit() else 0
+        stamp = _number(entry_id.split(b"-", 1)[0]) or 0
     return Letter(
         id=text(b"id") or "",
         reason=text(b"reason") or "",
@@ -133,3 +132,8 @@ def parse_letter(entry_id: bytes, flat: list[bytes]) -> Letter:
         body_size=number(b"body_size"),
         source=text(b"source"),
     )
+
+
+def _number(raw: bytes) -> int | None:
+    """ASCII digits as a number (``int`` refuses more than 4,300 of them: never asked)."""
+    return int(raw) if raw.isdigit() and len(raw) <= _MAX_DIGITS else None

@@ -7,7 +7,8 @@
     ├── InvalidEnvelope          an envelope cannot be decoded or fails validation
     ├── IllegalTransition        a stage change the lifecycle table does not allow
     ├── UnknownMessage           no record exists for a message id
-    ├── RedisUnavailable         Redis cannot be reached or answered with a server error
+    ├── RedisUnavailable         Redis cannot be reached, or cannot serve now (``LOADING``, …)
+    ├── RedisReplyError          Redis answered a command with an error reply (``.code``)
     ├── EmbeddedRedisError       the embedded redis-server could not be found or started
     ├── DeliveryError            an adapter could not deliver a message to its agent
     ├── RequestTimeout           no result reached ``Client.request`` within its timeout
@@ -17,8 +18,11 @@
 Outside ``broker``, ``workers.egress.EgressRefused`` is a ``ReachError`` too: a webhook host
 resolves only to addresses the allow-list does not let a delivery reach.
 
-Redis errors are translated into these in :mod:`broker.resp`, with the original
-exception kept in ``__cause__``.
+Redis errors are translated into these in one place, :mod:`broker.resp`: an error reply is
+a :class:`RedisReplyError` carrying its code (the reply's first word), except the codes that
+mean "retry later" (:data:`broker.resp.TRANSIENT`), which are :class:`RedisUnavailable` with
+that code, and so is a lost or silent connection (the original kept in ``__cause__``).
+Code elsewhere tells replies apart by ``.code``, never by their text.
 """
 
 from __future__ import annotations
@@ -64,7 +68,24 @@ class UnknownMessage(ReachError):
 
 
 class RedisUnavailable(ReachError):
-    """Raised when Redis cannot be reached or answers with a server error."""
+    """Raised when Redis cannot be reached, drops the connection, stays silent, or answers that
+    it cannot serve now; ``code`` is that answer's code (``LOADING``, ``OOM``, ``READONLY``,
+    …), ``None`` when Redis said nothing. Retrying later is the remedy."""
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RedisReplyError(ReachError):
+    """Raised when Redis answers a command with an error reply. ``code`` is the reply's first
+    word (``NOGROUP``, ``BUSYGROUP``, ``NOSCRIPT``, ``WRONGTYPE``, ``NOPERM``, ``ERR``, …),
+    ``message`` the whole reply, as Redis wrote it; retrying the same command will not help."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = message.split(" ", 1)[0]
 
 
 class EmbeddedRedisError(ReachError):

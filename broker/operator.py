@@ -20,6 +20,7 @@ from .records import MessageRecord
 from .registry import Registry
 from .stages import TERMINAL, Stage
 from .store import MessageStore, Move, now_ms, timeline_entry
+from .wire import ReplyEntry
 
 PAGE = 500  # due-index entries read per round trip
 
@@ -336,13 +337,13 @@ class Operator:
         if record.reply_to:
             await self.store.send_reply(
                 record.reply_to,
-                {
-                    "id": record.id,
-                    "stage": Stage.WAITING.value,
-                    "attempt": str(moved.attempt),
-                    "notice": REPLAYED_NOTICE,
-                    "error": f"replayed by {by} (was {record.stage}): a new answer follows",
-                },
+                ReplyEntry(
+                    id=record.id,
+                    stage=Stage.WAITING,
+                    attempt=moved.attempt,
+                    notice=REPLAYED_NOTICE,
+                    error=f"replayed by {by} (was {record.stage}): a new answer follows",
+                ),
             )
         return Action(record.id, True, Stage.WAITING, f"{record.id} (was {record.stage})")
 

@@ -14,9 +14,8 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
-from redis.exceptions import NoScriptError
 
-from .errors import RedisUnavailable
+from .errors import RedisReplyError, RedisUnavailable
 from .resp import Command, RespConnection
 from .scripts import Script
 
@@ -85,18 +84,13 @@ class Pipeliner:
         commands = [command for group, _ in groups for command in group]
         try:
             results = await self._execute(commands)
-            if any(isinstance(r, NoScriptError) for r in results):
+            if any(map(_no_script, results)):
                 results = await self._retry_noscript(commands, results)
-        except (RedisUnavailable, ConnectionError, OSError) as exc:
+        except RedisUnavailable as exc:
             self._conn = None
-            error = (
-                exc
-                if isinstance(exc, RedisUnavailable)
-                else RedisUnavailable(f"redis unavailable: {exc}")
-            )
             for _, future in groups:
                 if not future.done():
-                    future.set_exception(error)
+                    future.set_exception(exc)
             return
         start = 0
         for group, future in groups:
@@ -120,8 +114,13 @@ class Pipeliner:
     async def _retry_noscript(self, commands: list[Command], results: list[Any]) -> list[Any]:
         """Redis lost its script cache (a restart): load the scripts, rerun only those calls."""
         await self._execute([("SCRIPT", "LOAD", script.source) for script in self._scripts])
-        again = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        again = [i for i, r in enumerate(results) if _no_script(r)]
         retried = await self._execute([commands[i] for i in again])
         for i, result in zip(again, retried, strict=True):
             results[i] = result
         return results
+
+
+def _no_script(reply: Any) -> bool:
+    """Whether ``reply`` is Redis saying it has no script under that sha (``NOSCRIPT``)."""
+    return isinstance(reply, RedisReplyError) and reply.code == "NOSCRIPT"

@@ -3,8 +3,20 @@
 The coalescing pipeliner sends hundreds of short commands per round trip; through redis-py's
 pipeline each reply costs a timeout context and a response callback, which profiled as the
 largest cost of the dispatch path. This connection writes one packed buffer and reads the
-replies straight out of a hiredis reader. Replies are raw RESP values (bytes, ints, lists;
-errors as :class:`redis.exceptions.ResponseError` instances, not raised).
+replies straight out of a hiredis reader, so the broker depends on ``hiredis`` alone, not on
+redis-py (only ``bench/pipeline.py`` uses redis-py, for its baseline: the ``bench`` extra).
+
+This is the one Redis boundary: what Redis or the network says becomes our own errors here,
+and nowhere else (the tree is drawn in :mod:`broker.errors`).
+
+- Replies are raw RESP values (bytes, ints, lists); an error reply is returned in its place
+  (not raised) as a :class:`~broker.errors.RedisReplyError` whose ``code`` is the reply's
+  first word (``NOGROUP``, ``BUSYGROUP``, ``NOSCRIPT``, ``WRONGTYPE``, ``NOPERM``, ``ERR``, …),
+  or, for the codes in :data:`TRANSIENT` ("cannot serve now"), a
+  :class:`~broker.errors.RedisUnavailable` with that ``code``.
+- A connection that cannot be opened, is dropped, or stays silent past its timeout raises
+  :class:`~broker.errors.RedisUnavailable`, the original exception in ``__cause__``; the
+  connection is then unusable and its owner drops it.
 
 Every connection any process opens comes through :meth:`RespConnection.open`, so what a Redis
 URL may say is decided here, once (:func:`parse_redis_url`):
@@ -33,9 +45,8 @@ from typing import Any, Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import hiredis
-from redis.exceptions import NoScriptError, ResponseError
 
-from .errors import ConfigError, RedisUnavailable
+from .errors import ConfigError, RedisReplyError, RedisUnavailable
 
 Command = tuple[Any, ...]
 _READ_CHUNK = 1 << 16
@@ -54,24 +65,17 @@ _CERT_REQS: dict[str, CertReqs] = {name: name for name in CERT_REQS}
 TLS_PARAMETERS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 
 
-def _error(message: str) -> Exception:
-    if message.startswith("NOSCRIPT"):
-        return NoScriptError(message)
-    if message.split(" ", 1)[0] in TRANSIENT:  # the error code, exactly (not BUSYGROUP)
-        return RedisUnavailable(f"{_UNAVAILABLE}{message}")
-    return ResponseError(message)
+def _error(message: str) -> RedisReplyError | RedisUnavailable:
+    """The error an error reply stands for (hiredis calls this for each one it parses)."""
+    error = RedisReplyError(message)
+    if error.code in TRANSIENT:  # the code exactly: BUSYGROUP is no BUSY
+        return RedisUnavailable(f"{_UNAVAILABLE}{message}", code=error.code)
+    return error
 
 
-def is_loading(error: BaseException) -> bool:
-    """Whether ``error`` is Redis answering ``LOADING``: it is reading its data at start-up,
-    so it is not ready yet (rather than failing)."""
-    return isinstance(error, RedisUnavailable) and str(error).startswith(_UNAVAILABLE + "LOADING")
-
-
-def refused_by_acl(error: BaseException) -> bool:
-    """Whether ``error`` is Redis refusing a command to this connection's user (``NOPERM``):
-    the user's ACL rules do not grant it, on this key or at all."""
-    return isinstance(error, ResponseError) and str(error).startswith("NOPERM")
+def _lost(exc: Exception) -> RedisUnavailable:
+    """A connection that failed under a command (closed, reset, a TLS alert)."""
+    return RedisUnavailable(f"{_UNAVAILABLE}{describe(exc)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +245,8 @@ def describe(exc: BaseException) -> str:
 
 
 class RespConnection:
+    """One connection to Redis: commands out in one write, replies back in order."""
+
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._stream = reader
         self._writer = writer
@@ -278,23 +284,28 @@ class RespConnection:
             return
         try:
             replies = await self.execute(setup)
-        except OSError as exc:  # ConnectionError, ssl.SSLError: both are OSErrors
+        except RedisUnavailable as exc:
+            if not isinstance(exc.__cause__, OSError):
+                raise
             raise RedisUnavailable(
-                f"redis at {address.where} dropped the connection set-up: {describe(exc)}"
-            ) from exc
+                f"redis at {address.where} dropped the connection set-up: {describe(exc.__cause__)}"
+            ) from exc.__cause__
         for reply in replies:
             if isinstance(reply, Exception):
                 raise RedisUnavailable(f"redis refused the connection set-up: {reply}")
 
     async def execute(self, commands: list[Command], *, timeout_s: float = 30.0) -> list[Any]:
-        """Send every command in one write and return their replies in order. A silent peer
-        (a partition: no FIN, no RST) fails after ``timeout_s`` instead of hanging forever;
-        the caller must then drop this connection."""
+        """Send every command in one write and return their replies in order (error replies
+        in place, see the module's docstring). A dropped connection, or a silent peer (a
+        partition: no FIN, no RST) after ``timeout_s``, raises :class:`RedisUnavailable`
+        instead of hanging forever; the caller must then drop this connection."""
         try:
             async with asyncio.timeout(timeout_s):
                 return await self._execute(commands)
         except TimeoutError as exc:
             raise RedisUnavailable(f"redis did not answer within {timeout_s:g} s") from exc
+        except (OSError, hiredis.ProtocolError) as exc:
+            raise _lost(exc) from exc
 
     async def _execute(self, commands: list[Command]) -> list[Any]:
         self._writer.write(b"".join(hiredis.pack_command(c) for c in commands))
@@ -304,22 +315,26 @@ class RespConnection:
         while len(replies) < len(commands):
             reply = parser.gets()
             if reply is False:
-                data = await self._stream.read(_READ_CHUNK)
-                if not data:
-                    raise ConnectionError("redis closed the connection")
-                parser.feed(data)
+                await self._feed()
                 continue
             replies.append(reply)
         return replies
 
     async def read_one(self) -> Any:
-        """The next reply or push message (for a subscribed connection)."""
-        while (reply := self._parser.gets()) is False:
-            data = await self._stream.read(_READ_CHUNK)
-            if not data:
-                raise ConnectionError("redis closed the connection")
-            self._parser.feed(data)
+        """The next reply or push message (for a subscribed connection); a dropped
+        connection raises :class:`RedisUnavailable`."""
+        try:
+            while (reply := self._parser.gets()) is False:
+                await self._feed()
+        except (OSError, hiredis.ProtocolError) as exc:
+            raise _lost(exc) from exc
         return reply
+
+    async def _feed(self) -> None:
+        data = await self._stream.read(_READ_CHUNK)
+        if not data:
+            raise ConnectionError("redis closed the connection")
+        self._parser.feed(data)
 
     async def close(self) -> None:
         self._writer.close()

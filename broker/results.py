@@ -5,10 +5,10 @@ commands, after the terminal stage is on the record and before it lets go of the
 stream entry, its ``reply_pending`` mark): a crash in between sends them again, so delivery
 is at least once and every copy carries the message id.
 
-- ``reply_to``: an entry on the producer's reply stream (fields ``id``, ``stage``, and
-  ``result`` or ``error``).
-- ``callback_url``: an entry on ``P:outbox`` for the notifier, which POSTs the signed body to
-  the webhook, with retries.
+- ``reply_to``: an entry on the producer's reply stream (:class:`broker.wire.ReplyEntry`:
+  fields ``id``, ``stage``, ``attempt``, and ``result`` or ``error``).
+- ``callback_url``: an entry on ``P:outbox`` (:class:`broker.wire.OutboxEntry`) for the
+  notifier, which POSTs the signed body to the webhook, with retries.
 - a broadcast child (``parent`` set): its outcome is recorded on its parent
   (``lua/child_done.lua``); the last one ends the parent, whose own producer is then told
   (:meth:`broker.store.MessageStore.after_delivery`; see :mod:`broker.broadcast`).
@@ -26,6 +26,7 @@ import msgspec
 from .envelope import Envelope
 from .keyspace import Keyspace
 from .stages import TERMINAL, Stage
+from .wire import OutboxEntry, ReplyEntry, outbox_fields, reply_fields
 
 Command = tuple[Any, ...]
 
@@ -84,15 +85,17 @@ def result_body(
     )
 
 
-def reply_fields(
+def reply_entry(
     message_id: str, stage: Stage, result: bytes | None, error: str | None, *, attempt: int = 0
-) -> list[str | bytes]:
-    fields: list[str | bytes] = ["id", message_id, "stage", stage.value, "attempt", str(attempt)]
-    if result is not None:
-        fields += ["result", result]
-    else:
-        fields += ["error", error or ""]
-    return fields
+) -> ReplyEntry:
+    """The outcome a producer's reply stream gets: the result, or else the error."""
+    return ReplyEntry(
+        id=message_id,
+        stage=stage,
+        attempt=attempt,
+        result=result,
+        error=error if result is None else None,
+    )
 
 
 def child_outcome(message_id: str, stage: Stage, result: bytes | None, error: str | None) -> bytes:
@@ -153,27 +156,16 @@ def delivery_commands(
             child_done_command(keys, envelope.parent, message_id, stage, result, error, now)
         )
     if envelope.reply_to:
-        fields = reply_fields(message_id, stage, result, error, attempt=attempt)
-        commands.append(("XADD", envelope.reply_to, "*", *fields))
+        entry = reply_entry(message_id, stage, result, error, attempt=attempt)
+        commands.append(("XADD", envelope.reply_to, "*", *reply_fields(entry)))
         if reply_ttl_s is not None:
             commands.append(("EXPIRE", envelope.reply_to, reply_ttl_s))
     if envelope.callback_url:
-        body = result_body(message_id, stage, result, error, attempt=attempt)
-        commands.append(
-            (
-                "XADD",
-                keys.outbox,
-                "*",
-                "id",
-                message_id,
-                "webhook_id",
-                webhook_id(message_id, attempt),
-                "url",
-                envelope.callback_url,
-                "body",
-                body,
-                "attempt",
-                1,
-            )
+        delivery = OutboxEntry(
+            message_id=message_id,
+            webhook_id=webhook_id(message_id, attempt),
+            url=envelope.callback_url,
+            body=result_body(message_id, stage, result, error, attempt=attempt),
         )
+        commands.append(("XADD", keys.outbox, "*", *outbox_fields(delivery)))
     return commands

@@ -30,6 +30,8 @@ class Stage(StrEnum):
     REJECTED = "REJECTED"
 
 
+# -- stage groups: every group of stages any rule speaks of, defined here and nowhere else ---
+
 TERMINAL: frozenset[Stage] = frozenset(
     {Stage.SUCCEEDED, Stage.FAILED, Stage.DEAD, Stage.EXPIRED, Stage.CANCELLED, Stage.REJECTED}
 )
@@ -38,6 +40,21 @@ PARKED: frozenset[Stage] = frozenset({Stage.WAITING, Stage.NEEDS_CONFIRMATION})
 AGENT_UNTOUCHED: frozenset[Stage] = frozenset(
     {Stage.ACCEPTED, Stage.WAITING, Stage.ROUTED, Stage.RECEIVED}
 )
+# Waiting to be run: no sidecar has taken it. A waiting-set entry of a message in one of these
+# may still be needed (it can come back to WAITING); an operator may cancel it.
+QUEUED: frozenset[Stage] = frozenset({Stage.ACCEPTED, Stage.WAITING, Stage.ROUTED})
+# At an instance's door: assigned, and the agent not asked yet (a reroute is safe).
+AT_THE_DOOR: frozenset[Stage] = frozenset({Stage.ROUTED, Stage.RECEIVED})
+# A sidecar has it: taken, being worked on, or its result just called back.
+IN_FLIGHT: frozenset[Stage] = frozenset({Stage.RECEIVED, Stage.PROCESSING, Stage.CALLBACK_RECEIVED})
+# An attempt in these holds a credit on its instance (``P:f:{inst}``).
+HOLDS_CREDIT: frozenset[Stage] = AT_THE_DOOR | IN_FLIGHT
+# Replay starts here: waiting for an operator, or given up (DEAD). Messages that ended with an
+# answer their producer has had only when the operator says so (``--include-ended``).
+REPLAYABLE: frozenset[Stage] = frozenset({Stage.NEEDS_CONFIRMATION, Stage.DEAD})
+ENDED_REPLAYABLE: frozenset[Stage] = frozenset({Stage.FAILED, Stage.EXPIRED, Stage.CANCELLED})
+CANCELLABLE: frozenset[Stage] = QUEUED
+RESOLVABLE: frozenset[Stage] = frozenset({Stage.NEEDS_CONFIRMATION})
 
 _ENDINGS = frozenset({Stage.EXPIRED, Stage.CANCELLED})
 
@@ -87,6 +104,26 @@ TRANSITIONS: dict[Stage, frozenset[Stage]] = {
     Stage.EXPIRED: frozenset(),
     Stage.CANCELLED: frozenset(),
     Stage.REJECTED: frozenset(),
+}
+
+
+class Repair(StrEnum):
+    """An operator's move: the only moves out of a terminal stage (``Move.any_of``)."""
+
+    REPLAY = "replay"
+    REPLAY_ENDED = "replay an ended message"
+    CANCEL = "cancel"
+    RESOLVE_SUCCEEDED = "resolve as succeeded"
+    RESOLVE_FAILED = "resolve as failed"
+
+
+# An operator's repair: the stages it may start from, and where it takes the message.
+REPAIRS: dict[Repair, tuple[frozenset[Stage], Stage]] = {
+    Repair.REPLAY: (REPLAYABLE, Stage.WAITING),
+    Repair.REPLAY_ENDED: (REPLAYABLE | ENDED_REPLAYABLE, Stage.WAITING),
+    Repair.CANCEL: (CANCELLABLE, Stage.CANCELLED),
+    Repair.RESOLVE_SUCCEEDED: (RESOLVABLE, Stage.SUCCEEDED),
+    Repair.RESOLVE_FAILED: (RESOLVABLE, Stage.FAILED),
 }
 
 

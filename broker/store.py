@@ -13,17 +13,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from redis.exceptions import ResponseError
 
 from .connection import Connection
 from .deadletters import Letter, dead_letter_command
 from .envelope import Envelope, load_envelope
-from .errors import RedisUnavailable
+from .errors import RedisReplyError, RedisUnavailable
 from .fairness import PRIORITY_SPAN, split_score, waiting_score
 from .records import Accepted, AssignResult, MessageRecord, Moved, TimelineEntry
 from .results import Command, delivery_commands
 from .scripts import ScriptName
 from .stages import TERMINAL, Stage, sources_for
+from .wire import ReplyEntry, parse_timeline_item, reply_fields
 
 RATE_WINDOW_MS = 10_000
 RATE_SPAN_WINDOWS = 6  # the assignment rate is averaged over the last minute
@@ -418,15 +418,14 @@ class MessageStore:
 
     # -- results, dead letters ---------------------------------------------------------------
 
-    async def send_reply(self, reply_to: str, fields: Mapping[str, str | bytes]) -> None:
+    async def send_reply(self, reply_to: str, entry: ReplyEntry) -> None:
         """One entry on a reply stream (a notice, say), which then expires ``reply_ttl_s``
         after it; a stream Redis refuses to write is dead-lettered, as for any reply."""
         commands: list[Command] = [
-            ("XADD", reply_to, "*", *_flat(fields)),
+            ("XADD", reply_to, "*", *reply_fields(entry)),
             ("EXPIRE", reply_to, self.conn.settings.reply_ttl_s),
         ]
-        owner = _text(fields.get("id", b""))
-        await self.after_delivery([owner] * 2, commands, await self.conn.call_many(commands))
+        await self.after_delivery([entry.id] * 2, commands, await self.conn.call_many(commands))
 
     async def dead_letter_message(self, message_id: str, reason: str) -> None:
         """Dead-letter a record: its envelope, the final reason, and the chain of reasons on
@@ -636,22 +635,16 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
     )
 
 
-_timeline_item = msgspec.json.Decoder(tuple[str, str, str, str, str])
-
-
-_STAGES = {stage.value: stage for stage in Stage}
+UNREADABLE = "UNREADABLE"
 
 
 def timeline_entry(raw: bytes) -> TimelineEntry:
-    """One timeline item: the JSON array ``[ts, stage, instance, attempt, reason]``."""
-    ts, stage, instance, attempt, reason = _timeline_item.decode(raw)
-    return TimelineEntry(
-        ts_ms=int(ts),
-        stage=_STAGES.get(stage, stage),
-        instance=instance,
-        attempt=int(attempt),
-        reason=reason,
-    )
+    """One timeline item (:func:`broker.wire.parse_timeline_item`); one that is unreadable
+    shows as an ``UNREADABLE`` event saying why, so the rest of the timeline still reads."""
+    entry = parse_timeline_item(raw)
+    if isinstance(entry, str):
+        return TimelineEntry(ts_ms=0, stage=UNREADABLE, instance="", attempt=0, reason=entry)
+    return entry
 
 
 async def ack(conn: Connection, stream: str, group: str, entry_ids: list[str]) -> None:
@@ -667,7 +660,7 @@ async def trim_acknowledged(conn: Connection, stream: str) -> int:
     """
     try:
         groups = [pairs(flat) for flat in await conn.call("XINFO", "GROUPS", stream)]
-    except ResponseError:  # no such stream yet
+    except RedisReplyError:  # no such stream yet
         return 0
     if not groups:
         return 0

@@ -19,6 +19,11 @@ RawEntry = tuple[str, list[bytes]]
 
 
 class GroupReader:
+    """Reads of one consuming loop, on a connection of its own (opened on first use, and
+    again after a failure). A lost connection raises :class:`RedisUnavailable`; an error
+    reply — ``NOGROUP`` when the stream or its group was deleted — is raised as the
+    :class:`~broker.errors.RedisReplyError` it is."""
+
     def __init__(self, url: str) -> None:
         self._url = url
         self._conn: RespConnection | None = None
@@ -74,10 +79,8 @@ class GroupReader:
                 self._conn = await RespConnection.open(self._url)
             # a blocking read may take its block time; only silence beyond that is a failure
             (reply,) = await self._conn.execute([command], timeout_s=self._timeout_for(command))
-        except BaseException as exc:
+        except BaseException:  # RedisUnavailable, or cancelled mid-read: out of step either way
             await self.close()
-            if isinstance(exc, ConnectionError | OSError):
-                raise RedisUnavailable(f"redis unavailable: {exc}") from exc
             raise
         if isinstance(reply, Exception):
             raise reply
@@ -156,9 +159,9 @@ class Subscriber:
                     push = await self._conn.read_one()
                     if isinstance(push, list) and push and push[0] == b"message":
                         return push[1].decode(), push[2]
-            except (ConnectionError, OSError) as exc:
+            except RedisUnavailable:
                 await self.close()
-                raise RedisUnavailable(f"redis unavailable: {exc}") from exc
+                raise
         return None
 
     async def close(self) -> None:

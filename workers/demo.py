@@ -36,6 +36,7 @@ from broker.connection import Connection
 from broker.envelope import Envelope
 from broker.errors import ReachError
 from broker.records import InstanceCard, MessageRecord
+from broker.replies import answer_in
 from broker.stages import PARKED, TERMINAL, Stage
 from broker.store import MessageStore
 
@@ -187,7 +188,9 @@ async def _follow(
                 while answered < wanted:
                     for entry_id, fields in await reader.read_stream(reply_to, last, block_ms=500):
                         last = entry_id
-                        answered.add(fields["id"].decode())
+                        answer = answer_in(fields)
+                        if answer is not None:
+                            answered.add(answer.id)
                     progress.update(task, completed=len(answered & wanted))
     await conn.call("DEL", reply_to)
 

@@ -29,7 +29,6 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
-from redis.exceptions import ResponseError
 
 from broker import failpoints
 from broker.broadcast import (
@@ -49,7 +48,7 @@ from broker.envelope import (
     encode_envelope,
     load_envelope,
 )
-from broker.errors import RedisUnavailable
+from broker.errors import RedisReplyError, RedisUnavailable
 from broker.ids import entry_message_id, new_message_id
 from broker.keyspace import DISPATCH_GROUP
 from broker.records import MessageRecord
@@ -187,7 +186,7 @@ class Dispatcher:
                 if entries:
                     await self._handle(entries, recovering=False)
                 backoff = 0.1
-            except (RedisUnavailable, ResponseError) as exc:
+            except (RedisUnavailable, RedisReplyError) as exc:
                 backoff = min(backoff * 2, 5.0)
                 log.warning("ingress failed, retrying in %.1fs: %s", backoff, exc)
                 await anyio.sleep(backoff)
@@ -210,7 +209,7 @@ class Dispatcher:
         for entry in entries:
             try:
                 await self.handle_batch([entry], recovering=True)
-            except (RedisUnavailable, ResponseError):
+            except (RedisUnavailable, RedisReplyError):
                 raise
             except Exception as exc:
                 failures = self._failures[entry[0]] = self._failures.get(entry[0], 0) + 1
@@ -473,7 +472,7 @@ class Dispatcher:
                     await self.waiting.reconsider_unmatched(waiting)
                     capabilities |= set(waiting)
                 await self.drain(capabilities)
-            except (RedisUnavailable, ResponseError) as exc:
+            except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("drain failed (the next sweep retries): %s", exc)
 
     async def drain(self, capabilities: Iterable[str]) -> int:
@@ -517,7 +516,7 @@ class Dispatcher:
                     try:
                         await self.refresh()
                         self._to_drain.update(await self.store.waiting_capabilities())
-                    except (RedisUnavailable, ResponseError) as exc:
+                    except (RedisUnavailable, RedisReplyError) as exc:
                         log.warning("registry refresh failed (the sweep retries): %s", exc)
                 else:
                     instance_id, _, in_use = message[1].decode().partition(" ")

@@ -46,11 +46,12 @@ from broker.errors import InvalidEnvelope
 from broker.ids import entry_message_id, new_message_id
 from broker.keyspace import DISPATCH_GROUP
 from broker.records import MessageRecord
-from broker.results import Command, reply_fields
+from broker.results import Command, reply_entry
 from broker.stages import TERMINAL, Stage
 from broker.store import Acceptance, MessageStore, now_ms
 from broker.streams import RawEntry
 from broker.webhooks import callback_problem
+from broker.wire import reply_fields
 
 log = logging.getLogger("agent_reach.intake")
 
@@ -243,9 +244,9 @@ class Intake:
         )
 
     def _answer(self, reply_to: str, message_id: str, error: str) -> list[Command]:
-        fields = reply_fields(message_id, Stage.REJECTED, None, error, attempt=0)
+        entry = reply_entry(message_id, Stage.REJECTED, None, error)
         return [
-            ("XADD", reply_to, "*", *fields),
+            ("XADD", reply_to, "*", *reply_fields(entry)),
             ("EXPIRE", reply_to, self.settings.reply_ttl_s),
         ]
 

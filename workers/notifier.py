@@ -1,19 +1,15 @@
 """The notifier: POSTs each ended message's result to its ``callback_url``, signed, with retries.
 
-Whoever ends a message adds an entry to ``P:outbox`` (:mod:`broker.results`): ``id``,
-``webhook_id``, ``url``, ``body`` (the JSON the webhook receives), ``attempt``. Notifiers share
-the stream through the consumer group ``notify``. A POST is signed as the Standard Webhooks
-specification says (:mod:`broker.webhooks`): ``webhook-id`` (the entry's ``webhook_id``, the
-message id for an entry written without one; the same on every retry, so receivers
-de-duplicate on it: delivery is at least once, DESIGN §3 invariant 7), ``webhook-timestamp``
-and ``webhook-signature``; the older ``X-Reach-Message-Id``, ``X-Reach-Timestamp``,
-``X-Reach-Signature`` and ``X-Reach-Delivery-Attempt`` are sent too, unsigned as a whole.
-
-Where a POST may go is checked twice: the URL's host against ``callback_hosts``
-(:func:`broker.webhooks.callback_problem`), then, at connect time, every address that host
-resolves to (:mod:`workers.egress`): a name on the list that leads to a loopback, private or
-otherwise internal address is refused unless the list covers that address too. Redirects are
-not followed. A refusal is final: the delivery is dead-lettered at once.
+Whoever ends a message adds an entry to ``P:outbox`` (:mod:`broker.results`; the entry is a
+:class:`broker.wire.OutboxEntry`): ``id``, ``webhook_id``, ``url``, ``body`` (the JSON the
+webhook receives), ``attempt``. Notifiers share the stream through the consumer group
+``notify``. Each POST is signed as the Standard Webhooks specification says, with the entry's
+``webhook_id`` (the message id for an entry written without one; the same on every retry, so
+receivers de-duplicate on it: delivery is at least once, DESIGN §3 invariant 7), and goes only
+where the allow-list and the egress guard let it (:mod:`workers.webhook_post`): a name on the
+list that leads to a loopback, private or otherwise internal address is refused unless the
+list covers that address too. Redirects are not followed. A refusal is final: the delivery is
+dead-lettered at once.
 
 Every delivery is one outbox entry, pending with exactly one notifier from the moment it is
 read until it is settled:
@@ -45,149 +41,52 @@ from __future__ import annotations
 
 import logging
 import random
-import re
-import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import httpx
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
-from redis.exceptions import ResponseError
 
-from adapters.http import retry_after_s
 from broker.connection import Connection, ensure_group
 from broker.deadletters import Letter, dead_letter_command
-from broker.errors import ConfigError, RedisUnavailable
+from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import NOTIFY_GROUP
 from broker.retry import retry_delay_ms
 from broker.store import now_ms
 from broker.streams import GroupReader, StreamEntry, field_bytes, parse_entries
 from broker.timeline import CALLBACK_DELIVERED, note_command
-from broker.webhooks import Allowlist, Signer, callback_problem
+from broker.wire import OutboxEntry, outbox_fields, parse_outbox_entry
 
 from .dispatcher import default_consumer_name
-from .egress import EgressRefused, guarded_client
+from .webhook_post import Attempt, WebhookPoster
 
 log = logging.getLogger("agent_reach.notifier")
 
 UNDELIVERABLE = "callback_undeliverable"
-CONCURRENCY = 64  # POSTs in flight at once; a held (waiting) entry takes no slot
 MAX_HELD = 10_000  # entries read and not yet settled; reading pauses beyond this
 READ_BATCH = 256
 READ_BLOCK_MS = 1000
 CLAIM_BATCH = 256
 XCLAIM_CHUNK = 1000
 SETTLE_TIMEOUT_S = 10.0
-# ids go into headers as they are: visible ASCII only (no CR/LF, no space), bounded
-HEADER_SAFE = re.compile(r"[!-~]{1,512}")
-MAX_COUNT_DIGITS = 15  # an attempt or a time in ms; more is not a number we wrote
 
 
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    """One outbox entry: the ``attempt``-th POST of ``body`` to ``url``, not before
-    ``not_before_ms`` (0: at once), signed as ``webhook_id``."""
+class Delivery(OutboxEntry, frozen=True, kw_only=True):
+    """An outbox entry as the notifier holding it sees it: what it says, and which stream
+    entry it is."""
 
     entry_id: str
-    message_id: str
-    webhook_id: str
-    url: str
-    body: bytes
-    attempt: int
-    not_before_ms: int = 0
-    last_error: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Attempt:
-    """What one try came to. ``posted``: the request left (it counts as an attempt);
-    ``final``: retrying cannot help (the URL is refused); ``retry_after_ms``: the receiver's
-    own ``Retry-After``, a floor for the next wait."""
-
-    delivered: bool
-    detail: str
-    posted: bool = True
-    final: bool = False
-    retry_after_ms: int = 0
-
-
-class _BodyStage(msgspec.Struct):
-    stage: str = ""
 
 
 def parse_delivery(entry_id: str, fields: dict[str, bytes]) -> Delivery | str:
-    """The delivery an outbox entry describes, or why it describes none. Never raises,
-    whatever bytes the entry holds (anyone who can ``XADD`` can write one)."""
-    try:
-        return _delivery(entry_id, fields)
-    except ValueError as exc:
-        return f"malformed outbox entry {entry_id}: {exc}"
-
-
-def _delivery(entry_id: str, fields: dict[str, bytes]) -> Delivery:
-    for name in fields:
-        if not _is_utf8(name):
-            raise ValueError(f"field name {_shown(field_bytes(name))} is not UTF-8")
-    message_id = _header_value(fields, "id")
-    return Delivery(
-        entry_id=entry_id,
-        message_id=message_id,
-        webhook_id=_header_value(fields, "webhook_id") if "webhook_id" in fields else message_id,
-        url=_text(fields, "url"),
-        body=_utf8(fields, "body"),
-        attempt=_count(fields, "attempt", default=1, least=1),
-        not_before_ms=_count(fields, "not_before_ms", default=0, least=0),
-        last_error=fields.get("last_error", b"").decode(errors="replace"),
-    )
-
-
-def _is_utf8(name: str) -> bool:
-    """Whether a field name came as UTF-8 (:func:`broker.streams.field_name` keeps other
-    bytes as surrogates, which do not encode)."""
-    try:
-        name.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _utf8(fields: dict[str, bytes], name: str) -> bytes:
-    """A field that must be present and UTF-8 (a receiver's verification decodes the body)."""
-    _text(fields, name)
-    return fields[name]
-
-
-def _text(fields: dict[str, bytes], name: str) -> str:
-    if name not in fields:
-        raise ValueError(f"field {name!r} is missing")
-    try:
-        return fields[name].decode()
-    except UnicodeDecodeError:
-        raise ValueError(f"field {name!r} is not UTF-8: {_shown(fields[name])}") from None
-
-
-def _header_value(fields: dict[str, bytes], name: str) -> str:
-    text = _text(fields, name)
-    if not HEADER_SAFE.fullmatch(text):
-        raise ValueError(
-            f"field {name!r} must be 1 to 512 visible ASCII characters: {_shown(fields[name])}"
-        )
-    return text
-
-
-def _count(fields: dict[str, bytes], name: str, *, default: int, least: int) -> int:
-    raw = fields.get(name) or str(default).encode()
-    if not (raw.isdigit() and len(raw) <= MAX_COUNT_DIGITS and int(raw) >= least):
-        raise ValueError(f"field {name!r} must be a whole number from {least}: {_shown(raw)}")
-    return int(raw)
-
-
-def _shown(raw: bytes) -> str:
-    """``raw`` for an error message: its first 40 bytes."""
-    return repr(raw[:40]) + ("…" if len(raw) > 40 else "")
+    """The delivery an outbox entry describes (:func:`broker.wire.parse_outbox_entry`), or
+    why it describes none. Never raises, whatever bytes the entry holds (anyone who can
+    ``XADD`` can write one)."""
+    entry = parse_outbox_entry(fields)
+    if isinstance(entry, str):
+        return f"malformed outbox entry {entry_id}: {entry}"
+    return Delivery(entry_id=entry_id, **msgspec.structs.asdict(entry))
 
 
 def backoff_ms(
@@ -209,13 +108,10 @@ class Notifier:
         self.settings = conn.settings
         self.consumer = consumer or default_consumer_name()
         self.rng = rng or random.Random()
-        self.allowlist = Allowlist.parse(self.settings.callback_hosts)
-        self.signer = _signer(self.settings.webhook_secret)
+        self.poster = WebhookPoster(self.settings)
         self.handled: dict[str, int] = {}  # delivered / retried / dead-lettered, over its life
-        self._limit = anyio.CapacityLimiter(CONCURRENCY)
         self._held: dict[str, anyio.CancelScope] = {}  # entry id -> its task's scope
         self._room = anyio.Event()
-        self._http: httpx.AsyncClient | None = None
         self._tg: TaskGroup | None = None
 
     @property
@@ -225,29 +121,17 @@ class Notifier:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await ensure_group(self.conn, self.keys.outbox, NOTIFY_GROUP)
-        for entry in self.allowlist.unusable:
-            log.warning(
-                "callback_hosts entry %r is no host, host:port, IP address or network: it"
-                " allows nothing",
-                entry,
-            )
-        timeout_s = self.settings.webhook_timeout_s
-        self._http = guarded_client(
-            self.allowlist,
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
-            limits=httpx.Limits(max_connections=CONCURRENCY),
-        )
-        try:
-            async with self.conn.reader() as reader, anyio.create_task_group() as tg:
-                self._tg = tg
-                await self._recover(reader)
-                tg.start_soon(self._every, self._renew_every_s(), self.renew)
-                tg.start_soon(self._every, self.settings.sweep_interval_s, self.claim_abandoned)
-                task_status.started()
-                await self._read_loop(reader)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._http.aclose()
+        async with (
+            self.poster,
+            self.conn.reader() as reader,
+            anyio.create_task_group() as tg,
+        ):
+            self._tg = tg
+            await self._recover(reader)
+            tg.start_soon(self._every, self._renew_every_s(), self.renew)
+            tg.start_soon(self._every, self.settings.sweep_interval_s, self.claim_abandoned)
+            task_status.started()
+            await self._read_loop(reader)
 
     # -- taking entries ----------------------------------------------------------------------
 
@@ -279,11 +163,12 @@ class Notifier:
                     count=min(READ_BATCH, MAX_HELD - len(self._held)),
                     block_ms=READ_BLOCK_MS,
                 )
-            except (RedisUnavailable, ResponseError) as exc:
+            except (RedisUnavailable, RedisReplyError) as exc:
                 backoff = min(backoff * 2, 5.0)
                 log.warning("outbox read failed, retrying in %.1fs: %s", backoff, exc)
                 await anyio.sleep(backoff)
-                if "NOGROUP" in str(exc):  # the stream was deleted, or Redis lost its data
+                if isinstance(exc, RedisReplyError) and exc.code == "NOGROUP":
+                    # the stream was deleted, or Redis lost its data
                     await ensure_group(self.conn, self.keys.outbox, NOTIFY_GROUP)
                 continue
             backoff = 0.1
@@ -345,7 +230,7 @@ class Notifier:
             await anyio.sleep(interval_s)
             try:
                 await step()
-            except (RedisUnavailable, ResponseError) as exc:
+            except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("%s failed (retried in %.1fs): %s", step.__name__, interval_s, exc)
 
     async def renew(self) -> int:
@@ -395,9 +280,9 @@ class Notifier:
                 wait_ms = delivery.not_before_ms - now_ms()
                 if wait_ms > 0:
                     await anyio.sleep(wait_ms / 1000)
-                attempt = await self._attempt(delivery)
+                attempt = await self.poster.attempt(delivery)
                 await self._settle_shielded(self._settle(delivery, attempt))
-        except (RedisUnavailable, ResponseError, TimeoutError) as exc:
+        except (RedisUnavailable, RedisReplyError, TimeoutError) as exc:
             # still pending: taken up again (by this notifier or another) after claim_idle_s
             log.warning("webhook delivery %s not settled, retried later: %s", entry_id, exc)
         finally:
@@ -407,48 +292,6 @@ class Notifier:
         """Write the outcome even while stopping: a settlement is one short round trip."""
         with anyio.CancelScope(shield=True), anyio.fail_after(SETTLE_TIMEOUT_S):
             await settle
-
-    async def _attempt(self, delivery: Delivery) -> Attempt:
-        signer = self.signer
-        problem = callback_problem(delivery.url, self.allowlist, signer.secret if signer else None)
-        if problem or not signer:
-            return Attempt(False, problem or "no webhook_secret", posted=False, final=True)
-        async with self._limit:
-            return await self._post(delivery, signer)
-
-    async def _post(self, delivery: Delivery, signer: Signer) -> Attempt:
-        assert self._http is not None
-        headers = signer.headers(
-            webhook_id=delivery.webhook_id,
-            message_id=delivery.message_id,
-            timestamp=int(time.time()),
-            body=delivery.body,
-            attempt=delivery.attempt,
-        )
-        timeout_s = self.settings.webhook_timeout_s
-        with anyio.move_on_after(timeout_s):  # in all: a receiver trickling bytes counts too
-            try:
-                response = await self._http.post(
-                    delivery.url, content=delivery.body, headers=headers
-                )
-            except EgressRefused as exc:  # nothing was sent, and nothing else would change
-                return Attempt(False, str(exc), posted=False, final=True)
-            except httpx.ReadTimeout:
-                return Attempt(False, f"no answer within {timeout_s:g} s")
-            except httpx.HTTPError as exc:
-                return Attempt(False, f"{type(exc).__name__}: {exc}".rstrip(": "))
-            except (httpx.InvalidURL, ValueError) as exc:  # a URL httpx cannot send to: final
-                return Attempt(
-                    False, f"cannot POST to {delivery.url!r}: {exc}", posted=False, final=True
-                )
-            status = response.status_code
-            if 200 <= status < 300:
-                return Attempt(True, f"answered {status}")
-            wait_ms = 0
-            if status in (429, 503) and "retry-after" in response.headers:
-                wait_ms = int(retry_after_s(response.headers["retry-after"]) * 1000)
-            return Attempt(False, f"answered {status}", retry_after_ms=wait_ms)
-        return Attempt(False, f"no answer within {timeout_s:g} s")
 
     # -- settling ----------------------------------------------------------------------------
 
@@ -479,16 +322,16 @@ class Notifier:
             rng=self.rng,
         )
         wait_ms = max(wait_ms, min(attempt.retry_after_ms, s.webhook_backoff_max_ms))
-        fields: dict[str, Any] = {
-            "id": delivery.message_id,
-            "webhook_id": delivery.webhook_id,
-            "url": delivery.url,
-            "body": delivery.body,
-            "attempt": delivery.attempt + 1,
-            "not_before_ms": now_ms() + wait_ms,
-            "last_error": attempt.detail,
-        }
-        added = ("XADD", self.keys.outbox, "*", *_flat(fields))
+        retry = OutboxEntry(
+            message_id=delivery.message_id,
+            webhook_id=delivery.webhook_id,
+            url=delivery.url,
+            body=delivery.body,
+            attempt=delivery.attempt + 1,
+            not_before_ms=now_ms() + wait_ms,
+            last_error=attempt.detail,
+        )
+        added = ("XADD", self.keys.outbox, "*", *outbox_fields(retry))
         await self._run(self._done(delivery.entry_id, also=[added]))
         self._count("retried")
         log.warning(
@@ -570,17 +413,6 @@ class Notifier:
         self.handled[action] = self.handled.get(action, 0) + 1
 
 
-def _signer(secret: str | None) -> Signer | None:
-    """The signer of ``secret`` (``None``: webhooks are off). A ``whsec_`` secret that is not
-    base64 is refused when settings are built; settings made some other way meet it here."""
-    if not secret:
-        return None
-    try:
-        return Signer.from_secret(secret)
-    except ValueError as exc:
-        raise ConfigError("webhook_secret", str(exc)) from exc
-
-
 def _entry_json(fields: dict[str, bytes]) -> bytes:
     """A malformed entry as JSON for its dead letter: every name and value as text, bytes
     that are not UTF-8 shown as U+FFFD."""
@@ -591,12 +423,14 @@ def _entry_json(fields: dict[str, bytes]) -> bytes:
     return msgspec.json.encode(readable)
 
 
-def _flat(fields: dict[str, Any]) -> list[Any]:
-    return [item for pair in fields.items() for item in pair]
+class _BodyStage(msgspec.Struct):
+    stage: str = ""
 
 
 def _stage_of(body: bytes) -> str:
+    """The ``stage`` a result body names, for its dead letter; ``""`` for a body that is no
+    JSON object, or nests too deeply to read."""
     try:
         return msgspec.json.decode(body, type=_BodyStage).stage
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return ""

@@ -38,14 +38,13 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
-from redis.exceptions import ResponseError
 
 from adapters.status import StatusClient
 from broker.broadcast import decode_children
 from broker.connection import Connection
 from broker.deadletters import Letter
 from broker.envelope import Envelope, load_envelope
-from broker.errors import RedisUnavailable
+from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
 from broker.records import InstanceView, MessageRecord
 from broker.registry import Registry
@@ -53,6 +52,7 @@ from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move, now_ms
 from broker.streams import parse_entries
+from broker.wire import ReplyEntry
 
 from .janitor import Janitor
 from .routing_table import RoutingTable, routing_policy
@@ -106,7 +106,7 @@ class Reaper:
             while True:
                 try:
                     await self.tick()
-                except (RedisUnavailable, ResponseError) as exc:
+                except (RedisUnavailable, RedisReplyError) as exc:
                     log.warning("reaper tick failed (the next one retries): %s", exc)
                 await anyio.sleep(self.settings.sweep_interval_s)
         finally:
@@ -260,7 +260,7 @@ class Reaper:
             reply = await self.conn.call(
                 "XAUTOCLAIM", queue, SIDECAR_GROUP, "reaper", idle_ms, "0-0", "COUNT", CLAIM_BATCH
             )
-        except ResponseError:
+        except RedisReplyError:
             return 0  # no stream or no group: nothing was ever assigned there
         claimed = [e[0] for e in reply[1] if e]
         if not claimed:
@@ -548,12 +548,13 @@ class Reaper:
         if await self.conn.call("HSETNX", key, "deadline_told", 1):
             await self.store.send_reply(
                 record.reply_to,
-                {
-                    "id": record.id,
-                    "stage": Stage.PROCESSING.value,
-                    "notice": "deadline_passed",
-                    "error": "the deadline passed while the agent may still be working on it",
-                },
+                ReplyEntry(
+                    id=record.id,
+                    stage=Stage.PROCESSING,
+                    attempt=record.attempt,
+                    notice="deadline_passed",
+                    error="the deadline passed while the agent may still be working on it",
+                ),
             )
 
 

@@ -19,7 +19,6 @@ from urllib.parse import urlsplit
 import anyio
 import msgspec
 import pytest
-from redis.exceptions import ResponseError
 from starlette.applications import Starlette
 
 from adapters.asgi import serve_app
@@ -27,6 +26,7 @@ from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection
 from broker.envelope import Envelope, complete
+from broker.errors import RedisReplyError
 from broker.keyspace import NOTIFY_GROUP
 from broker.results import delivery_commands
 from broker.stages import Stage
@@ -130,7 +130,9 @@ async def events(conn: Connection, message_id: str) -> list[str]:
 async def pending_with(conn: Connection, consumer: str) -> list[str]:
     try:
         rows = await conn.call("XPENDING", conn.keys.outbox, NOTIFY_GROUP, "-", "+", 100, consumer)
-    except ResponseError:  # NOGROUP: no notifier has started yet
+    except RedisReplyError as exc:
+        if exc.code != "NOGROUP":  # NOGROUP: no notifier has started yet
+            raise
         return []
     return [row[0].decode() for row in rows]
 
@@ -490,6 +492,11 @@ MALFORMED: dict[str, tuple[dict[bytes, bytes], str]] = {
     "field-name-not-utf8": (
         {**GOOD, b"\xffid": b"m-bad"},
         "field name b'\\xffid' is not UTF-8",
+    ),
+    # its dead letter names the body's stage: a body nested too deeply to read has none
+    "no-url-and-a-body-nested-5000-deep": (
+        but(url=None, body=b'{"x":' + b"[" * 5000 + b"]" * 5000 + b"}"),
+        "field 'url' is missing",
     ),
 }
 

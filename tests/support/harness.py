@@ -10,10 +10,12 @@ import anyio
 from adapters.http import HttpTransport
 from adapters.sidecar import Sidecar
 from adapters.transport import Transport
-from broker.client import Result, result_from_fields
+from broker.client import Result
 from broker.config import Settings
 from broker.connection import Connection, open_connection
 from broker.records import InstanceCard
+from broker.replies import result_of
+from broker.wire import parse_reply_entry
 from workers.dispatcher import Dispatcher
 from workers.notifier import Notifier
 from workers.reaper import Reaper
@@ -132,10 +134,10 @@ async def collect_replies(
             while len(results) < count:
                 for entry_id, fields in await reader.read_stream(reply_to, last, block_ms=500):
                     last = entry_id
-                    if "notice" in fields:  # not an outcome (deadline passed, replayed)
-                        continue
-                    result = result_from_fields(fields)
-                    results[result.id] = result
+                    entry = parse_reply_entry(fields)
+                    assert not isinstance(entry, str), f"unreadable reply {fields!r}: {entry}"
+                    if entry.is_outcome:  # a notice is none (deadline passed, replayed)
+                        results[entry.id] = result_of(entry)
     return results
 
 

@@ -32,6 +32,8 @@ PURE = [
     "entries",
     "deadletters",
     "jsondepth",
+    "wire",
+    "recovery",
 ]
 IO_LIBRARIES = {"redis", "httpx", "anyio"}
 PACKAGES = ["broker", "workers", "adapters"]

@@ -1,28 +1,56 @@
-"""Redis error replies: transient ones read as 'unavailable', others stay errors."""
+"""Redis error replies become our errors at the boundary: transient ones read as
+'unavailable', the others as a :class:`RedisReplyError` that carries its code."""
 
 from __future__ import annotations
 
 import pytest
-from redis.exceptions import NoScriptError, ResponseError
+from hypothesis import given
+from hypothesis import strategies as st
 
-from broker.errors import RedisUnavailable
-from broker.resp import _error
+from broker.errors import ReachError, RedisReplyError, RedisUnavailable
+from broker.resp import TRANSIENT, _error
 
 
 @pytest.mark.parametrize(
-    "message",
+    ("message", "code"),
     [
-        "LOADING Redis is loading the dataset in memory",
-        "OOM command not allowed when used memory > 'maxmemory'.",
-        "BUSY Redis is busy running a script.",
-        "READONLY You can't write against a read only replica.",
+        ("LOADING Redis is loading the dataset in memory", "LOADING"),
+        ("OOM command not allowed when used memory > 'maxmemory'.", "OOM"),
+        ("BUSY Redis is busy running a script.", "BUSY"),
+        ("READONLY You can't write against a read only replica.", "READONLY"),
     ],
 )
-def test_transient_error_replies_are_unavailability(message: str) -> None:
-    assert isinstance(_error(message), RedisUnavailable)
+def test_transient_error_replies_are_unavailability(message: str, code: str) -> None:
+    error = _error(message)
+
+    assert isinstance(error, RedisUnavailable) and error.code == code
+    assert message in str(error)
 
 
-def test_other_error_replies_stay_errors() -> None:
-    assert type(_error("BUSYGROUP Consumer Group name already exists")) is ResponseError
-    assert type(_error("WRONGTYPE Operation against a key")) is ResponseError
-    assert isinstance(_error("NOSCRIPT No matching script"), NoScriptError)
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        ("BUSYGROUP Consumer Group name already exists", "BUSYGROUP"),  # not BUSY
+        ("WRONGTYPE Operation against a key holding the wrong kind of value", "WRONGTYPE"),
+        ("NOSCRIPT No matching script. Please use EVAL.", "NOSCRIPT"),
+        ("NOGROUP No such key 'P:outbox' or consumer group 'notify'", "NOGROUP"),
+        ("NOPERM this user has no permissions to run the 'keys' command", "NOPERM"),
+        ("ERR unknown command 'NOPE'", "ERR"),
+        ("", ""),
+    ],
+)
+def test_other_error_replies_carry_their_code_and_the_whole_reply(message: str, code: str) -> None:
+    error = _error(message)
+
+    assert type(error) is RedisReplyError and isinstance(error, ReachError)
+    assert (error.code, error.message, str(error)) == (code, message, message)
+
+
+@given(st.text(max_size=60))
+def test_any_reply_text_becomes_one_of_our_two_errors(message: str) -> None:
+    error = _error(message)
+
+    code = message.split(" ", 1)[0]
+    assert error.code == code
+    assert isinstance(error, RedisUnavailable) is (code in TRANSIENT)
+    assert isinstance(error, RedisReplyError) is (code not in TRANSIENT)
