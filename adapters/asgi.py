@@ -22,13 +22,15 @@ async def serve_app(
     port: int = 0,
     *,
     header_timeout_s: float | None = None,
+    max_connections: int | None = None,
 ) -> AsyncIterator[str]:
     """Serve an ASGI app with uvicorn in this event loop; yields its URL (``port`` 0: any).
 
     With ``header_timeout_s``, a connection whose request headers are not complete within
     that long — of its opening, or of the previous response — is closed (for endpoints open
     to clients we do not run: a client that never finishes its headers holds a connection
-    for good otherwise). Without it, uvicorn's own protocol serves, as it chooses it."""
+    for good otherwise). Without it, uvicorn's own protocol serves, as it chooses it. With
+    ``max_connections``, past that many connections at once uvicorn answers 503."""
     # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
     # and accepted sockets inherit it. Without it, a response written in two parts waits on
     # the client's delayed ACK: 40 ms a call.
@@ -37,7 +39,12 @@ async def serve_app(
     sock.bind((host, port))
     bound = sock.getsockname()[1]
     config = uvicorn.Config(
-        app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=3
+        app,
+        log_level="warning",
+        lifespan="off",
+        access_log=False,
+        timeout_graceful_shutdown=3,
+        limit_concurrency=max_connections,
     )
     if header_timeout_s is not None:
         config.http = header_deadline_protocol(header_timeout_s)

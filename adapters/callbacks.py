@@ -23,6 +23,7 @@ import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -108,22 +109,34 @@ def parse_callback(body: bytes) -> Succeeded | Failed | str:
 
 
 Receiver = Callable[[str, str, Succeeded | Failed], Awaitable[Answer]]
+# Checks a callback's token before its body is read: None to go on, or the refusal (401).
+Authorizer = Callable[[str, str], Awaitable[Answer | None]]
 
 
-def callback_app(receive: Receiver, *, max_bytes: int) -> Starlette:
-    """``POST /callbacks/{message_id}``: checks size and body, then ``receive`` decides."""
+def callback_app(
+    authorize: Authorizer, receive: Receiver, *, max_bytes: int, body_timeout_s: float
+) -> Starlette:
+    """``POST /callbacks/{message_id}``: the token first (``authorize``: nothing is read
+    for a caller without a good one), then a body of at most ``max_bytes`` within
+    ``body_timeout_s`` (408 past it), then ``receive`` decides."""
 
     async def callback(request: Request) -> Response:
+        message_id = request.path_params["message_id"]
         token = request.headers.get(TOKEN_HEADER)
         if not token:
             return _json(Answer(401, {"error": f"missing {TOKEN_HEADER} header"}))
-        body = await read_body(request, max_bytes)
+        refused = await authorize(message_id, token)
+        if refused is not None:
+            return _json(refused)
+        body: bytes | Answer = Answer(408, {"error": "the body did not arrive in time"})
+        with anyio.move_on_after(body_timeout_s):
+            body = await read_body(request, max_bytes)
         if isinstance(body, Answer):
             return _json(body)
         outcome = parse_callback(body)
         if isinstance(outcome, str):
             return _json(Answer(400, {"error": outcome}))
-        return _json(await receive(request.path_params["message_id"], token, outcome))
+        return _json(await receive(message_id, token, outcome))
 
     return Starlette(routes=[Route(CALLBACK_PATH + "{message_id}", callback, methods=["POST"])])
 

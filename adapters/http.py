@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import email.utils
+import math
+from dataclasses import dataclass
 
 import httpx
 import msgspec
@@ -25,9 +27,20 @@ from .transport import reach_headers
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol)
 
 
+DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
+
+
 class HttpTransport:
-    def __init__(self, url: str, *, timeout_s: float, max_connections: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float,
+        max_connections: int,
+        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+    ) -> None:
         self.url = url
+        self.max_result_bytes = max_result_bytes
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
             limits=httpx.Limits(
@@ -50,15 +63,23 @@ class HttpTransport:
             reason = f"cannot build the request to {self.url}: {type(exc).__name__}: {exc}"
             return Failed(reason, fault=False)
         try:
-            response = await self._client.send(request)
+            response = await self._client.send(request, stream=True)
+            try:
+                body = await read_limited(response, self.max_result_bytes)
+            finally:
+                await response.aclose()
         except _NOT_SENT as exc:
             return NotReached(f"agent unreachable at {self.url}: {type(exc).__name__}: {exc}")
         except httpx.HTTPError as exc:
             return Ambiguous(f"no answer from {self.url}: {type(exc).__name__}: {exc}")
-        return self.outcome(response)
+        if body is None:
+            status = response.status_code
+            why = f"agent answered {status} with a body over the {self.max_result_bytes}-byte limit"
+            return Failed(why, fault=status >= 500 or status < 400)
+        return self.outcome(AgentAnswer(response.status_code, response.headers, body))
 
-    def outcome(self, response: httpx.Response) -> Outcome:
-        return _from_response(response)
+    def outcome(self, answer: AgentAnswer) -> Outcome:
+        return _from_answer(answer)
 
     def headers(self, envelope: Envelope, attempt: int) -> dict[str, str]:
         headers = reach_headers(envelope, attempt)
@@ -93,10 +114,10 @@ class HttpAsyncTransport(HttpTransport):
         headers[TOKEN_HEADER] = self._tokens.token(envelope.message_id, attempt)
         return headers
 
-    def outcome(self, response: httpx.Response) -> Outcome:
-        if response.status_code == 202:  # whatever the body: "Accepted" as text is common
-            return Accepted(_task_id(response.content))
-        return _from_response(response)
+    def outcome(self, answer: AgentAnswer) -> Outcome:
+        if answer.status == 202:  # whatever the body: "Accepted" as text is common
+            return Accepted(_task_id(answer.body))
+        return _from_answer(answer)
 
 
 def _task_id(body: bytes) -> str:
@@ -109,35 +130,73 @@ def _task_id(body: bytes) -> str:
 
 
 DEFAULT_RETRY_AFTER_S = 1.0
+# The longest wait a Retry-After may ask for: past it, the value is taken as this. An answer
+# of "inf" or 1e400 must not stop the process that reads it.
+MAX_RETRY_AFTER_S = 3600.0
 
 
 def retry_after_s(value: str | None) -> float:
-    """``Retry-After`` as seconds: a number of seconds or an HTTP date (RFC 9110 §10.2.3)."""
+    """``Retry-After`` as seconds: a number of seconds or an HTTP date (RFC 9110 §10.2.3),
+    between 0 and ``MAX_RETRY_AFTER_S`` whatever the text (not a number: the default)."""
     if not value:
         return DEFAULT_RETRY_AFTER_S
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
-        pass
+        seconds = _seconds_until(value)
+    if math.isnan(seconds):
+        return DEFAULT_RETRY_AFTER_S
+    return min(MAX_RETRY_AFTER_S, max(0.0, seconds))
+
+
+def _seconds_until(value: str) -> float:
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+        return (when - datetime.datetime.now(datetime.UTC)).total_seconds()
+    except (TypeError, ValueError, OverflowError):
         return DEFAULT_RETRY_AFTER_S
-    return max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds())
 
 
-def _from_response(response: httpx.Response) -> Outcome:
-    status = response.status_code
-    retry_after = response.headers.get("retry-after")
+@dataclass(frozen=True, slots=True)
+class AgentAnswer:
+    """An agent's HTTP answer, its body read (within the limit)."""
+
+    status: int
+    headers: httpx.Headers
+    body: bytes
+
+    @property
+    def snippet(self) -> str:
+        return self.body[:200].decode(errors="replace")
+
+
+async def read_limited(response: httpx.Response, max_bytes: int) -> bytes | None:
+    """The body of a streamed response, or ``None`` as soon as it passes ``max_bytes``
+    (declared or read: decoded bytes count, so a compressed bomb is cut off too)."""
+    declared = response.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and len(declared) < 20:
+        if int(declared) > max_bytes:
+            return None
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) > max_bytes:
+            return None
+    return bytes(body)
+
+
+def _from_answer(answer: AgentAnswer) -> Outcome:
+    status = answer.status
+    retry_after = answer.headers.get("retry-after")
     if status == 429 or (status == 503 and retry_after):
         # 429, or 503 *with* Retry-After: the agent refused the work for now (DESIGN §7). A
         # bare 503 may come from a proxy after the agent acted: not proof of anything.
         wait = retry_after_s(retry_after)
         return Backoff(f"agent answered {status}: busy, retry after {wait:g} s", wait)
     if status == 503:
-        return Ambiguous(f"agent answered 503 without Retry-After: {response.text[:200]}")
+        return Ambiguous(f"agent answered 503 without Retry-After: {answer.snippet}")
     if 200 <= status < 300:
-        body = response.content or b"null"
+        body = answer.body or b"null"
         try:
             msgspec.json.decode(body)
         except msgspec.DecodeError:
@@ -145,6 +204,6 @@ def _from_response(response: httpx.Response) -> Outcome:
         except RecursionError:  # msgspec gives up on very deep nesting
             return Failed(f"agent answered {status} with JSON nested too deeply to read")
         return Succeeded(body)
-    snippet = response.text[:200]
+    snippet = answer.snippet
     reason = f"agent answered {status}: {snippet}" if snippet else f"agent answered {status}"
     return Failed(reason, fault=status >= 500)

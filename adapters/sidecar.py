@@ -51,6 +51,9 @@ READ_BLOCK_MS = 1000
 # An entry whose handling raised this many times in a row is let go of (see _give_up).
 MAX_INTERNAL_ERRORS = 3
 SIDECAR_ERROR = "SIDECAR_ERROR"
+# an entry taken again from this instance's pending list: after a restart, or a try that
+# failed inside the sidecar
+RESUMED = "resumed from this instance's pending entries"
 OVERDUE_CHECK_S = 0.1
 
 
@@ -389,6 +392,7 @@ class Sidecar:
         self._held.difference_update(item.taken.entry_id for item in batch)
         for item in batch:
             self._forget(item.taken)
+            self._errors.pop(item.taken.entry_id, None)  # let go of: its count goes too
 
     def _forget(self, taken: Taken) -> None:
         if self._by_message.get(taken.message_id) == taken:
@@ -413,9 +417,19 @@ class Sidecar:
         self._tokens = CallbackTokens(await self.conn.call("GET", key))
         host, port, public_url = self._callback_bind
         settings = self.conn.settings
-        app = callback_app(self.on_callback, max_bytes=settings.max_callback_bytes)
-        header_timeout_s = settings.callback_header_timeout_s
-        async with serve_app(app, host, port, header_timeout_s=header_timeout_s) as url:
+        app = callback_app(
+            self.authorize_callback,
+            self.on_callback,
+            max_bytes=settings.max_callback_bytes,
+            body_timeout_s=settings.callback_body_timeout_s,
+        )
+        async with serve_app(
+            app,
+            host,
+            port,
+            header_timeout_s=settings.callback_header_timeout_s,
+            max_connections=settings.callback_max_connections,
+        ) as url:
             self.callback_url = (public_url or url).rstrip("/")
             self.transport.bind_callbacks(self.callback_url, self._tokens)  # type: ignore[attr-defined]
             log.info("instance %s takes callbacks at %s", self.instance_id, self.callback_url)
@@ -441,6 +455,18 @@ class Sidecar:
         elif not moved.ok and moved.stage is not Stage.CALLBACK_RECEIVED:
             self._done(taken)  # settled meanwhile by someone else: let go of it
         # CALLBACK_RECEIVED: the callback beat the 202 here, and is finishing it
+
+    async def authorize_callback(self, message_id: str, token: str) -> Answer | None:
+        """The token's check, before a body is read: a token made here for this id (a bare
+        hex one of an earlier version is checked against the record's attempts)."""
+        assert self._tokens is not None
+        latest = 0
+        if "." not in token:  # bare hex: which attempts it may be for, the record says
+            record = await self.store.get_record(message_id)
+            latest = record.attempt if record is not None else 0
+        if self._tokens.attempt_of(token, message_id, latest) is None:
+            return Answer(401, {"error": "callback token does not match"})
+        return None
 
     async def on_callback(self, message_id: str, token: str, outcome: Succeeded | Failed) -> Answer:
         """An agent's callback: checked against the token and the record, then recorded
@@ -679,7 +705,7 @@ class Sidecar:
             return
         envelope = load_envelope(record.envelope)
         if moved.stage is Stage.RECEIVED:
-            await self._execute(taken, envelope, Stage.RECEIVED, "resumed after restart")
+            await self._execute(taken, envelope, Stage.RECEIVED, RESUMED)
         elif moved.stage is Stage.CALLBACK_RECEIVED:
             self._finish_callback(taken, envelope, _callback_outcome(record))
         elif moved.stage is Stage.PROCESSING:
@@ -711,7 +737,7 @@ class Sidecar:
                 taken,
                 envelope,
                 Stage.PROCESSING,
-                "resumed after restart; agent is idempotent, same idempotency key",
+                f"{RESUMED}; agent is idempotent, same idempotency key",
             )
         else:
             await self._settle(

@@ -13,6 +13,8 @@ from typing import Literal
 import httpx
 import msgspec
 
+from .http import DEFAULT_MAX_RESULT_BYTES, read_limited
+
 State = Literal["done", "running", "failed", "unknown"]
 
 
@@ -31,23 +33,31 @@ _decoder = msgspec.json.Decoder(Status)
 
 
 class StatusClient:
-    def __init__(self, *, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, *, timeout_s: float = 5.0, max_answer_bytes: int = DEFAULT_MAX_RESULT_BYTES
+    ) -> None:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+        self.max_answer_bytes = max_answer_bytes
 
     async def query(self, status_url: str, message_id: str) -> Status:
         if not status_url:
             return Status("unknown", why="the agent has no status endpoint")
         url = f"{status_url.rstrip('/')}/{message_id}"
+        headers = {"X-Reach-Message-Id": message_id}
         try:
-            response = await self._client.get(url, headers={"X-Reach-Message-Id": message_id})
+            async with self._client.stream("GET", url, headers=headers) as response:
+                body = await read_limited(response, self.max_answer_bytes)
         except Exception as exc:  # any failure to ask is "unknown", never a crash
             return Status("unknown", why=f"status query failed: {type(exc).__name__}")
         if response.status_code == 404:
             return Status("unknown", why="status endpoint: 404, message not known")
         if response.status_code != 200:
             return Status("unknown", why=f"status endpoint answered {response.status_code}")
+        if body is None:
+            why = f"status endpoint answer over the {self.max_answer_bytes}-byte limit"
+            return Status("unknown", why=why)
         try:
-            status = _decoder.decode(response.content)
+            status = _decoder.decode(body)
         except msgspec.DecodeError as exc:
             return Status("unknown", why=f"status endpoint answer not understood: {exc}")
         except RecursionError:  # msgspec gives up on very deep nesting

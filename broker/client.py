@@ -21,7 +21,6 @@ them) nor read access to records (``result`` and ``trace`` need that).
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import ExitStack, asynccontextmanager, contextmanager
@@ -35,10 +34,11 @@ import msgspec
 from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from .acl import PRODUCER_NAME
 from .config import Settings, answer_grace_s, load_settings
 from .connection import Connection, open_connection
 from .embedded import embedded_redis
-from .envelope import Envelope, check_envelope, complete, encode_envelope
+from .envelope import Envelope, check_envelope, complete, encode_envelope, request_digest
 from .errors import ClientNotOpen, InvalidEnvelope, RedisReplyError, RequestTimeout, UnknownMessage
 from .records import MessageRecord, TimelineEntry
 from .replies import ReplyInbox, Result, answer_in, result_from_fields
@@ -58,9 +58,6 @@ __all__ = [
 
 log = logging.getLogger("agent_reach.client")
 
-# A Redis user name that can name reply streams as it is (the rest fall back to "client").
-_STREAM_OWNER = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
 
 def reply_stream_owner(url: str) -> str:
     """Whose reply streams a client on ``url`` makes: the URL's Redis user when it has one
@@ -70,7 +67,8 @@ def reply_stream_owner(url: str) -> str:
     except ValueError:
         return "client"
     name = unquote(user) if user else ""
-    return name if _STREAM_OWNER.fullmatch(name) else "client"
+    # the rule `agent-reach acl` names producers by; any other user falls back to "client"
+    return name if PRODUCER_NAME.fullmatch(name) else "client"
 
 
 class Trace(msgspec.Struct, frozen=True):
@@ -169,7 +167,7 @@ class Client:
         envelope = request_envelope(capability, payload, timeout, inbox.stream, envelope_fields)
         message_id = envelope.message_id
         waited = timeout + answer_grace_s(self.conn.settings) if wait_s is None else wait_s
-        with inbox.expecting(message_id) as waiter:
+        with inbox.expecting(message_id, request_digest(envelope)) as waiter:
             await self.submit(envelope)
             with anyio.move_on_after(waited):
                 await waiter.done.wait()

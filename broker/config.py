@@ -21,7 +21,8 @@ ENV_PREFIX = "AGENT_REACH_"
 # Variables under the prefix that are read elsewhere, not settings.
 NON_SETTING_ENV = frozenset({"CONFIG", "FAILPOINTS", "CHAOS", "STATE_DIR"})
 
-Positive = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+# Durations: from a hundredth of a second (a smaller one would make a loop spin) to a day.
+Positive = Annotated[float, msgspec.Meta(ge=0.01, le=86400)]
 Ratio = Annotated[float, msgspec.Meta(ge=0, le=1)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]
 
@@ -76,6 +77,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     callback_timeout_s: Positive = 600.0
     # async agents: the largest result an agent may POST to a sidecar's callback endpoint
     max_callback_bytes: Annotated[int, msgspec.Meta(ge=256, le=64 * 1024 * 1024)] = 1024 * 1024
+    # the largest answer an agent (or its status endpoint) may give a sidecar's call
+    max_result_bytes: Annotated[int, msgspec.Meta(ge=256, le=64 * 1024 * 1024)] = 1024 * 1024
     # result delivery (the notifier): webhooks to `callback_url`
     webhook_secret: str | None = None  # HMAC-SHA256 key; no secret, no webhooks
     callback_hosts: list[str] = msgspec.field(default_factory=list)  # allowed webhook hosts
@@ -86,9 +89,13 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     # async agents: a connection to the callback endpoint that has not sent its request's
     # headers within this long is closed (a slow-headers client holds no slot for long)
     callback_header_timeout_s: Positive = 10.0
+    # ... and one whose body has not arrived this long after its headers gets 408
+    callback_body_timeout_s: Positive = 30.0
+    # connections the callback endpoint serves at once; past them it answers 503
+    callback_max_connections: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 256
     # caps: nothing grows without bound (README, "Caps")
-    dlq_max_entries: Annotated[int, msgspec.Meta(ge=100, le=100_000_000)] = 100_000
-    dlq_entry_max_bytes: Annotated[int, msgspec.Meta(ge=256, le=64 * 1024 * 1024)] = 64 * 1024
+    dlq_max_entries: Annotated[int, msgspec.Meta(ge=100, le=100_000_000)] = 10_000
+    dlq_entry_max_bytes: Annotated[int, msgspec.Meta(ge=256, le=64 * 1024 * 1024)] = 16 * 1024
     route_from_max_listed: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 20
     reply_ttl_s: Annotated[int, msgspec.Meta(ge=60, le=365 * 86400)] = 86400
     instance_gone_after_s: Annotated[float, msgspec.Meta(gt=0, le=365 * 86400)] = 86400.0

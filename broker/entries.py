@@ -45,6 +45,9 @@ class MalformedEntry:
     entry_id: str
     reason: str
     raw: bytes
+    # the one `envelope` field among others, if any: its id and reply_to can still be read,
+    # so its producer is told why
+    envelope: bytes | None = None
 
 
 def parse_ingress(entry_id: str, flat: Sequence[bytes]) -> IngressEntry | MalformedEntry:
@@ -64,12 +67,14 @@ def parse_ingress(entry_id: str, flat: Sequence[bytes]) -> IngressEntry | Malfor
         reason = f"stream entry has fields besides `envelope`: {listed}"
     else:
         reason = "stream entry has a field without a value"
-    return MalformedEntry(entry_id, reason, fields_as_bytes(pairs))
+    alone = envelopes[0] if len(envelopes) == 1 else None
+    return MalformedEntry(entry_id, reason, fields_as_bytes(pairs), alone)
 
 
 def _shown(name: bytes) -> str:
-    """A field name for a reason: quoted, escaped where it is not printable, cut short."""
-    return ascii(name.decode(errors="backslashreplace")[:40])
+    """A field name for a reason: quoted, its bytes that are not printable ASCII escaped
+    once (as ``\\xff``), cut short."""
+    return repr(name[:40])[1:]
 
 
 @dataclass(frozen=True, slots=True)

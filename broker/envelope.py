@@ -7,6 +7,7 @@ never decodes it. Schema evolution adds defaulted fields only.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from typing import Annotated, Any, Literal
@@ -16,6 +17,7 @@ import msgspec
 from .errors import InvalidEnvelope
 from .headers import headers_problem, idempotency_key_problem, traceparent_problem
 from .ids import new_message_id
+from .jsondepth import MAX_JSON_DEPTH, depth_problem
 
 # `(?!\n)$`: Python's `$` also matches before a final newline; ECMA's (the schema's) does not.
 CAPABILITY_PATTERN = r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)+(?!\n)$"
@@ -30,7 +32,11 @@ Priority = Annotated[int, msgspec.Meta(ge=0, le=9)]
 TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
 MaxAttempts = Annotated[int, msgspec.Meta(ge=1, le=100)]
 # Reply streams are key names: bounded, printable ASCII without spaces (decode_envelope).
-ReplyTo = Annotated[str, msgspec.Meta(max_length=256)]
+MAX_REPLY_TO = 256
+# Routing selectors: a few short words. Bounded so no envelope makes routing slow.
+TagText = Annotated[str, msgspec.Meta(max_length=256)]
+Tags = Annotated[dict[TagText, TagText], msgspec.Meta(max_length=64)]
+ReplyTo = Annotated[str, msgspec.Meta(max_length=MAX_REPLY_TO)]
 Target = Annotated[str, msgspec.Meta(pattern=MESSAGE_ID_PATTERN)]
 CallbackUrl = Annotated[str, msgspec.Meta(max_length=2048)]
 
@@ -47,7 +53,7 @@ class Envelope(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     capability: Capability
     payload: msgspec.Raw = msgspec.field(default_factory=_null_payload)
     id: MessageId | None = None
-    tags: dict[str, str] = msgspec.field(default_factory=dict)
+    tags: Tags = msgspec.field(default_factory=dict)
     target: Target | None = None
     session_id: SessionId | None = None
     mode: Literal["unicast", "broadcast"] = "unicast"
@@ -98,6 +104,8 @@ def decode_envelope(raw: bytes, *, max_bytes: int, reply_prefix: str) -> Envelop
     """Decode and validate raw envelope bytes, or raise :class:`InvalidEnvelope` saying why."""
     if len(raw) > max_bytes:
         raise InvalidEnvelope(f"envelope is {len(raw)} bytes, over the {max_bytes}-byte limit", raw)
+    if problem := _text_problem(raw):
+        raise InvalidEnvelope(problem, raw)
     try:
         envelope = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
@@ -114,6 +122,20 @@ def decode_envelope(raw: bytes, *, max_bytes: int, reply_prefix: str) -> Envelop
         )
     check_envelope(envelope, raw)
     return envelope
+
+
+def _text_problem(raw: bytes) -> str | None:
+    """What in the envelope's text no agent should be handed: bytes that are not UTF-8 (the
+    payload is carried as it came, undecoded), or nesting deeper than ``MAX_JSON_DEPTH``
+    (the decoder, and many an agent's, would give up on it). The depth is measured only when
+    there are brackets enough for it to matter: two C-speed counts on the common path."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"invalid JSON: not UTF-8 at byte {exc.start}"
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and (problem := depth_problem(raw)):
+        return f"invalid JSON: {problem}"
+    return None
 
 
 def envelope_problem(envelope: Envelope) -> str | None:
@@ -163,12 +185,34 @@ def request_fingerprint(envelope: Envelope) -> bytes:
     """What makes two envelopes under one id the same request: every field but ``id``, the
     ways of telling the producer (``reply_to``, ``callback_url``), its trace context and its
     clock (``created_at``) — a retry from a new client legitimately changes those. Compare
-    completed envelopes (``idempotency_key`` filled)."""
+    completed envelopes (``idempotency_key`` filled). The payload counts as JSON, not as
+    bytes: ``{"a": 1}`` and ``{"a":1}`` are the same request."""
     return _sorted_encoder.encode(
         msgspec.structs.replace(
-            envelope, id=None, reply_to=None, callback_url=None, traceparent=None, created_at=None
+            envelope,
+            id=None,
+            reply_to=None,
+            callback_url=None,
+            traceparent=None,
+            created_at=None,
+            payload=_canonical(envelope.payload),
         )
     )
+
+
+def _canonical(payload: msgspec.Raw) -> msgspec.Raw:
+    """The payload re-encoded with sorted keys and no spacing (as it came if it cannot be:
+    accepted payloads can, as the depth was checked at acceptance)."""
+    try:
+        return msgspec.Raw(_sorted_encoder.encode(msgspec.json.decode(payload)))
+    except (msgspec.DecodeError, RecursionError):
+        return payload
+
+
+def request_digest(envelope: Envelope) -> str:
+    """A short digest of :func:`request_fingerprint`: what a refusal of this very request
+    (``id_conflict``) names, so that only its own producer takes the refusal as its answer."""
+    return hashlib.blake2b(request_fingerprint(envelope), digest_size=12).hexdigest()
 
 
 def encode_envelope(envelope: Envelope) -> bytes:
@@ -192,7 +236,10 @@ def envelope_schema() -> dict[str, Any]:
 def salvage_reply_to(raw: bytes, reply_prefix: str) -> str | None:
     """Best effort: the ``reply_to`` of an envelope that failed validation, if it is usable."""
     value = _salvage_field(raw, "reply_to")
-    return value if isinstance(value, str) and value.startswith(reply_prefix) else None
+    if not isinstance(value, str) or not value.startswith(reply_prefix):
+        return None
+    # the rules a valid envelope's reply_to is held to: a key name, bounded, printable
+    return value if len(value) <= MAX_REPLY_TO and _STREAM_NAME.match(value) else None
 
 
 def salvage_id(raw: bytes) -> str | None:

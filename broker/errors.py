@@ -15,8 +15,10 @@
     └── ClientNotOpen            a client was used outside ``async with Client(...)`` (request)
                                  or ``with SyncClient(...)``
 
-Outside ``broker``, ``workers.egress.EgressRefused`` is a ``ReachError`` too: a webhook host
-resolves only to addresses the allow-list does not let a delivery reach.
+Outside ``broker``, two more are ``ReachError`` too: ``workers.egress.EgressRefused`` (a
+webhook host resolves only to addresses the allow-list does not let a delivery reach) and
+``adapters.factory.SidecarOptionError`` (a sidecar's options cannot make an instance;
+``.option`` names the one at fault).
 
 Redis errors are translated into these in one place, :mod:`broker.resp`: an error reply is
 a :class:`RedisReplyError` carrying its code (the reply's first word), except the codes that

@@ -31,11 +31,12 @@ def new_message_id() -> str:
     return encode_ulid(time.time_ns() // 1_000_000, os.urandom(10))
 
 
-def entry_message_id(stream: str, entry_id: str, *, now_ms: int) -> str | None:
+def entry_message_id(stream: str, entry_id: str, *, now_ms: int, key: bytes) -> str | None:
     """The id of the message an ingress entry without one names: a ULID of the entry's time,
-    its randomness hashed from the stream and entry id — so handling the entry twice (a
+    its randomness a keyed hash of the stream and entry id — so handling the entry twice (a
     dispatcher restarted mid-batch) names the same message, which must not run twice under
-    two ids.
+    two ids, while no producer can compute it ahead of time and take it for an envelope of
+    its own (``key`` is the broker's, kept where producers cannot read it).
 
     ``None`` when the entry's time is not in the past — a producer chose an explicit entry
     id ahead of the clock (and every ``*`` id Redis gives after it inherits that time) — or
@@ -45,5 +46,6 @@ def entry_message_id(stream: str, entry_id: str, *, now_ms: int) -> str | None:
     millis, sep, seq = entry_id.partition("-")
     if not (sep and millis.isdigit() and seq.isdigit()) or int(millis) > now_ms:
         return None
-    digest = hashlib.blake2b(f"{stream}\0{entry_id}".encode(), digest_size=10).digest()
+    source = f"{stream}\0{entry_id}".encode()
+    digest = hashlib.blake2b(source, digest_size=10, key=key[:64]).digest()
     return encode_ulid(int(millis), digest)

@@ -6,6 +6,7 @@ key                       type    holds
 ``P:in``                  stream  ingress envelopes; consumer group ``dispatch``
 ``P:e:<stream>:<entry>``  string  the message id minted for an ingress entry without one
                                   whose entry time is ahead of the clock; until acknowledged
+``P:idkey``               string  the key of the hash in ids derived from ingress entries
 ``P:m:{<id>}``            hash    message record: envelope, stage, attempt, instance, ...
 ``P:t:{<id>}``            list    the message's timeline (capped): JSON items
 ``P:b:{<id>}``            hash    a broadcast's ended children: child id -> outcome JSON
@@ -47,6 +48,12 @@ class Keyspace:
     @property
     def ingress(self) -> str:
         return f"{self.prefix}:in"
+
+    @property
+    def id_key(self) -> str:
+        """The key of the keyed hash in message ids derived from ingress entries: made once
+        (``SET NX``), readable by the broker's roles only."""
+        return f"{self.prefix}:idkey"
 
     def entry_name(self, stream: str, entry_id: str) -> str:
         """The message id minted for ingress entry ``entry_id`` of ``stream`` (see

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+import math
+import re
 from typing import Any
 
 import msgspec
 
 from .connection import Connection
+from .envelope import MESSAGE_ID_PATTERN
 from .keyspace import SIDECAR_GROUP
 from .records import CircuitState, InstanceCard, InstanceState, InstanceStats, InstanceView
 from .scripts import ScriptName
 from .store import now_ms, pairs
 
+log = logging.getLogger("agent_reach.registry")
 _tags_decoder = msgspec.json.Decoder(dict[str, str])
 
 
@@ -49,6 +54,19 @@ def card_fields(
 
 
 def view_from_hash(raw: dict[bytes, bytes], inflight: int) -> InstanceView:
+    """An instance's view from its card hash; :class:`ValueError` saying why when the card
+    does not read as one (a card is written by a sidecar, which is trusted with its own
+    card only: whatever is there must not stop a dispatcher, a reaper or ``agents``)."""
+    try:
+        view = _view(raw, inflight)
+    except (ValueError, UnicodeDecodeError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"card not readable: {exc}") from exc
+    if problem := _card_problem(view):
+        raise ValueError(f"card not usable: {problem}")
+    return view
+
+
+def _view(raw: dict[bytes, bytes], inflight: int) -> InstanceView:
     def text(name: str) -> str:
         return raw.get(name.encode(), b"").decode()
 
@@ -85,10 +103,28 @@ def view_from_hash(raw: dict[bytes, bytes], inflight: int) -> InstanceView:
     )
 
 
+_ID = re.compile(MESSAGE_ID_PATTERN)
+
+
+def _card_problem(view: InstanceView) -> str | None:
+    """What in a card that parsed routing cannot use: an id that breaks hash tags, a count
+    below zero, a weight, cost or stat that is not a finite number."""
+    card, stats = view.card, view.stats
+    if not (_ID.match(card.agent_id) and _ID.match(card.instance_id)):
+        return f"ids {card.agent_id!r}/{card.instance_id!r} are not ids"
+    numbers = (card.weight, card.cost, stats.error_rate, stats.p95_ms)
+    if not all(math.isfinite(n) and n >= 0 for n in numbers):
+        return "weight, cost, error rate and p95 must be finite and not negative"
+    if min(card.max_inflight, view.credits, stats.requests, stats.successes) < 0:
+        return "counts must not be negative"
+    return None
+
+
 class Registry:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.keys = conn.keys
+        self._unreadable: set[str] = set()  # cards already reported: said once, not per sweep
 
     async def register(self, card: InstanceCard, *, credits: int) -> None:
         """Write the card as UP and announce it, so dispatchers see it at once."""
@@ -158,7 +194,8 @@ class Registry:
 
     async def snapshot(self) -> list[InstanceView]:
         """Every registered instance with its credits in use: two round trips in all."""
-        ids = [i.decode() for i in await self.conn.call("ZRANGE", self.keys.agents, 0, -1)]
+        listed = await self.conn.call("ZRANGE", self.keys.agents, 0, -1)
+        ids = [i.decode(errors="replace") for i in listed]
         if not ids:
             return []
         commands: list[tuple[Any, ...]] = []
@@ -166,11 +203,26 @@ class Registry:
             commands += [("HGETALL", self.keys.card(inst)), ("SCARD", self.keys.inflight(inst))]
         replies = await self._all(commands)
         views = []
-        for i in range(len(ids)):
+        for i, inst in enumerate(ids):
             flat, inflight = replies[2 * i], replies[2 * i + 1]
             if flat:
-                views.append(view_from_hash(pairs(flat), int(inflight)))
+                view = self._readable(inst, flat, int(inflight))
+                if view is not None:
+                    views.append(view)
         return views
+
+    def _readable(self, inst: str, flat: list[bytes], inflight: int) -> InstanceView | None:
+        """The instance's view, or ``None`` for a card that does not read as one: left out
+        of routing (said once in the log), never a failure of whoever reads the registry."""
+        try:
+            view = view_from_hash(pairs(flat), inflight)
+        except ValueError as exc:
+            if inst not in self._unreadable:
+                self._unreadable.add(inst)
+                log.error("instance %r left out of routing: %s", inst, exc)
+            return None
+        self._unreadable.discard(inst)
+        return view
 
     async def stream_backlogs(self, instance_ids: list[str]) -> list[int]:
         """Entries not yet finished on each instance's stream (pending + never delivered)."""

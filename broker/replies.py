@@ -81,6 +81,7 @@ class Waiter:
 
     done: anyio.Event = field(default_factory=anyio.Event)
     result: Result | None = None
+    request: str = ""  # its request's digest: a refusal naming it is its answer
 
 
 class ReplyInbox:
@@ -94,12 +95,14 @@ class ReplyInbox:
         self._may_delete = True  # False once Redis refused this user XDEL on the stream
 
     @contextmanager
-    def expecting(self, message_id: str) -> Iterator[Waiter]:
+    def expecting(self, message_id: str, request: str = "") -> Iterator[Waiter]:
         """Wait for ``message_id``'s outcome within the block; :class:`ValueError` when a
-        request for that id is already waiting."""
+        request for that id is already waiting. ``request`` is the request's digest
+        (:func:`broker.envelope.request_digest`): a refusal of that very request ends the
+        wait too (``id_conflict``: the id names another message)."""
         if message_id in self._waiters:
             raise ValueError(f"a request for message id {message_id!r} is already waiting")
-        waiter = self._waiters[message_id] = Waiter()
+        waiter = self._waiters[message_id] = Waiter(request=request)
         try:
             yield waiter
         finally:
@@ -137,14 +140,19 @@ class ReplyInbox:
                     await self._forget([entry_id for entry_id, _ in entries])
 
     def _resolve(self, fields: Mapping[str, bytes]) -> None:
-        """Hand an outcome to its waiter. Notices are not outcomes; an entry for an id nobody
-        waits on (a request that timed out, a repeated reply) is dropped."""
-        result = answer_in(fields)
-        waiter = self._waiters.get(result.id) if result is not None else None
+        """Hand an outcome to its waiter. Notices are not outcomes — but a refusal that
+        names the waiter's very request is its answer; an entry for an id nobody waits on (a
+        request that timed out, a repeated reply) is dropped."""
+        entry = parse_reply_entry(fields)
+        if isinstance(entry, str):
+            log.warning("unreadable reply entry %r: %s", dict(fields), entry)
+            return
+        waiter = self._waiters.get(entry.id)
         if waiter is None or waiter.done.is_set():
             return
-        waiter.result = result
-        waiter.done.set()
+        if entry.is_outcome or (entry.request and entry.request == waiter.request):
+            waiter.result = result_of(entry)
+            waiter.done.set()
 
     async def _forget(self, entry_ids: list[str]) -> None:
         """``XDEL`` what the reader consumed, so a long-lived client's stream stays short.

@@ -13,7 +13,9 @@ kept, which were excluded and why):
    better a weak route than none);
 4. **load** — instances at ≥ ``load_cut`` of their credits out, unless all are (then the
    least loaded stay);
-5. **score** — ``reach = alive × health × load × latency × confidence × weight``;
+5. **score** — ``reach = alive × health × load × latency × confidence × weight``, by
+   :func:`reach_scores` (health and latency precomputed per snapshot, the weight applied at
+   the pick);
 6. **choose** — the session's instance when it survived the funnel; otherwise a weighted
    random pick (by reach) among the *top group*: instances whose reach before weight is within
    ``top_ratio`` of the best. Never always the top one; weight shapes traffic share without
@@ -25,112 +27,26 @@ from __future__ import annotations
 import difflib
 import random
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any
+from dataclasses import dataclass
 
-from .health import observed_state
 from .records import CircuitState, InstanceState, InstanceView
+from .routing_types import Decision, Factors, Outcome, RouteRequest, RoutingPolicy, Step
+
+__all__ = [
+    "Candidate",
+    "Decision",
+    "Factors",
+    "Outcome",
+    "RegistryIndex",
+    "RouteRequest",
+    "RoutingPolicy",
+    "Step",
+    "factors",
+    "reach_scores",
+    "route",
+]
 
 ALIVE = {InstanceState.UP: 1.0, InstanceState.DEGRADED: 0.6}
-
-
-class Outcome(StrEnum):
-    ROUTED = "routed"
-    NO_CAPABILITY_MATCH = "no_capability_match"
-    NO_SELECTOR_MATCH = "no_selector_match"
-    ALL_CANDIDATES_DOWN = "all_candidates_down"
-    NO_FREE_CREDIT = "no_free_credit"
-
-
-@dataclass(frozen=True, slots=True)
-class RoutingPolicy:
-    mode: str = "strict"  # or "loose": resolve through `aliases`
-    aliases: Mapping[str, str] = field(default_factory=dict)
-    load_cut: float = 0.9
-    top_ratio: float = 0.3
-    cold_start_successes: int = 20
-    cold_start_confidence: float = 0.8
-    panic_threshold: float = 0.5
-    down_after_ms: int = 15_000
-    max_listed: int = 20  # exclusions listed per step; the rest are counted
-
-
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
-    capability: str
-    tags: Mapping[str, str] = field(default_factory=dict)
-    target: str | None = None
-    session_instance: str | None = None
-    budget: float | None = None
-    avoid: str | None = None  # an instance that just failed this message: elsewhere if possible
-
-
-@dataclass(slots=True)
-class Step:
-    """One funnel step: how many candidates it kept, and the ones it excluded, with why."""
-
-    name: str
-    kept: int
-    excluded: list[tuple[str, str]] = field(default_factory=list)
-    more: int = 0  # exclusions beyond the listed ones
-
-    def exclude(self, instance_id: str, why: str, limit: int) -> None:
-        if len(self.excluded) < limit:
-            self.excluded.append((instance_id, why))
-        else:
-            self.more += 1
-
-    def exclude_all(self, exclusions: list[tuple[str, str]], limit: int) -> None:
-        room = max(0, limit - len(self.excluded))
-        self.excluded += exclusions[:room]
-        self.more += max(0, len(exclusions) - room)
-
-    def to_builtins(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"step": self.name, "kept": self.kept}
-        if self.excluded:
-            out["excluded"] = dict(self.excluded)
-        if self.more:
-            out["more_excluded"] = self.more
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class Factors:
-    alive: float
-    health: float
-    load: float
-    latency: float
-    confidence: float
-    weight: float
-
-    @property
-    def reach(self) -> float:
-        return self.alive * self.health * self.load * self.latency * self.confidence * self.weight
-
-    def to_builtins(self) -> dict[str, float]:
-        return {
-            "reach": round(self.reach, 4),
-            "alive": self.alive,
-            "health": round(self.health, 4),
-            "load": round(self.load, 4),
-            "latency": round(self.latency, 4),
-            "confidence": self.confidence,
-            "weight": self.weight,
-        }
-
-
-@dataclass(slots=True)
-class Decision:
-    outcome: Outcome
-    instance: InstanceView | None
-    reason: str
-    steps: list[Step]
-    factors: Factors | None = None
-    nearest: list[str] = field(default_factory=list)
-
-    def route_from(self) -> list[dict[str, Any]]:
-        return [step.to_builtins() for step in self.steps]
 
 
 @dataclass(slots=True)
@@ -145,7 +61,9 @@ class Candidate:
     inflight: int
     alive: float  # 1.0 UP, 0.6 DEGRADED, 0.0 otherwise (as reported)
     heartbeat_ms: int
-    base: float  # health × latency
+    health: float  # the snapshot's factors of the reach; load and confidence are the decision's
+    latency: float
+    base: float  # health × latency: one multiplication less per candidate and decision
     successes: int
     weight: float
     cost: float
@@ -155,19 +73,25 @@ class Candidate:
     inv_credits: float  # 1 / credits: a load is one multiplication
 
     @classmethod
-    def of(cls, view: InstanceView) -> Candidate:
+    def of(cls, view: InstanceView, state: InstanceState | None = None) -> Candidate:
+        """``view`` ready for routing; ``state`` overrides the reported one (the observed
+        state, when silence has made an instance DOWN)."""
         stats = view.stats
         cooldown = stats.cooldown_until_ms
         circuit = stats.circuit_until_ms if stats.circuit is CircuitState.OPEN else 0
+        health = max(0.0, 1.0 - stats.error_rate)
+        latency = max(0.2, 1.0 - stats.p95_ms / 1000.0)
         return cls(
             view=view,
             instance_id=view.card.instance_id,
             agent_id=view.card.agent_id,
             credits=view.credits,
             inflight=view.inflight,
-            alive=ALIVE.get(view.state, 0.0),
+            alive=ALIVE.get(view.state if state is None else state, 0.0),
             heartbeat_ms=view.heartbeat_ms,
-            base=max(0.0, 1.0 - stats.error_rate) * max(0.2, 1.0 - stats.p95_ms / 1000.0),
+            health=health,
+            latency=latency,
+            base=health * latency,
             successes=stats.successes,
             weight=view.card.weight,
             cost=view.card.cost,
@@ -210,23 +134,54 @@ class RegistryIndex:
         return difflib.get_close_matches(capability, self.capabilities, n=n, cutoff=0.6)
 
 
-def _load(used: int, credits: int) -> float:
-    """Share of credits in use; an instance without credits counts as full."""
-    return used / credits if credits > 0 else 1.0
+def reach_scores(
+    fit: list[tuple[Candidate, float]], policy: RoutingPolicy
+) -> list[tuple[Candidate, float]]:
+    """The reach before weight, ``alive × health × latency × load × confidence``, of each
+    ``(candidate, load share)``: the formula's one home (docs/architecture.md "Routing"), for
+    the funnel's ranking, a decision's reason and ``agent-reach agents`` alike.
+
+    ``health × latency`` come precomputed per snapshot (:attr:`Candidate.base`); load and
+    confidence are the decision's. It scores a batch, not one candidate a call: the funnel scores
+    every candidate that fits, every decision, and a call each would cost more than the
+    arithmetic. The weight multiplies in at the pick, so a canary stays in the top group."""
+    cold, cold_below = policy.cold_start_confidence, policy.cold_start_successes
+    return [
+        (
+            c,
+            c.alive
+            * c.base
+            * (1.0 - load if load < 0.9 else 0.1)
+            * (cold if c.successes < cold_below else 1.0),
+        )
+        for c, load in fit
+    ]
+
+
+def _explain(c: Candidate, load: float, before_weight: float, policy: RoutingPolicy) -> Factors:
+    """``c``'s factors for reading, around the figure :func:`reach_scores` gave it. The load
+    and confidence factors are written out again here, to be shown one by one;
+    ``tests/unit/test_routing.py`` holds their product to that figure."""
+    return Factors(
+        alive=c.alive,
+        health=c.health,
+        load=1.0 - load if load < 0.9 else 0.1,
+        latency=c.latency,
+        confidence=(
+            policy.cold_start_confidence if c.successes < policy.cold_start_successes else 1.0
+        ),
+        weight=c.weight,
+        reach=before_weight * c.weight,
+    )
 
 
 def factors(view: InstanceView, state: InstanceState, used: int, policy: RoutingPolicy) -> Factors:
-    stats = view.stats
-    return Factors(
-        alive=ALIVE.get(state, 0.0),
-        health=max(0.0, 1.0 - stats.error_rate),
-        load=max(0.1, 1.0 - _load(used, view.credits)),
-        latency=max(0.2, 1.0 - stats.p95_ms / 1000.0),
-        confidence=(
-            policy.cold_start_confidence if stats.successes < policy.cold_start_successes else 1.0
-        ),
-        weight=view.card.weight,
-    )
+    """The reach of ``view`` in ``state`` with ``used`` credits in use (an instance without
+    credits counts as full)."""
+    candidate = Candidate.of(view, state)
+    load = used / view.credits if view.credits > 0 else 1.0
+    ((_, before_weight),) = reach_scores([(candidate, load)], policy)
+    return _explain(candidate, load, before_weight, policy)
 
 
 def route(
@@ -268,7 +223,7 @@ def route(
     fit = _load_cut(live, inflight, steps, policy)
     if not fit:
         return Decision(Outcome.NO_FREE_CREDIT, None, "no_free_credit", steps)
-    return _choose(request, fit, inflight, steps, rng, policy, now_ms)
+    return _choose(request, fit, inflight, steps, rng, policy)
 
 
 def _selectors(
@@ -403,29 +358,16 @@ def _choose(
     steps: list[Step],
     rng: random.Random,
     policy: RoutingPolicy,
-    now_ms: int,
 ) -> Decision:
-    cold, cold_below = policy.cold_start_confidence, policy.cold_start_successes
-    # reach before weight: alive × health × latency × load × confidence
-    scored = [
-        (
-            c,
-            c.alive
-            * c.base
-            * (1.0 - load if load < 0.9 else 0.1)
-            * (cold if c.successes < cold_below else 1.0),
-        )
-        for c, load in fit
-    ]
+    scored = reach_scores(fit, policy)
     steps.append(Step("score", len(scored)))
     if request.session_instance:
-        for c, _ in scored:
+        for c, score in scored:
             if c.instance_id == request.session_instance:
                 steps.append(Step("choose", 1))
-                f = _factors_of(c, inflight, policy, now_ms)
-                return Decision(
-                    Outcome.ROUTED, c.view, f"session affinity (reach {f.reach:.3f})", steps, f
-                )
+                f = _explain_chosen(c, score, inflight, policy)
+                reason = f"session affinity (reach {f.reach:.3f})"
+                return Decision(Outcome.ROUTED, c.view, reason, steps, f)
     best = max([score for _, score in scored])
     floor = (1.0 - policy.top_ratio) * best
     top = [(c, score) for c, score in scored if score >= floor]
@@ -434,19 +376,21 @@ def _choose(
         top = [(c, score) for c, score in top if c.cost == cheapest]
     weights = [score * c.weight for c, score in top]
     if len(top) == 1:
-        chosen = top[0][0]
+        chosen, score = top[0]
     elif sum(weights) > 0:
-        chosen = rng.choices(top, weights=weights)[0][0]
+        chosen, score = rng.choices(top, weights=weights)[0]
     else:  # every one scores zero (e.g. all failing): no reason to prefer any
-        chosen = rng.choice(top)[0]
+        chosen, score = rng.choice(top)
     steps.append(Step("choose", len(top)))
-    f = _factors_of(chosen, inflight, policy, now_ms)
+    f = _explain_chosen(chosen, score, inflight, policy)
     reason = f"weighted random among top {len(top)} of {len(scored)} (reach {f.reach:.3f})"
     return Decision(Outcome.ROUTED, chosen.view, reason, steps, f)
 
 
-def _factors_of(
-    c: Candidate, inflight: Mapping[str, int], policy: RoutingPolicy, now_ms: int
+def _explain_chosen(
+    c: Candidate, before_weight: float, inflight: Mapping[str, int], policy: RoutingPolicy
 ) -> Factors:
-    state = observed_state(c.view, now_ms=now_ms, down_after_ms=policy.down_after_ms)
-    return factors(c.view, state, inflight.get(c.instance_id, c.inflight), policy)
+    """The winner's factors, from the load share the load step measured (its state passed the
+    funnel, so the reported one is the observed one)."""
+    load = inflight.get(c.instance_id, c.inflight) * c.inv_credits
+    return _explain(c, load, before_weight, policy)

@@ -7,6 +7,7 @@ share round trips.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from .scripts import ScriptName
 from .stages import TERMINAL, Stage, sources_for
 from .wire import ReplyEntry, parse_timeline_item, reply_fields
 
+log = logging.getLogger("agent_reach.store")
 RATE_WINDOW_MS = 10_000
 RATE_SPAN_WINDOWS = 6  # the assignment rate is averaged over the last minute
 
@@ -542,25 +544,24 @@ class MessageStore:
     # -- reading -----------------------------------------------------------------------------
 
     async def get_record(self, message_id: str) -> MessageRecord | None:
-        flat = await self.conn.call("HGETALL", self.keys.record(message_id))
-        if not flat:
-            return None
-        return record_from_hash(message_id, pairs(flat))
+        return (await self.get_records([message_id]))[0]
 
     async def get_records(self, message_ids: list[str]) -> list[MessageRecord | None]:
-        """Several records in one round trip (``None`` where there is none)."""
+        """Several records in one round trip (``None`` where there is none — or where what
+        is there does not read as a record: logged, and left alone, never raised)."""
         replies = await self.conn.call_many([("HGETALL", self.keys.record(i)) for i in message_ids])
         return [
-            record_from_hash(i, pairs(_raise(flat))) if flat else None
+            _readable_record(i, pairs(_raise(flat))) if flat else None
             for i, flat in zip(message_ids, replies, strict=True)
         ]
 
     async def stages(self, message_ids: list[str]) -> list[Stage | None]:
-        """Just the stage of several records, in one round trip (``None``: no record)."""
+        """Just the stage of several records, in one round trip (``None``: no record, or
+        none a stage is read from)."""
         replies = await self.conn.call_many(
             [("HGET", self.keys.record(i), "stage") for i in message_ids]
         )
-        return [_STAGE_OF[_raise(r)] if r else None for r in replies]
+        return [_STAGE_OF.get(_raise(r)) if r else None for r in replies]
 
     async def bind_sessions(self, bindings: list[tuple[str, str]]) -> None:
         """Session affinity: ``(session_id, instance_id)`` pairs, each with the session TTL."""
@@ -602,6 +603,14 @@ def _moved(reply: list[Any]) -> Moved:
 
 def _flat(fields: Mapping[str, str | bytes]) -> list[str | bytes]:
     return [item for pair in fields.items() for item in pair]
+
+
+def _readable_record(message_id: str, raw: Mapping[bytes, bytes]) -> MessageRecord | None:
+    try:
+        return record_from_hash(message_id, raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        log.error("record of %r does not read as one, left alone: %s", message_id, exc)
+        return None
 
 
 def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageRecord:

@@ -129,6 +129,9 @@ class ReplyEntry(msgspec.Struct, frozen=True, kw_only=True):
     result: bytes | None = None
     error: str | None = None
     notice: str | None = None
+    # with a notice about a refused request (``id_conflict``): which request it was
+    # (:func:`broker.envelope.request_digest`), so only its own producer takes it as its answer
+    request: str | None = None
 
     @property
     def is_outcome(self) -> bool:
@@ -142,6 +145,8 @@ def reply_fields(entry: ReplyEntry) -> Fields:
     fields: Fields = ["id", entry.id, "stage", entry.stage.value, "attempt", str(entry.attempt)]
     if entry.notice is not None:
         fields += ["notice", entry.notice]
+    if entry.request is not None:
+        fields += ["request", entry.request]
     if entry.result is not None:
         fields += ["result", entry.result]
     else:
@@ -167,7 +172,7 @@ def _reply_entry(fields: Mapping[str, bytes]) -> ReplyEntry:
     result = fields.get("result") or None
     if result is not None:
         _check_json(result)
-    error, notice = fields.get("error"), fields.get("notice")
+    error, notice, request = fields.get("error"), fields.get("notice"), fields.get("request")
     return ReplyEntry(
         id=_text(fields, "id"),
         stage=_STAGES[stage],
@@ -175,6 +180,7 @@ def _reply_entry(fields: Mapping[str, bytes]) -> ReplyEntry:
         result=result,
         error=error.decode(errors="replace") if error is not None else None,
         notice=notice.decode(errors="replace") if notice is not None else None,
+        request=request.decode(errors="replace") if request is not None else None,
     )
 
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import logging
 import random
+import signal
 from collections import Counter
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import anyio
 import msgspec
@@ -44,6 +47,7 @@ from .dispatcher import Dispatcher
 from .runtime import connected
 
 CAPABILITY = "demo.echo"
+T = TypeVar("T")
 # Keys removed per round trip, and how long the removal may take however the demo ended.
 REMOVE_BATCH = 1000
 REMOVE_TIMEOUT_S = 60.0
@@ -93,10 +97,27 @@ async def run_demo(settings: Settings, messages: int, timeout_s: float) -> int:
     console = Console()
     async with connected(settings) as conn:
         try:
-            ids, records = await _run(conn, messages, timeout_s, console)
+            ids, records = await _until_stopped(_run(conn, messages, timeout_s, console))
         finally:
             await remove_demo_keys(conn)
     return print_report(console, ids, records)
+
+
+async def _until_stopped(work: Awaitable[T]) -> T:
+    """``work``, cancelled by SIGTERM or SIGHUP as by Ctrl-C (``timeout``, ``docker stop``
+    and a closed terminal send those): the demo's keys are removed however it is stopped."""
+    outcome: list[T] = []
+
+    async def run_it(scope: anyio.CancelScope) -> None:
+        outcome.append(await work)
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run_it, tg.cancel_scope)
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+            async for _ in signals:
+                raise KeyboardInterrupt  # stopped: as Ctrl-C is, with the same cleanup
+    return outcome[0]
 
 
 async def _run(

@@ -42,14 +42,13 @@ from broker.broadcast import (
 )
 from broker.connection import Connection, ensure_group
 from broker.deadletters import Letter
-from broker.entries import fields_as_bytes
+from broker.entries import IngressEntry, parse_ingress
 from broker.envelope import (
     Envelope,
     encode_envelope,
     load_envelope,
 )
 from broker.errors import RedisReplyError, RedisUnavailable
-from broker.ids import entry_message_id, new_message_id
 from broker.keyspace import DISPATCH_GROUP
 from broker.records import MessageRecord
 from broker.registry import Registry
@@ -113,8 +112,6 @@ class Dispatcher:
         self.intake = Intake(conn, self.store)
         self._credit_freed = anyio.Event()
         self._to_drain: set[str] = set()
-        self._suspect = False  # a batch failed unexpectedly: handle entries one at a time
-        self._failures: dict[str, int] = {}  # entry id -> unexpected failures handling it
         self._next_prune = 0.0
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -190,43 +187,49 @@ class Dispatcher:
                 backoff = min(backoff * 2, 5.0)
                 log.warning("ingress failed, retrying in %.1fs: %s", backoff, exc)
                 await anyio.sleep(backoff)
-            except Exception:
-                # A defect met on some entry: never out of the loop. The pending entries are
-                # handled again, one at a time (_handle), so the one that keeps failing is
-                # told apart and set aside instead of failing every batch it is in.
+            except Exception:  # a defect outside any one entry: never out of the loop
                 backoff = min(backoff * 2, 5.0)
-                self._suspect = True
                 log.exception("ingress failed unexpectedly, retrying in %.1fs", backoff)
                 await anyio.sleep(backoff)
 
     async def _handle(self, entries: Sequence[RawEntry], *, recovering: bool) -> None:
-        """A batch at once, or — after a batch failed unexpectedly — one entry at a time:
-        an entry that fails ``MAX_ENTRY_FAILURES`` times alone is REJECTED with the error
-        (dead-lettered, acknowledged), so no entry can stop the ingress for ever."""
-        if not self._suspect:
+        """A batch at once; should it fail unexpectedly, its entries one at a time, each tried
+        up to ``MAX_ENTRY_FAILURES`` times — on every path: the read loop, the recovery at
+        start, entries taken over from another dispatcher. An entry that still fails is
+        REJECTED with the error (dead-lettered, acknowledged): no entry can stop the ingress,
+        or its dispatcher, for ever."""
+        try:
             await self.handle_batch(entries, recovering=recovering)
             return
+        except (RedisUnavailable, RedisReplyError):
+            raise
+        except Exception:
+            log.exception("a batch of %d ingress entries failed: one at a time", len(entries))
         for entry in entries:
+            await self._handle_alone(entry)
+
+    async def _handle_alone(self, entry: RawEntry) -> None:
+        for failures in range(1, MAX_ENTRY_FAILURES + 1):
             try:
                 await self.handle_batch([entry], recovering=True)
+                return
             except (RedisUnavailable, RedisReplyError):
                 raise
             except Exception as exc:
-                failures = self._failures[entry[0]] = self._failures.get(entry[0], 0) + 1
-                if failures < MAX_ENTRY_FAILURES:
-                    raise
-                await self._set_aside(entry, exc)
-            self._failures.pop(entry[0], None)
-        self._suspect = False
+                if failures == MAX_ENTRY_FAILURES:
+                    await self._set_aside(entry, exc)
+                else:
+                    log.warning("ingress entry %s failed (%d): %s", entry[0], failures, exc)
 
     async def _set_aside(self, entry: RawEntry, exc: Exception) -> None:
         entry_id, flat = entry
         log.error("ingress entry %s failed %d times; rejected", entry_id, MAX_ENTRY_FAILURES)
         reason = f"the dispatcher could not handle it: {type(exc).__name__}: {exc}"
-        name = entry_message_id(self.keys.ingress, entry_id, now_ms=now_ms()) or new_message_id()
-        raw = fields_as_bytes(zip(flat[::2], flat[1::2], strict=False))
-        await self.intake.reject([self.intake.rejection(entry_id, name, reason, raw)])
-        await self.intake.acknowledge([entry_id], [])
+        names, minted = await self.intake.names([entry_id], recovering=True)
+        parsed = parse_ingress(entry_id, flat)
+        raw = parsed.envelope if isinstance(parsed, IngressEntry) else parsed.raw
+        await self.intake.reject([self.intake.rejection(entry_id, names[entry_id], reason, raw)])
+        await self.intake.acknowledge([entry_id], minted)
 
     async def handle_batch(self, entries: Sequence[RawEntry], *, recovering: bool = False) -> None:
         """Take in, accept, route, assign or park, then acknowledge: a few round trips per
@@ -385,7 +388,6 @@ class Dispatcher:
                 await self._refuse(record, planned)
                 continue
             records[message_id] = record
-            await self.intake.tell_again(record, planned)
         await self._reapply(list(records.values()), admitted)
 
     async def _refuse(self, record: MessageRecord, planned: Envelope) -> None:
@@ -474,6 +476,8 @@ class Dispatcher:
                 await self.drain(capabilities)
             except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("drain failed (the next sweep retries): %s", exc)
+            except Exception:  # a defect: this loop is the dispatcher's clock, it never stops
+                log.exception("drain failed unexpectedly (the next sweep retries)")
 
     async def drain(self, capabilities: Iterable[str]) -> int:
         return await self.waiting.drain(capabilities)
@@ -497,7 +501,9 @@ class Dispatcher:
     # -- notifications and housekeeping ------------------------------------------------------
 
     async def _watch_notifications(self, *, task_status: TaskStatus[None]) -> None:
-        """Credit releases wake the drain loop; registry changes refresh the snapshot."""
+        """Credit releases wake the drain loop; registry changes refresh the snapshot. A
+        notification is a hint: one that does not parse (anyone allowed to publish may send
+        anything) is dropped, and the sweep does the work a lost hint would have."""
         subscriber = Subscriber(
             self.conn.url, [self.keys.credit_channel, self.keys.registry_channel]
         )
@@ -510,22 +516,25 @@ class Dispatcher:
                     log.warning("notifications lost, reconnecting: %s", exc)
                     await anyio.sleep(0.5)
                     continue
-                if message is None:
-                    continue
-                if message[0] == self.keys.registry_channel:
-                    try:
-                        await self.refresh()
-                        self._to_drain.update(await self.store.waiting_capabilities())
-                    except (RedisUnavailable, RedisReplyError) as exc:
-                        log.warning("registry refresh failed (the sweep retries): %s", exc)
-                else:
-                    instance_id, _, in_use = message[1].decode().partition(" ")
-                    self._to_drain.update(
-                        self.table.credits_released(instance_id, int(in_use or 0))
-                    )
-                self._credit_freed.set()
+                if message is not None:
+                    await self._notified(*message)
         finally:
             await subscriber.close()
+
+    async def _notified(self, channel: str, data: bytes) -> None:
+        if channel == self.keys.registry_channel:
+            try:
+                await self.refresh()
+                self._to_drain.update(await self.store.waiting_capabilities())
+            except (RedisUnavailable, RedisReplyError) as exc:
+                log.warning("registry refresh failed (the sweep retries): %s", exc)
+        else:
+            released = credit_release(data)
+            if released is None:
+                log.warning("credit notification not understood, dropped: %r", data[:80])
+                return
+            self._to_drain.update(self.table.credits_released(*released))
+        self._credit_freed.set()
 
     async def _trim_loop(self) -> None:
         while True:
@@ -534,6 +543,14 @@ class Dispatcher:
                 await trim_acknowledged(self.conn, self.keys.ingress)
             except RedisUnavailable as exc:
                 log.warning("trim failed: %s", exc)
+
+
+def credit_release(data: bytes) -> tuple[str, int] | None:
+    """``"<instance id> <credits in use>"`` from ``lua/release.lua``, or ``None``."""
+    instance_id, _, in_use = data.decode(errors="replace").partition(" ")
+    if not instance_id or not in_use.isdigit() or len(in_use) > 9:
+        return None
+    return instance_id, int(in_use)
 
 
 def _acceptance(

@@ -14,15 +14,18 @@ entry finds it again: no producer's entry id decides, or breaks, another message
 
 An id means one message. A producer re-sending an id with the same request (every field
 but ``id``, ``reply_to``, ``callback_url``, ``traceparent`` and ``created_at``) gets the
-existing message: nothing runs again, and when it has already ended the answer is sent to
-the new ``reply_to`` too. A different request under an existing id is refused visibly —
-REJECTED ``id_conflict`` on its ``reply_to`` and a dead letter — and the first message is
-left untouched.
+existing message: nothing runs again, and its answer goes where the first one asked. A
+different request under an existing id is refused visibly — a dead letter, and on its
+``reply_to`` a notice ``id_conflict`` naming the refused request (its digest), which its
+own producer's client takes as its answer and no other client does — and the first message
+is left untouched. An invalid envelope's rejection holds no id: a valid envelope under it
+takes it (``lua/accept.lua``).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +41,7 @@ from broker.envelope import (
     complete,
     decode_envelope,
     encode_envelope,
+    request_digest,
     request_fingerprint,
     salvage_id,
     salvage_reply_to,
@@ -46,16 +50,17 @@ from broker.errors import InvalidEnvelope
 from broker.ids import entry_message_id, new_message_id
 from broker.keyspace import DISPATCH_GROUP
 from broker.records import MessageRecord
-from broker.results import Command, reply_entry
-from broker.stages import TERMINAL, Stage
+from broker.results import Command
+from broker.stages import Stage
 from broker.store import Acceptance, MessageStore, now_ms
 from broker.streams import RawEntry
 from broker.webhooks import callback_problem
-from broker.wire import reply_fields
+from broker.wire import ReplyEntry, reply_fields
 
 log = logging.getLogger("agent_reach.intake")
 
 ID_CONFLICT = "id_conflict"
+REJECTED_NOTICE = "rejected"  # an entry refused under an id that names another message
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +90,12 @@ class Intake:
         self.keys = conn.keys
         self.settings = conn.settings
         self.stream = conn.keys.ingress
+        self._id_key: bytes | None = None
 
     async def take(self, entries: Sequence[RawEntry], *, recovering: bool) -> Intaken:
         """Name, decode and validate a batch; the refused are rejected here, at once."""
         parsed = [parse_ingress(entry_id, flat) for entry_id, flat in entries]
-        names, minted = await self._names([p.entry_id for p in parsed], recovering=recovering)
+        names, minted = await self.names([p.entry_id for p in parsed], recovering=recovering)
         envelopes: list[Envelope] = []
         rejections: list[Rejection] = []
         for item in parsed:
@@ -108,31 +114,36 @@ class Intake:
             commands.append(("DEL", *minted))
         await self.store.run_all(commands)
 
-    def rejection(self, entry_id: str, name: str, reason: str, raw: bytes) -> Rejection:
-        """What refusing an entry needs: the id and ``reply_to`` salvaged from its bytes."""
+    def rejection(
+        self, entry_id: str, name: str, reason: str, raw: bytes, *, salvage: bytes | None = None
+    ) -> Rejection:
+        """What refusing an entry needs: the id and ``reply_to`` salvaged from its bytes (or
+        from ``salvage``, the envelope among an entry's other fields)."""
+        source = raw if salvage is None else salvage
         return Rejection(
-            message_id=salvage_id(raw) or name,
+            message_id=salvage_id(source) or name,
             reason=reason,
             raw=raw,
-            reply_to=salvage_reply_to(raw, self.keys.reply_prefix) or "",
+            reply_to=salvage_reply_to(source, self.keys.reply_prefix) or "",
             source=f"{self.stream} {entry_id}",
         )
 
     # -- naming --------------------------------------------------------------------------
 
-    async def _names(
+    async def names(
         self, entry_ids: list[str], *, recovering: bool
     ) -> tuple[dict[str, str], list[str]]:
         """The message id each entry names when its envelope has none; and the keys of the
         minted ones. One round trip, and only when some entry is ahead of the clock (or the
         batch is handled again: an entry may have been ahead at its first handling)."""
+        secret = await self.id_key()
         now = now_ms()
         ttl_ms = self.settings.record_ttl_s * 1000
         names: dict[str, str] = {}
         commands: list[Command] = []
         asked: list[tuple[str, str]] = []  # entry id, key: answered by each GET
         for entry_id in entry_ids:
-            derived = entry_message_id(self.stream, entry_id, now_ms=now)
+            derived = entry_message_id(self.stream, entry_id, now_ms=now, key=secret)
             key = self.keys.entry_name(self.stream, entry_id)
             if derived is not None:
                 names[entry_id] = derived
@@ -153,6 +164,17 @@ class Intake:
                 minted.append(key)
         return names, minted
 
+    async def id_key(self) -> bytes:
+        """The broker's key for ids derived from entries: made by the first dispatcher ever
+        (``SET NX``), the same for all of them after."""
+        if self._id_key is None:
+            made = secrets.token_hex(32)
+            _, value = await self._run(
+                [("SET", self.keys.id_key, made, "NX"), ("GET", self.keys.id_key)]
+            )
+            self._id_key = bytes(value)
+        return self._id_key
+
     async def _run(self, commands: list[Command]) -> list[Any]:
         replies = await self.conn.call_many(commands)
         for reply in replies:
@@ -164,7 +186,7 @@ class Intake:
 
     def _judge(self, item: IngressEntry | MalformedEntry, name: str) -> Envelope | Rejection:
         if isinstance(item, MalformedEntry):
-            return self.rejection(item.entry_id, name, item.reason, item.raw)
+            return self.rejection(item.entry_id, name, item.reason, item.raw, salvage=item.envelope)
         try:
             return self._decode(item.envelope, name)
         except InvalidEnvelope as exc:
@@ -207,12 +229,16 @@ class Intake:
         commands: list[Command] = []
         for r, a in zip(rejections, accepted, strict=True):
             reason = r.reason
-            if not a.created and not _ours(records.get(r.message_id), r.raw, max_bytes):
+            # the id names another message: what is said about this entry must not read as
+            # that message's answer (a notice, not an outcome)
+            foreign = not a.created and not _ours(records.get(r.message_id), r.raw, max_bytes)
+            if foreign:
                 reason = f"{reason}; id {r.message_id} already names another message"
             commands.append(self.store.dead_letter_command(self._letter(r, reason)))
             owners.append(r.message_id)
             if r.reply_to:
-                for command in self._answer(r.reply_to, r.message_id, reason):
+                notice = REJECTED_NOTICE if foreign else None
+                for command in self._answer(r.reply_to, r.message_id, reason, notice=notice):
                     commands.append(command)
                     owners.append(r.message_id)
             log.info("message %s rejected: %s", r.message_id, reason)
@@ -230,7 +256,8 @@ class Intake:
             next_stage=Stage.REJECTED,
             accepted_ms=now_ms(),
             reason=r.reason,
-            fields={"envelope_size": str(size)} if size is not None else None,
+            # an invalid envelope holds no id: a valid one under it takes it (accept.lua)
+            fields={"invalid": "1", **({"envelope_size": str(size)} if size is not None else {})},
         )
 
     def _letter(self, r: Rejection, reason: str) -> Letter:
@@ -243,8 +270,18 @@ class Intake:
             ts_ms=now_ms(),
         )
 
-    def _answer(self, reply_to: str, message_id: str, error: str) -> list[Command]:
-        entry = reply_entry(message_id, Stage.REJECTED, None, error)
+    def _answer(
+        self,
+        reply_to: str,
+        message_id: str,
+        error: str,
+        *,
+        notice: str | None = None,
+        request: str | None = None,
+    ) -> list[Command]:
+        entry = ReplyEntry(
+            id=message_id, stage=Stage.REJECTED, error=error, notice=notice, request=request
+        )
         return [
             ("XADD", reply_to, "*", *reply_fields(entry)),
             ("EXPIRE", reply_to, self.settings.reply_ttl_s),
@@ -275,22 +312,18 @@ class Intake:
         )
         commands = [self.store.dead_letter_command(letter)]
         if planned.reply_to:
-            commands += self._answer(planned.reply_to, record.id, reason)
+            # a notice naming the refused request: only its own producer takes it as its
+            # answer, never one waiting for the message that holds the id
+            commands += self._answer(
+                planned.reply_to,
+                record.id,
+                reason,
+                notice=ID_CONFLICT,
+                request=request_digest(planned),
+            )
         owners = [record.id] * len(commands)
         await self.store.after_delivery(owners, commands, await self.conn.call_many(commands))
         log.warning("message %s: %s", record.id, reason)
-
-    async def tell_again(self, record: MessageRecord, planned: Envelope) -> None:
-        """A producer's retry of a message that has ended, from another reply stream: its
-        answer goes there too (the first producer's stream had it already)."""
-        if not planned.reply_to or planned.reply_to == record.reply_to:
-            return
-        if record.stage not in TERMINAL:
-            return
-        retry = msgspec.structs.replace(planned, callback_url=None, parent=None)
-        await self.store.deliver(
-            retry, record.stage, record.result, record.error, attempt=record.attempt
-        )
 
 
 def _ours(record: MessageRecord | None, raw: bytes, max_bytes: int) -> bool:

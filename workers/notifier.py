@@ -50,6 +50,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from broker.connection import Connection, ensure_group
 from broker.deadletters import Letter, dead_letter_command
+from broker.entries import fields_as_bytes
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import NOTIFY_GROUP
 from broker.retry import retry_delay_ms
@@ -277,7 +278,9 @@ class Notifier:
                         self._dead_letter_malformed(entry_id, fields, delivery)
                     )
                     return
-                wait_ms = delivery.not_before_ms - now_ms()
+                # never longer than this broker would ever have asked: an entry written
+                # with a wait of years must not hold a delivery slot of ours for years
+                wait_ms = min(delivery.not_before_ms - now_ms(), self._longest_wait_ms())
                 if wait_ms > 0:
                     await anyio.sleep(wait_ms / 1000)
                 attempt = await self.poster.attempt(delivery)
@@ -287,6 +290,10 @@ class Notifier:
             log.warning("webhook delivery %s not settled, retried later: %s", entry_id, exc)
         finally:
             self._let_go(entry_id)
+
+    def _longest_wait_ms(self) -> int:
+        """The longest wait a retry is ever written with (:meth:`_retry_later`)."""
+        return self.settings.webhook_backoff_max_ms
 
     async def _settle_shielded(self, settle: Awaitable[None]) -> None:
         """Write the outcome even while stopping: a settlement is one short round trip."""
@@ -373,7 +380,7 @@ class Notifier:
             id=fields.get("id", b"").decode(errors="replace"),
             stage=_stage_of(fields.get("body", b"")),
             reason=UNDELIVERABLE,
-            raw=_entry_json(fields),
+            raw=fields_as_bytes((field_bytes(name), value) for name, value in fields.items()),
             url=fields.get("url", b"").decode(errors="replace"),
             attempts=0,
             error=problem,
@@ -411,16 +418,6 @@ class Notifier:
 
     def _count(self, action: str) -> None:
         self.handled[action] = self.handled.get(action, 0) + 1
-
-
-def _entry_json(fields: dict[str, bytes]) -> bytes:
-    """A malformed entry as JSON for its dead letter: every name and value as text, bytes
-    that are not UTF-8 shown as U+FFFD."""
-    readable = {
-        field_bytes(name).decode(errors="replace"): value.decode(errors="replace")
-        for name, value in fields.items()
-    }
-    return msgspec.json.encode(readable)
 
 
 class _BodyStage(msgspec.Struct):

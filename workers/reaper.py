@@ -182,25 +182,36 @@ class Reaper:
         return verdict
 
     async def _unresolvable(self, record: MessageRecord, exc: Exception) -> Verdict:
-        """End a message the reaper cannot resolve (an unreadable record, say) as DEAD with
-        the error; nothing is sent to the agent, and the record's bytes go to the dead
-        letters as they are."""
+        """End a message the reaper cannot resolve (an unreadable envelope, say) as DEAD with
+        the error, from whatever stage it is in (fenced on that stage, attempt and
+        instance): nothing is sent to the agent, the record's bytes go to the dead letters
+        as they are, its producer is told on the reply stream the record names, and a credit
+        it held on a dead instance is returned."""
+        if record.stage in TERMINAL:
+            return Verdict("forgotten", None)
         error = f"the reaper could not resolve it: {type(exc).__name__}: {exc}"
         moved = await self.store.apply(
-            self._fenced(record, Stage.DEAD, reason=error, fields={"error": error})
-        )
-        if moved.ok:
-            await self.store.dead_letter(
-                Letter(
-                    id=record.id,
-                    stage=Stage.DEAD.value,
-                    reason=error,
-                    raw=record.envelope,
-                    ts_ms=now_ms(),
-                )
+            Move(
+                record.id,
+                Stage.DEAD,
+                any_of=frozenset({record.stage}),
+                expect_attempt=record.attempt,
+                expect_instance=record.instance,
+                reason=error,
+                fields={"error": error},
             )
-            return Verdict("dead: unresolvable", None)
-        return Verdict("raced", now_ms() + 1_000)
+        )
+        if not moved.ok:
+            return Verdict("raced", now_ms() + 1_000)
+        letter = Letter(
+            id=record.id, stage=Stage.DEAD.value, reason=error, raw=record.envelope, ts_ms=now_ms()
+        )
+        await self.store.dead_letter(letter)
+        await self._release(record)
+        if record.reply_to:
+            entry = ReplyEntry(id=record.id, stage=Stage.DEAD, attempt=record.attempt, error=error)
+            await self.store.send_reply(record.reply_to, entry)
+        return Verdict("dead: unresolvable", None)
 
     async def dead_instances(self, now: int) -> int:
         """The work of instances that are down, at once (not at its delivery timeout): every

@@ -17,11 +17,16 @@
 -- ARGV[12..] more field, value pairs for the record (the route decision, the wait reason)
 --
 -- Returns {1, stage, attempt} for a new record, {0, stage, attempt} when the id exists
--- (a producer retry: the first acceptance wins and nothing else is written).
+-- (a producer retry: the first acceptance wins and nothing else is written). The one
+-- exception: an invalid envelope's rejection (field `invalid`) holds no id — a valid
+-- envelope under that id replaces it, so a producer may fix and resend its envelope.
 local rec = KEYS[1]
-local existing = redis.call('HMGET', rec, 'stage', 'attempt')
+local existing = redis.call('HMGET', rec, 'stage', 'attempt', 'invalid')
 if existing[1] then
-  return {0, existing[1], existing[2] or '0'}
+  if not (existing[1] == 'REJECTED' and existing[3] == '1' and ARGV[8] ~= 'REJECTED') then
+    return {0, existing[1], existing[2] or '0'}
+  end
+  redis.call('DEL', rec, KEYS[2])
 end
 local attempt = ARGV[8] == 'ROUTED' and '1' or '0'
 local error = ARGV[8] == 'REJECTED' and ARGV[10] or ''

@@ -61,7 +61,7 @@ def test_bad_config_fails_with_the_key_name(tmp_path: Path) -> None:
     config.write_text("heartbeat_s = 0\n")
     result = CliRunner().invoke(main, ["agents", "--config", str(config)])
     assert result.exit_code == 2
-    assert "heartbeat_s" in result.output and "> 0" in result.output
+    assert "heartbeat_s" in result.output and ">= 0.01" in result.output
     result = CliRunner().invoke(main, ["agents"], env={"AGENT_REACH_HEARTBEAT": "1"})
     assert result.exit_code == 2 and "AGENT_REACH_HEARTBEAT" in result.output
 
@@ -273,3 +273,17 @@ async def test_an_error_inside_a_command_is_one_line_not_a_traceback(settings: S
     code, out = await cli(settings, "weight", "nobody-1", "1")
     assert code == 1 and "unknown instance 'nobody-1'" in out
     assert "Traceback" not in out and "ExceptionGroup" not in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["weight", "x-1", "nan"], "'nan' is not a number"),
+        (["send", "a.b", "--id", "{x}"], "Invalid value for --id"),
+        (["send", "a.b", "--payload", "\udcff"], "not UTF-8 text"),
+        (["send", "a.b", "--timeout", "nan"], "is not a number"),
+    ],
+)
+def test_odd_command_line_values_are_usage_errors(argv: list[str], says: str) -> None:
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 2 and says in result.output, result.output

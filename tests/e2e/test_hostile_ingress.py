@@ -32,7 +32,7 @@ def envelope(**fields: object) -> bytes:
 
 # (case, the entry's fields as a flat list, a phrase the reason must hold)
 BATTERY: list[tuple[str, list[bytes], str]] = [
-    ("field name not UTF-8", [b"\xff\xfe", b"x"], "no `envelope` field (its fields: '\\\\xff"),
+    ("field name not UTF-8", [b"\xff\xfe", b"x"], "no `envelope` field (its fields: '\\xff\\xfe')"),
     ("extra field not UTF-8", [b"envelope", GOOD, b"\xc3(", b"1"], "fields besides `envelope`"),
     ("envelope field twice", [b"envelope", GOOD, b"envelope", GOOD], "`envelope` field 2 times"),
     ("no envelope field", [b"payload", GOOD], "no `envelope` field"),
@@ -41,7 +41,7 @@ BATTERY: list[tuple[str, list[bytes], str]] = [
     ("JSON array", [b"envelope", b"[1, 2]"], "Expected `object`"),
     ("JSON string", [b"envelope", b'"text"'], "Expected `object`"),
     ("JSON null", [b"envelope", b"null"], "Expected `object`"),
-    ("nested 100,000 deep", [b"envelope", DEEP], "nested too deeply"),
+    ("nested 100,000 deep", [b"envelope", DEEP], "levels deep; at most 64"),
     ("two megabytes", [b"envelope", envelope(payload="x" * 2_000_000)], "over the"),
     ("unknown field", [b"envelope", envelope(evil=1)], "unknown field `evil`"),
     ("NUL in capability", [b"envelope", b'{"capability": "text.e\\u0000cho"}'], "capability"),

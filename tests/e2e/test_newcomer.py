@@ -149,8 +149,11 @@ async def test_ten_demos_leave_the_redis_as_it_was(tmp_path: Path) -> None:
             assert abs(await memory_used(conn) - memory_before) < 256 * 1024
 
 
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
 @pytest.mark.timeout(300)
-async def test_a_demo_stopped_with_ctrl_c_removes_its_keys(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=str)
+async def test_a_demo_stopped_removes_its_keys(tmp_path: Path, stop: signal.Signals) -> None:
+    """Ctrl-C, `timeout` or `docker stop` (SIGTERM), a closed terminal (SIGHUP)."""
     env = fresh_home(tmp_path)
     with embedded_redis(data_dir_of(tmp_path)) as url:
         settings = settings_for(url)
@@ -169,7 +172,7 @@ async def test_a_demo_stopped_with_ctrl_c_removes_its_keys(tmp_path: Path) -> No
                     return len(await keys_matching(conn, "demo-*:m:*")) > 100
 
                 await eventually(records_written, timeout_s=120)
-                demo.send_signal(signal.SIGINT)  # Ctrl-C
+                demo.send_signal(stop)
                 with anyio.fail_after(120):
                     await demo.wait()
             finally:

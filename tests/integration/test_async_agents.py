@@ -352,8 +352,9 @@ async def test_a_callback_settles_a_message_parked_for_an_operator(conn: Connect
     ):
         reply_to, message_id = await submitted(conn)
 
-        async def parked() -> bool:
-            return (await record_of(conn, message_id)).stage is Stage.NEEDS_CONFIRMATION
+        async def parked() -> bool:  # (no record yet until the dispatcher accepts it)
+            record = await MessageStore(conn).get_record(message_id)
+            return record is not None and record.stage is Stage.NEEDS_CONFIRMATION
 
         await eventually(parked, timeout_s=20)
 

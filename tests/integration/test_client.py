@@ -186,8 +186,9 @@ async def test_a_bare_client_submits_and_reads_but_cannot_request(conn: Connecti
     async with echo_broker(conn):
         sent = await bare.submit(Envelope(capability="text.echo"))
 
-        async def finished() -> bool:
-            return await bare.result(sent) is not None
+        async def finished() -> bool:  # (unknown until the dispatcher has accepted it)
+            record = await MessageStore(conn).get_record(sent)
+            return record is not None and await bare.result(sent) is not None
 
         await eventually(finished)
     result = await bare.result(sent)

@@ -219,3 +219,13 @@ def decode_ulid_time(text: str) -> int:
     for char in text[:10]:
         value = value * 32 + alphabet.index(char)
     return value
+
+
+async def test_a_producer_is_told_when_its_entry_carries_a_stray_field(conn: Connection) -> None:
+    reply_to = conn.keys.reply("stray")
+    raw = msgspec.json.encode({"capability": "text.echo", "id": "stray-1", "reply_to": reply_to})
+    async with running_dispatcher(conn):
+        await conn.call("XADD", conn.keys.ingress, "*", "envelope", raw, "trace", "x")
+        results = await collect_replies(conn, reply_to, 1)
+    assert results["stray-1"].stage is Stage.REJECTED
+    assert "fields besides `envelope`: 'trace'" in (results["stray-1"].error or "")

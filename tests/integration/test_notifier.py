@@ -299,6 +299,22 @@ async def test_a_busy_receiver_s_retry_after_is_honoured(settings: Settings) -> 
     assert receiver.hits[1].at - receiver.hits[0].at >= 1.0
 
 
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
+@pytest.mark.parametrize("retry_after", ["inf", "1e400", "nan", "Fri, 31 Dec 9999 23:59:59 GMT"])
+async def test_a_retry_after_of_no_sensible_length_is_a_bounded_wait(
+    settings: Settings, retry_after: str
+) -> None:
+    """Once a receiver's ``Retry-After: inf`` overflowed and stopped the whole process."""
+    receiver = Receiver(answers=[503], retry_after=retry_after)
+    changes = {"webhook_backoff_ms": 50, "webhook_backoff_max_ms": 200}
+    with anyio.fail_after(30):
+        async with connected(hook_settings(settings, **changes)) as conn:
+            async with serving(receiver) as url, running_notifier(conn):
+                await ended_message(conn, url)
+                await eventually(lambda: outbox_settled(conn), timeout_s=10)
+    assert [h.status for h in receiver.hits] == [503, 200]
+
+
 async def delivered_and_settled(conn: Connection, *receivers: Receiver) -> bool:
     return all(r.accepted for r in receivers) and await outbox_settled(conn)
 

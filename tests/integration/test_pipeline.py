@@ -5,17 +5,18 @@ from __future__ import annotations
 import anyio
 import msgspec
 
-from broker.client import Client
+from broker.client import Client, Result
 from broker.config import Settings
 from broker.connection import Connection, open_connection
 from broker.envelope import Envelope
 from broker.registry import Registry
 from broker.stages import Stage
 from broker.store import MessageStore
-from tests.support.agents import http_agent
+from tests.support.agents import Gate, http_agent
 from tests.support.harness import (
     collect_replies,
     dead_letters,
+    eventually,
     running_dispatcher,
     running_sidecar,
 )
@@ -109,52 +110,72 @@ async def test_same_id_submitted_twice_executes_once(conn: Connection) -> None:
     client = Client(conn)
     reply_to = client.new_reply_stream()
     first = msgspec.structs.replace(echo(1, reply_to), id="order-42")
+    # the same request, written another way: JSON is compared, not its spacing
+    spaced = msgspec.structs.replace(first, payload=msgspec.Raw(b'{ "n" : 1 }'))
     async with (
         http_agent("a") as agent,
         running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
         running_dispatcher(conn),
     ):
         await client.submit(first)
-        await client.submit(first)  # a producer's retry: the same request
+        await client.submit(spaced)  # a producer's retry: the same request
         results = await collect_replies(conn, reply_to, 1)
-        # a later retry from another client (another reply stream) gets the same answer
+        # a later retry, from another reply stream: nothing runs, nothing is refused
         elsewhere = client.new_reply_stream()
         await client.submit(msgspec.structs.replace(first, reply_to=elsewhere))
-        again = await collect_replies(conn, elsewhere, 1)
         marker = await client.submit(echo(3, reply_to))
         results = await collect_replies(conn, reply_to, 2)
+        told_elsewhere = await conn.call("XLEN", elsewhere)
 
     assert set(results) == {"order-42", marker}
     assert agent.log.calls["order-42"] == 1
     assert results["order-42"].result["echo"] == {"n": 1}
-    assert again["order-42"] == results["order-42"]
+    assert told_elsewhere == 0  # the answer went where the first submission asked
 
 
 async def test_another_request_under_a_taken_id_is_refused_and_the_first_untouched(
     conn: Connection,
 ) -> None:
-    client = Client(conn)
-    reply_to, squatter = client.new_reply_stream(), client.new_reply_stream()
-    first = msgspec.structs.replace(echo(1, reply_to), id="order-43")
-    second = msgspec.structs.replace(echo(2, squatter), id="order-43")
+    """The refusal names the refused request: the producer that sent it takes it as its
+    answer; one waiting for the message that holds the id (here on the very same reply
+    stream) does not."""
+    gate = Gate()  # the first stays in flight meanwhile
     async with (
-        http_agent("a") as agent,
+        http_agent("a", behaviour=gate) as agent,
         running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
         running_dispatcher(conn),
+        Client(conn) as owner,
     ):
-        await client.submit(first)
-        results = await collect_replies(conn, reply_to, 1)
-        await client.submit(second)  # after it ended
-        refused = await collect_replies(conn, squatter, 1)
+        waiting = anyio.Event()
+        answers: dict[str, Result] = {}
 
-    assert results["order-43"].result["echo"] == {"n": 1}
-    assert refused["order-43"].stage is Stage.REJECTED
-    assert (refused["order-43"].error or "").startswith("id_conflict: id order-43")
+        async def ask_first() -> None:
+            answers["first"] = await owner.request("text.echo", {"n": 1}, timeout=30, id="order-43")
+            waiting.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask_first)
+            await eventually(lambda: _has_record(conn, "order-43"))
+            # another producer's different request under the same id, naming the first
+            # producer's reply stream: its refusal must not end the first one's wait
+            assert owner.reply_stream is not None
+            squat = msgspec.structs.replace(echo(2, owner.reply_stream), id="order-43")
+            await Client(conn).submit(squat)
+            async with Client(conn) as other:
+                refused = await other.request("text.echo", {"n": 3}, timeout=30, id="order-43")
+            assert not waiting.is_set()
+            gate.open()
+
+    assert refused.stage is Stage.REJECTED
+    assert (refused.error or "").startswith("id_conflict: id order-43")
+    assert answers["first"].ok and answers["first"].result["echo"] == {"n": 1}
     assert agent.log.calls["order-43"] == 1
-    record = await MessageStore(conn).get_record("order-43")
-    assert record is not None and record.stage is Stage.SUCCEEDED  # the first, untouched
-    (letter,) = [e for e in await dead_letters(conn) if e["id"] == b"order-43"]
-    assert letter["reason"].startswith(b"id_conflict") and b'"n":2' in letter["raw"]
+    letters = [e for e in await dead_letters(conn) if e["id"] == b"order-43"]
+    assert len(letters) == 2 and all(e["reason"].startswith(b"id_conflict") for e in letters)
+
+
+async def _has_record(conn: Connection, message_id: str) -> bool:
+    return await MessageStore(conn).get_record(message_id) is not None
 
 
 async def test_timeline_records_instance_attempt_and_time(conn: Connection) -> None:

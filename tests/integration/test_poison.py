@@ -275,3 +275,81 @@ async def test_garbage_on_a_reply_stream_does_not_stop_a_client(conn: Connection
     assert first.ok and second.ok and second.result["echo"] == 2
     assert waited is not None and waited.ok
     assert agent.log.total == 3
+
+
+async def test_what_a_sidecar_role_could_write_wrongly_stops_no_broker_process(
+    conn: Connection,
+) -> None:
+    """A garbage credit notification, a card that does not read, a record that does not:
+    each is passed over (said in the log), and a message still runs end to end."""
+    reply_to = conn.keys.reply("after-junk")
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        await conn.call("PUBLISH", conn.keys.credit_channel, "a-1 notanumber")
+        await conn.call("PUBLISH", conn.keys.credit_channel, b"\xff\xfe 1")
+        await conn.call("HSET", conn.keys.card("junk-1"), "instance_id", "junk-1", "credits", "x")
+        await conn.call("ZADD", conn.keys.agents, now_ms(), "junk-1")
+        await conn.call("HSET", conn.keys.record("junk-m"), "stage", "NOT-A-STAGE", "attempt", "x")
+        await conn.call("ZADD", conn.keys.due, 0, "junk-m")
+        good = await Client(conn).submit(Envelope(capability="text.echo", reply_to=reply_to))
+        results = await collect_replies(conn, reply_to, 1)
+    assert results[good].stage is Stage.SUCCEEDED
+    assert agent.log.total == 1
+
+
+async def test_a_waiting_message_the_reaper_cannot_read_ends_dead_not_in_a_loop(
+    settings: Settings,
+) -> None:
+    """The reaper's last resort works from any stage: an unreadable waiting message ends
+    DEAD with the reason, dead-lettered, its producer told."""
+    fast = msgspec.structs.replace(settings, sweep_interval_s=0.05)
+    assert fast.redis_url is not None
+    async with open_connection(fast, fast.redis_url) as conn, running_dispatcher(conn):
+        reply_to = conn.keys.reply("unreadable")
+        store = MessageStore(conn)
+        now = now_ms()
+        await store.accept(
+            Acceptance(
+                "unreadable-1",
+                b"not an envelope",
+                "text.echo",
+                deadline_ms=now - 1,  # due: the reaper expires it, and must read it to
+                reply_to=reply_to,
+                priority=0,
+                next_stage=Stage.WAITING,
+                accepted_ms=now,
+            )
+        )
+        await conn.call(*store.due_command("unreadable-1", now))
+        (answer,) = (await collect_replies(conn, reply_to, 1, timeout_s=30)).values()
+        letters = [e for e in await dead_letters(conn) if e["id"] == b"unreadable-1"]
+    assert answer.stage is Stage.DEAD and "could not resolve it" in (answer.error or "")
+    assert letters and letters[0]["raw"] == b"not an envelope"
+
+
+async def test_an_invalid_envelope_holds_no_id_a_valid_one_takes_it(conn: Connection) -> None:
+    reply_to = conn.keys.reply("fixed")
+    bad = msgspec.json.encode({"capability": "Text", "id": "fix-1", "reply_to": reply_to})
+    good = msgspec.json.encode({"capability": "text.echo", "id": "fix-1", "reply_to": reply_to})
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        # in one batch, the invalid one first: the valid one still gets the id
+        await conn.call_many(
+            [
+                ("XADD", conn.keys.ingress, "*", "envelope", bad),
+                ("XADD", conn.keys.ingress, "*", "envelope", good),
+            ]
+        )
+
+        async def succeeded() -> bool:
+            record = await MessageStore(conn).get_record("fix-1")
+            return record is not None and record.stage is Stage.SUCCEEDED
+
+        await eventually(succeeded)
+    assert agent.log.calls["fix-1"] == 1

@@ -6,6 +6,7 @@ import hashlib
 import hmac
 from typing import Any
 
+import anyio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -109,11 +110,19 @@ class Feed:
 
 
 async def post(
-    feed: Feed, *, max_bytes: int, headers: list[tuple[bytes, bytes]]
+    feed: Feed,
+    *,
+    max_bytes: int,
+    headers: list[tuple[bytes, bytes]],
+    token_ok: bool = True,
+    body_timeout_s: float = 30.0,
 ) -> tuple[int, list[str]]:
     """Call the endpoint's ASGI app in-process: the status, and what ``receive`` was given."""
     received: list[str] = []
     answers: list[dict[str, Any]] = []
+
+    async def authorize(message_id: str, token: str) -> Answer | None:
+        return None if token_ok else Answer(401, {"error": "callback token does not match"})
 
     async def receive(message_id: str, token: str, outcome: Succeeded | Failed) -> Answer:
         received.append(message_id)
@@ -134,7 +143,7 @@ async def post(
         "server": ("127.0.0.1", 1),
         "client": ("127.0.0.1", 2),
     }
-    app = callback_app(receive, max_bytes=max_bytes)
+    app = callback_app(authorize, receive, max_bytes=max_bytes, body_timeout_s=body_timeout_s)
     await app(scope, feed.receive, send)
     return answers[0]["status"], received
 
@@ -164,3 +173,27 @@ async def test_a_body_at_the_limit_is_read_whole() -> None:
     status, received = await post(Feed(body, 1), max_bytes=len(body), headers=[])
 
     assert status == 200 and received == ["m1"]
+
+
+async def test_without_a_good_token_not_a_byte_of_the_body_is_read() -> None:
+    feed = Feed(b"x" * 1024, 2048)
+    status, received = await post(feed, max_bytes=10_240, headers=[], token_ok=False)
+    assert status == 401 and received == [] and feed.taken == 0
+
+
+class Trickle(Feed):
+    """A body that never finishes arriving."""
+
+    async def receive(self) -> dict[str, Any]:
+        self.taken += 1
+        if self.taken > 1:
+            await anyio.sleep_forever()
+        return {"type": "http.request", "body": b"{", "more_body": True}
+
+
+async def test_a_body_that_does_not_arrive_in_time_gets_408() -> None:
+    with anyio.fail_after(5):
+        status, received = await post(
+            Trickle(b"", 0), max_bytes=10_240, headers=[], body_timeout_s=0.2
+        )
+    assert status == 408 and received == []

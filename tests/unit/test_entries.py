@@ -40,7 +40,7 @@ def test_any_entry_is_an_envelope_to_judge_or_a_rejection_with_a_reason(
         # the dead letter keeps every field, losslessly
         decoded = msgspec.json.decode(parsed.raw)
         assert len(decoded) == len(flat) // 2
-    named = entry_message_id("reach:in", entry_id, now_ms=now)
+    named = entry_message_id("reach:in", entry_id, now_ms=now, key=b"key")
     assert named is None or len(named) == 26
 
 

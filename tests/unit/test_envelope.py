@@ -354,6 +354,11 @@ def test_salvage_reply_to() -> None:
     assert salvage_reply_to(b'{"reply_to":"elsewhere:me"}', PREFIX) is None
     assert salvage_reply_to(b'{"reply_to":["reach:reply:me"]}', PREFIX) is None
     assert salvage_reply_to(b'{"reply_to":null}', PREFIX) is None
+    # held to a valid reply_to's rules: a 2 MB or non-ASCII key name is no place to answer
+    long = b'{"reply_to":"reach:reply:' + b"x" * 2_000_000 + b'"}'
+    assert salvage_reply_to(long, PREFIX) is None
+    assert salvage_reply_to('{"reply_to":"reach:reply:ü"}'.encode(), PREFIX) is None
+    assert salvage_reply_to(b'{"reply_to":"reach:reply:a b"}', PREFIX) is None
 
 
 def test_salvage_id() -> None:
@@ -493,9 +498,18 @@ def test_salvage_never_raises(raw: bytes) -> None:
 
 def test_deeply_nested_json_is_rejected_not_a_crash() -> None:
     raw = b'{"capability":"a.b","payload":' + b"[" * 1000 + b"]" * 1000 + b"}"
-    with pytest.raises(InvalidEnvelope, match="nested too deeply"):
+    with pytest.raises(InvalidEnvelope, match="JSON nested 1001 levels deep; at most 64"):
         decode_envelope(raw, max_bytes=1 << 20, reply_prefix="reach:reply:")
+    # within the limit it is carried as it came
+    fine = b'{"capability":"a.b","payload":' + b"[" * 63 + b"]" * 63 + b"}"
+    decode_envelope(fine, max_bytes=1 << 20, reply_prefix="reach:reply:")
     assert salvage_id(b'{"id":' + b"[" * 5000 + b"]" * 5000 + b"}") is None
+
+
+def test_bytes_that_are_not_utf8_are_rejected_even_in_the_payload() -> None:
+    raw = b'{"capability":"a.b","payload":"' + b"\xff" + b'"}'
+    with pytest.raises(InvalidEnvelope, match="not UTF-8 at byte 31"):
+        decode_envelope(raw, max_bytes=1 << 20, reply_prefix="reach:reply:")
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 ULID = re.compile(r"^[0-7][0-9A-HJKMNP-TV-Z]{25}$")
 PROPERTY = settings(database=None)
 timestamps = st.integers(0, (1 << 48) - 1)
+KEY = b"k" * 32
 randomness = st.binary(min_size=10, max_size=10)
 
 
@@ -96,12 +97,15 @@ def test_an_ingress_entry_always_names_the_same_message() -> None:
     from broker.ids import entry_message_id
 
     now = 1_800_000_000_000
-    first = entry_message_id("reach:in", "1700000000000-3", now_ms=now)
+    first = entry_message_id("reach:in", "1700000000000-3", now_ms=now, key=KEY)
     assert first is not None
-    assert first == entry_message_id("reach:in", "1700000000000-3", now_ms=now + 5_000)
-    assert first != entry_message_id("reach:in", "1700000000000-4", now_ms=now)
-    assert first != entry_message_id("other:in", "1700000000000-3", now_ms=now)
+    assert first == entry_message_id("reach:in", "1700000000000-3", now_ms=now + 5_000, key=KEY)
+    assert first != entry_message_id("reach:in", "1700000000000-4", now_ms=now, key=KEY)
+    assert first != entry_message_id("other:in", "1700000000000-3", now_ms=now, key=KEY)
     assert first[:10] == encode_ulid(1_700_000_000_000, bytes(10))[:10]  # its time
+    # another broker key names another message: no one without the key can compute it
+    other = entry_message_id("reach:in", "1700000000000-3", now_ms=now, key=b"x" * 32)
+    assert other is not None and other != first and other[:10] == first[:10]
 
 
 @pytest.mark.parametrize(
@@ -118,7 +122,7 @@ def test_an_ingress_entry_always_names_the_same_message() -> None:
 def test_an_entry_time_the_clock_has_not_reached_names_nothing(entry_id: str) -> None:
     from broker.ids import entry_message_id
 
-    assert entry_message_id("reach:in", entry_id, now_ms=1_800_000_000_000) is None
+    assert entry_message_id("reach:in", entry_id, now_ms=1_800_000_000_000, key=KEY) is None
 
 
 @PROPERTY
@@ -126,6 +130,6 @@ def test_an_entry_time_the_clock_has_not_reached_names_nothing(entry_id: str) ->
 def test_any_entry_id_names_a_valid_id_or_nothing(millis: int, seq: int, now: int) -> None:
     from broker.ids import entry_message_id
 
-    named = entry_message_id("reach:in", f"{millis}-{seq}", now_ms=now)
+    named = entry_message_id("reach:in", f"{millis}-{seq}", now_ms=now, key=KEY)
     assert (named is None) == (millis > now)
     assert named is None or ULID.match(named)

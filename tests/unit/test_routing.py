@@ -3,6 +3,7 @@ choose, each step recorded in the decision. Pure: time and randomness are argume
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from broker.routing import (
     RouteRequest,
     RoutingPolicy,
     Step,
+    factors,
     route,
 )
 
@@ -685,3 +687,58 @@ def test_an_instance_without_credits_is_never_chosen() -> None:
     )
     assert decision.outcome is Outcome.ALL_CANDIDATES_DOWN
     assert ("empty-1", "no credits") in decision.steps[2].excluded
+
+
+# -- the reach score --------------------------------------------------------------------------
+
+
+def test_the_reach_is_the_documented_product_of_its_factors() -> None:
+    """docs/architecture.md "Routing": alive (DEGRADED 0.6) × (1 − error rate) × max(0.1, 1 −
+    load) × max(0.2, 1 − p95 / 1 s) × confidence (0.8 below 20 successes) × weight."""
+    stats = InstanceStats(error_rate=0.1, p95_ms=500.0, successes=19)
+    view = inst("order-1", state=InstanceState.DEGRADED, inflight=5, weight=0.5, stats=stats)
+    shown = factors(view, InstanceState.DEGRADED, 5, POLICY)
+    assert dataclasses.astuple(shown) == pytest.approx((0.6, 0.9, 0.5, 0.5, 0.8, 0.5, 0.054))
+    decision = decide([view])
+    assert decision.factors is not None
+    assert dataclasses.astuple(decision.factors) == pytest.approx(dataclasses.astuple(shown))
+    assert decision.reason.endswith("(reach 0.054)")
+    warm = factors(inst("order-2", stats=InstanceStats(successes=20)), InstanceState.UP, 0, POLICY)
+    assert (warm.confidence, warm.reach) == (1.0, 1.0)
+
+
+def test_the_load_and_latency_factors_have_floors_and_down_is_not_alive() -> None:
+    slow = inst("order-1", stats=InstanceStats(p95_ms=5_000.0, successes=100))
+    full = factors(slow, InstanceState.UP, 10, POLICY)
+    assert (full.load, full.latency) == (0.1, 0.2)
+    assert full.reach == pytest.approx(0.02)
+    assert factors(slow, InstanceState.UP, 12, POLICY).load == 0.1  # over its credits
+    assert factors(inst("order-0", credits=0), InstanceState.UP, 0, POLICY).load == 0.1
+    assert factors(slow, InstanceState.DOWN, 0, POLICY).reach == 0.0
+
+
+@PROPERTY
+@given(
+    st.integers(0, 11).flatmap(lambda n: views(n)),
+    st.sampled_from(list(InstanceState)),
+    st.integers(0, 25),
+    st.integers(0, 40),
+    st.floats(0.05, 1.0),
+)
+def test_property_the_factors_shown_are_the_reach_the_funnel_ranks_by(
+    view: InstanceView, state: InstanceState, in_use: int, cold_below: int, cold: float
+) -> None:
+    """The factors an operator reads multiply to the figure the funnel ranks by, and a routed
+    decision shows the same factors as ``agent-reach agents`` for that instance."""
+    policy = RoutingPolicy(cold_start_successes=cold_below, cold_start_confidence=cold)
+    shown = factors(view, state, in_use, policy)
+    product = shown.alive * shown.health * shown.load * shown.latency * shown.confidence
+    assert shown.reach == pytest.approx(product * shown.weight, rel=1e-12, abs=1e-12)
+    request = RouteRequest(view.card.capabilities[0])
+    index = RegistryIndex([view])
+    inflight = {view.instance_id: in_use}
+    decision = route(request, index, inflight, now_ms=NOW, rng=random.Random(0), policy=policy)
+    if decision.outcome is Outcome.ROUTED:
+        assert decision.factors is not None
+        seen = factors(view, observed(view), in_use, policy)
+        assert dataclasses.astuple(decision.factors) == pytest.approx(dataclasses.astuple(seen))

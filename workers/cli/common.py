@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Awaitable, Callable
 from functools import wraps
@@ -94,3 +95,15 @@ def check_id(value: str | None, hint: str) -> None:
         raise click.BadParameter(
             f"{value!r}: use 1-128 of letters, digits and _ . : -", param_hint=hint
         )
+
+
+class FiniteRange(click.FloatRange):
+    """A float range that also refuses ``nan`` (which every comparison lets through)."""
+
+    name = "finite float range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        return number

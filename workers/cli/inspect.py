@@ -26,7 +26,7 @@ from broker.store import MessageStore, now_ms
 
 from ..routing_table import routing_policy
 from ..runtime import connected
-from .common import redis_options, run
+from .common import FiniteRange, redis_options, run
 
 
 @click.command()
@@ -204,7 +204,7 @@ def print_agents(documents: list[dict[str, Any]]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
 @click.option(
     "--watch",
-    type=click.FloatRange(min=0.1),
+    type=FiniteRange(min=0.1),
     default=None,
     metavar="SECONDS",
     help="Print again every SECONDS until interrupted.",
@@ -259,7 +259,7 @@ def print_stats(found: BacklogStats) -> None:
 @click.command()
 @redis_options
 @click.argument("instance_id")
-@click.argument("weight", type=click.FloatRange(0, 1000))
+@click.argument("weight", type=FiniteRange(0, 1000))
 def weight(settings: Settings, instance_id: str, weight: float) -> None:
     """Set an instance's routing weight now (canary share: 0.11 beside 1.0 is about 10 %)."""
 

@@ -2,28 +2,33 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import click
 import msgspec
 
-from adapters.http import HttpAsyncTransport, HttpTransport
-from adapters.python import Agent
+from adapters.factory import (
+    ADAPTERS,
+    SidecarOptionError,
+    agent_address,
+    callback_warning,
+    make_card,
+    make_transport,
+)
 from adapters.sidecar import Sidecar
 from adapters.transport import Transport
 from broker.config import Settings
-from broker.envelope import capability_problem
-from broker.ids import new_message_id
 from broker.records import InstanceCard
 
 from ..dispatcher import Dispatcher
 from ..notifier import Notifier
 from ..reaper import Reaper
 from ..runtime import connected, stop_on_signals
-from .common import check_id, parse_tags, redis_options, run
+from .common import FiniteRange, parse_tags, redis_options, run
 
 
 def serve_roles(
@@ -70,107 +75,110 @@ def reaper(settings: Settings) -> None:
     serve_roles(settings, None, dispatch=False, reap=True)
 
 
-def load_python_agent(spec: str) -> Agent:
-    """``module:attribute`` naming an :class:`Agent` (or a function returning one)."""
-    module_name, _, attribute = spec.partition(":")
-    if not attribute:
-        raise click.BadParameter("expected module:attribute", param_hint="--python")
-    try:
-        target = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise click.BadParameter(f"cannot load {spec}: {exc}", param_hint="--python") from exc
-    agent = target() if callable(target) and not isinstance(target, Agent) else target
-    if not isinstance(agent, Agent):
-        raise click.BadParameter(f"{spec} is not an Agent", param_hint="--python")
-    return agent
+# The sidecar's options, as data: the command below is what it does with them.
+SIDECAR_OPTIONS = (
+    click.option("--agent-id", required=True, help="The agent this instance belongs to."),
+    click.option(
+        "--capability",
+        "capabilities",
+        multiple=True,
+        required=True,
+        help="A capability served, e.g. order.query (repeatable).",
+    ),
+    click.option(
+        "--adapter",
+        type=click.Choice(ADAPTERS),
+        default=None,
+        help="How to reach the agent (default: http with --http, python with --python). "
+        "http-async: the agent answers 202 and POSTs its result to this sidecar's callback "
+        "endpoint later.",
+    ),
+    click.option(
+        "--http", "http_url", metavar="URL", help="The agent's HTTP endpoint (http, http-async)."
+    ),
+    click.option(
+        "--python",
+        "python_spec",
+        metavar="MODULE:ATTR",
+        help="An in-process Agent (python adapter).",
+    ),
+    click.option(
+        "--max-inflight",
+        type=click.IntRange(1, 100_000),
+        default=8,
+        show_default=True,
+        help="Credits: the most unfinished messages this instance holds.",
+    ),
+    click.option("--idempotent", is_flag=True, help="The agent may safely run a message twice."),
+    click.option("--instance-id", default=None, help="Instance id (default: AGENT_ID-random)."),
+    click.option("--version", "version", default="0", show_default=True, help="Agent version."),
+    click.option(
+        "--weight",
+        type=FiniteRange(0, 1000),
+        default=1.0,
+        show_default=True,
+        help="Routing weight (e.g. 0.11 beside 1.0 for a 10 % canary).",
+    ),
+    click.option(
+        "--tag", "tags", multiple=True, metavar="KEY=VALUE", help="Routing tag (repeatable)."
+    ),
+    click.option("--status-url", default="", metavar="URL", help="The agent's status endpoint."),
+    click.option(
+        "--cost",
+        type=FiniteRange(0),
+        default=0.0,
+        show_default=True,
+        help="Cost per call, for routing under a budget.",
+    ),
+    click.option(
+        "--credits",
+        "credits_mode",
+        type=click.Choice(["adaptive", "static"]),
+        default="adaptive",
+        show_default=True,
+        help="adaptive: the credit limit follows the agent's latency, between 1 and "
+        "--max-inflight; static: always --max-inflight.",
+    ),
+    click.option(
+        "--callback-host",
+        default="127.0.0.1",
+        show_default=True,
+        help="http-async: the address the callback endpoint listens on.",
+    ),
+    click.option(
+        "--callback-port",
+        type=click.IntRange(0, 65535),
+        default=0,
+        show_default=True,
+        help="http-async: the callback endpoint's port (0: any free one).",
+    ),
+    click.option(
+        "--callback-public-url",
+        default=None,
+        metavar="URL",
+        help="http-async: the callback endpoint's URL as agents reach it, when not "
+        "http://HOST:PORT (behind a proxy or NAT).",
+    ),
+    click.option(
+        "--grace",
+        "grace_s",
+        type=float,
+        default=None,
+        help="Seconds to finish in-flight work on SIGTERM (default: drain_grace_s, 40).",
+    ),
+)
+
+
+def sidecar_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``sidecar`` command's options, in the order ``--help`` lists them."""
+    for option in reversed(SIDECAR_OPTIONS):
+        command = option(command)
+    return command
 
 
 @click.command()
 @redis_options
-@click.option("--agent-id", required=True, help="The agent this instance belongs to.")
-@click.option(
-    "--capability",
-    "capabilities",
-    multiple=True,
-    required=True,
-    help="A capability served, e.g. order.query (repeatable).",
-)
-@click.option(
-    "--adapter",
-    type=click.Choice(["http", "http-async", "python"]),
-    default=None,
-    help="How to reach the agent (default: http with --http, python with --python). "
-    "http-async: the agent answers 202 and POSTs its result to this sidecar's callback "
-    "endpoint later.",
-)
-@click.option(
-    "--http", "http_url", metavar="URL", help="The agent's HTTP endpoint (http, http-async)."
-)
-@click.option(
-    "--python", "python_spec", metavar="MODULE:ATTR", help="An in-process Agent (python adapter)."
-)
-@click.option(
-    "--max-inflight",
-    type=click.IntRange(1, 100_000),
-    default=8,
-    show_default=True,
-    help="Credits: the most unfinished messages this instance holds.",
-)
-@click.option("--idempotent", is_flag=True, help="The agent may safely run a message twice.")
-@click.option("--instance-id", default=None, help="Instance id (default: AGENT_ID-random).")
-@click.option("--version", "version", default="0", show_default=True, help="Agent version.")
-@click.option(
-    "--weight",
-    type=click.FloatRange(0, 1000),
-    default=1.0,
-    show_default=True,
-    help="Routing weight (e.g. 0.11 beside 1.0 for a 10 % canary).",
-)
-@click.option("--tag", "tags", multiple=True, metavar="KEY=VALUE", help="Routing tag (repeatable).")
-@click.option("--status-url", default="", metavar="URL", help="The agent's status endpoint.")
-@click.option(
-    "--cost",
-    type=click.FloatRange(0),
-    default=0.0,
-    show_default=True,
-    help="Cost per call, for routing under a budget.",
-)
-@click.option(
-    "--credits",
-    "credits_mode",
-    type=click.Choice(["adaptive", "static"]),
-    default="adaptive",
-    show_default=True,
-    help="adaptive: the credit limit follows the agent's latency, between 1 and "
-    "--max-inflight; static: always --max-inflight.",
-)
-@click.option(
-    "--callback-host",
-    default="127.0.0.1",
-    show_default=True,
-    help="http-async: the address the callback endpoint listens on.",
-)
-@click.option(
-    "--callback-port",
-    type=click.IntRange(0, 65535),
-    default=0,
-    show_default=True,
-    help="http-async: the callback endpoint's port (0: any free one).",
-)
-@click.option(
-    "--callback-public-url",
-    default=None,
-    metavar="URL",
-    help="http-async: the callback endpoint's URL as agents reach it, when not "
-    "http://HOST:PORT (behind a proxy or NAT).",
-)
-@click.option(
-    "--grace",
-    "grace_s",
-    type=float,
-    default=None,
-    help="Seconds to finish in-flight work on SIGTERM (default: drain_grace_s, 40).",
-)
+@sidecar_options
 def sidecar(
     settings: Settings,
     agent_id: str,
@@ -193,73 +201,87 @@ def sidecar(
     grace_s: float | None,
 ) -> None:
     """Run a sidecar for one agent instance: register, heartbeat, consume, deliver."""
-    if (http_url is None) == (python_spec is None):
-        raise click.UsageError("give exactly one of --http URL or --python MODULE:ATTR")
-    adapter = adapter or ("http" if http_url is not None else "python")
-    if (adapter == "python") != (python_spec is not None):
-        needs = "--python MODULE:ATTR" if adapter == "python" else "--http URL"
-        raise click.UsageError(f"--adapter {adapter} needs {needs}")
-    for capability in capabilities:
-        if problem := capability_problem(capability):
-            raise click.BadParameter(problem, param_hint="--capability")
-    check_id(agent_id, "--agent-id")
-    check_id(instance_id, "--instance-id")
-    card = InstanceCard(
-        agent_id=agent_id,
-        instance_id=instance_id or f"{agent_id}-{new_message_id()[-8:]}",
-        capabilities=capabilities,
-        endpoint=http_url or f"python:{python_spec}",
-        max_inflight=max_inflight,
-        idempotent=idempotent,
-        version=version,
-        tags=parse_tags(tags),
-        weight=weight,
-        cost=cost,
-        status_url=status_url,
+    try:
+        address = agent_address(adapter, http_url=http_url, python_spec=python_spec)
+        card = make_card(
+            agent_id=agent_id,
+            capabilities=capabilities,
+            endpoint=address.endpoint,
+            max_inflight=max_inflight,
+            instance_id=instance_id,
+            idempotent=idempotent,
+            version=version,
+            tags=parse_tags(tags),
+            weight=weight,
+            cost=cost,
+            status_url=status_url,
+        )
+        warning = callback_warning(address, instance_id=instance_id, callback_port=callback_port)
+        if warning:
+            click.echo(f"agent-reach: warning: {warning}", err=True)
+        timeout_s = settings.sync_call_timeout_s
+        transport = make_transport(address, timeout_s=timeout_s, max_connections=max_inflight)
+    except SidecarOptionError as exc:
+        raise usage_error(exc) from exc
+    run(
+        serve_sidecar,
+        settings,
+        card,
+        transport,
+        grace_s=settings.drain_grace_s if grace_s is None else grace_s,
+        adaptive_credits=credits_mode == "adaptive",
+        callback_host=callback_host,
+        callback_port=callback_port,
+        callback_public_url=callback_public_url,
     )
-    if adapter == "http-async" and (instance_id is None or callback_port == 0):
-        click.echo(
-            "agent-reach: warning: callbacks handed out now reach a restarted sidecar only "
-            "under the same --instance-id and --callback-port; give both",
-            err=True,
-        )
-    transport: Transport
-    if adapter == "http-async":
-        transport = HttpAsyncTransport(
-            http_url or "", timeout_s=settings.sync_call_timeout_s, max_connections=max_inflight
-        )
-    elif http_url is not None:
-        transport = HttpTransport(
-            http_url, timeout_s=settings.sync_call_timeout_s, max_connections=max_inflight
-        )
-    else:
-        transport = load_python_agent(python_spec or "")
-    grace = settings.drain_grace_s if grace_s is None else grace_s
 
-    async def serve() -> None:
+
+def usage_error(exc: SidecarOptionError) -> click.UsageError:
+    """The factory's refusal as click says it: ``Invalid value for --OPTION: ...`` when one
+    option is at fault, the bare message when it is how they combine; exit code 2 either way."""
+    if exc.option is None:
+        return click.UsageError(exc.message)
+    return click.BadParameter(exc.message, param_hint=exc.option)
+
+
+async def serve_sidecar(
+    settings: Settings,
+    card: InstanceCard,
+    transport: Transport,
+    *,
+    grace_s: float,
+    adaptive_credits: bool,
+    callback_host: str,
+    callback_port: int,
+    callback_public_url: str | None,
+) -> None:
+    """Run the sidecar until it stops (SIGTERM, SIGINT, or DRAINING seen on a heartbeat); its
+    transport is closed however the run ends."""
+    try:
         async with connected(settings) as conn, anyio.create_task_group() as tg:
             runner = Sidecar(
                 conn,
                 card,
                 transport,
-                grace_s=grace,
-                adaptive_credits=credits_mode == "adaptive",
+                grace_s=grace_s,
+                adaptive_credits=adaptive_credits,
                 callback_host=callback_host,
                 callback_port=callback_port,
                 callback_public_url=callback_public_url,
             )
             tg.start_soon(stop_on_signals, runner.stop, tg.cancel_scope)
             await tg.start(runner.run)
-            click.echo(f"sidecar {card.instance_id} serving {', '.join(capabilities)}", err=True)
+            click.echo(
+                f"sidecar {card.instance_id} serving {', '.join(card.capabilities)}", err=True
+            )
             if runner.callback_url:
                 click.echo(
                     f"sidecar {card.instance_id} callbacks at {runner.callback_url}", err=True
                 )
             await runner.stopped.wait()
             tg.cancel_scope.cancel()
+    finally:
         await transport.aclose()
-
-    run(serve)
 
 
 @click.command()
@@ -294,7 +316,7 @@ def demo(settings: Settings, messages: int, timeout_s: float) -> None:
 @click.option("--port", type=int, default=8080, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--delay-ms", type=float, default=20.0, show_default=True)
-@click.option("--fail-rate", type=click.FloatRange(0, 1), default=0.0, show_default=True)
+@click.option("--fail-rate", type=FiniteRange(0, 1), default=0.0, show_default=True)
 def demo_agent(port: int, host: str, delay_ms: float, fail_rate: float) -> None:
     """Serve one demo HTTP agent (echoes its payload after a delay; fails at a rate)."""
     from ..demo import serve_demo_agent

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -18,18 +19,22 @@ from broker.errors import RequestTimeout
 from broker.jsondepth import depth_problem
 
 from ..runtime import connected
-from .common import parse_tags, redis_options, run
+from .common import FiniteRange, check_id, parse_tags, redis_options, run
 
 # The exit codes of `send --wait` and `request`.
 EXIT_FAILED = 1  # a terminal stage other than SUCCEEDED
 EXIT_PENDING = 3  # no result by the deadline plus the broker's grace
 
 # The bounds of the envelope's `timeout_s` (broker.envelope.TimeoutS).
-TIMEOUT_RANGE = click.FloatRange(0, 7 * 86400, min_open=True)
+TIMEOUT_RANGE = FiniteRange(0, 7 * 86400, min_open=True)
 
 
 def parse_payload(payload: str) -> Any:
     """The ``--payload`` value decoded from JSON, or a usage error saying where it broke."""
+    try:
+        payload.encode("utf-8")
+    except UnicodeEncodeError as exc:  # bytes of the command line that are not UTF-8
+        raise click.BadParameter(f"not UTF-8 text at {exc.start}", param_hint="--payload") from exc
     too_deep = depth_problem(payload)
     if too_deep is not None:  # before decoding: the decoder recurses
         raise click.BadParameter(too_deep, param_hint="--payload")
@@ -51,36 +56,49 @@ def build_envelope(fields: dict[str, Any], payload: str) -> Envelope:
     return msgspec.structs.replace(envelope, payload=raw_payload)
 
 
+# The options of `send`, as data: the command below is what it does with them.
+SEND_OPTIONS = (
+    click.option("--payload", default="null", help="JSON payload."),
+    click.option("--id", "message_id", default=None, help="Message id (default: a new ULID)."),
+    click.option("--session", "session_id", default=None, help="Session id (affinity)."),
+    click.option("--tag", "tags", multiple=True, metavar="KEY=VALUE", help="Routing selector."),
+    click.option("--target", default=None, help="An agent id or instance id to send to."),
+    click.option("--priority", type=click.IntRange(0, 9), default=0, show_default=True),
+    click.option("--wait", is_flag=True, help="Wait for the result and print it."),
+    click.option(
+        "--broadcast",
+        is_flag=True,
+        help="To every healthy instance of the capability; the result maps instance -> outcome.",
+    ),
+    click.option(
+        "--callback-url",
+        default=None,
+        metavar="URL",
+        help="A webhook for the result (its host must be in callback_hosts).",
+    ),
+    click.option(
+        "--timeout",
+        "timeout_s",
+        type=TIMEOUT_RANGE,
+        default=30.0,
+        show_default=True,
+        help="End-to-end budget in seconds: the message's deadline. --wait waits that long plus "
+        "the few seconds the broker may take to end a message at its deadline.",
+    ),
+)
+
+
+def send_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``send`` command's options, in the order ``--help`` lists them."""
+    for option in reversed(SEND_OPTIONS):
+        command = option(command)
+    return command
+
+
 @click.command()
 @redis_options
 @click.argument("capability")
-@click.option("--payload", default="null", help="JSON payload.")
-@click.option("--id", "message_id", default=None, help="Message id (default: a new ULID).")
-@click.option("--session", "session_id", default=None, help="Session id (affinity).")
-@click.option("--tag", "tags", multiple=True, metavar="KEY=VALUE", help="Routing selector.")
-@click.option("--target", default=None, help="An agent id or instance id to send to.")
-@click.option("--priority", type=click.IntRange(0, 9), default=0, show_default=True)
-@click.option("--wait", is_flag=True, help="Wait for the result and print it.")
-@click.option(
-    "--broadcast",
-    is_flag=True,
-    help="To every healthy instance of the capability; the result maps instance -> outcome.",
-)
-@click.option(
-    "--callback-url",
-    default=None,
-    metavar="URL",
-    help="A webhook for the result (its host must be in callback_hosts).",
-)
-@click.option(
-    "--timeout",
-    "timeout_s",
-    type=TIMEOUT_RANGE,
-    default=30.0,
-    show_default=True,
-    help="End-to-end budget in seconds: the message's deadline. --wait waits that long plus "
-    "the few seconds the broker may take to end a message at its deadline.",
-)
+@send_options
 def send(
     settings: Settings,
     capability: str,
@@ -96,6 +114,7 @@ def send(
     timeout_s: float,
 ) -> None:
     """Submit one envelope; print its id, or with --wait its result."""
+    check_id(message_id, "--id")
     fields: dict[str, Any] = {
         "capability": capability,
         "id": message_id,
@@ -107,26 +126,30 @@ def send(
         "mode": "broadcast" if broadcast else None,
         "callback_url": callback_url,
     }
+    sys.exit(run(submit, settings, fields, payload, wait=wait, timeout_s=timeout_s))
 
-    async def submit() -> int:
-        async with connected(settings) as conn:
-            client = Client(conn)
-            reply_to = client.new_reply_stream() if wait else None
-            envelope = build_envelope({**fields, "reply_to": reply_to}, payload)
-            sent = await client.submit(envelope)
-            if reply_to is None:
-                click.echo(sent)
-                return 0
-            waited_s = timeout_s + answer_grace_s(settings)
-            try:
-                result = await client.wait_reply(reply_to, sent, timeout_s=waited_s)
-            finally:
-                await client.discard_reply_stream(reply_to)
-        if result is None:
-            return echo_pending(sent, waited_s, timeout_s)
-        return echo_result(result)
 
-    sys.exit(run(submit))
+async def submit(
+    settings: Settings, fields: dict[str, Any], payload: str, *, wait: bool, timeout_s: float
+) -> int:
+    """Submit the envelope of ``fields`` and ``payload`` and print its id; with ``wait``, wait
+    for its result (the deadline and the broker's grace) and print that. The exit code."""
+    async with connected(settings) as conn:
+        client = Client(conn)
+        reply_to = client.new_reply_stream() if wait else None
+        envelope = build_envelope({**fields, "reply_to": reply_to}, payload)
+        sent = await client.submit(envelope)
+        if reply_to is None:
+            click.echo(sent)
+            return 0
+        waited_s = timeout_s + answer_grace_s(settings)
+        try:
+            result = await client.wait_reply(reply_to, sent, timeout_s=waited_s)
+        finally:
+            await client.discard_reply_stream(reply_to)
+    if result is None:
+        return echo_pending(sent, waited_s, timeout_s)
+    return echo_result(result)
 
 
 @click.command()

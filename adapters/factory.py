@@ -1,0 +1,147 @@
+"""A sidecar's parts from its options: how it reaches its agent (:func:`agent_address`), the card
+it registers (:func:`make_card`) and its transport (:func:`make_transport`: ``http``,
+``http-async`` or ``python``). Each refuses a bad option with a :class:`SidecarOptionError` that
+names the option and says why; ``agent-reach sidecar`` only parses its options, calls these and
+turns that error into a usage error (exit code 2). A program that runs a :class:`~.Sidecar`
+itself builds its parts the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from broker.envelope import MESSAGE_ID_PATTERN, capability_problem
+from broker.errors import ReachError
+from broker.ids import new_message_id
+from broker.records import InstanceCard
+
+from .http import HttpAsyncTransport, HttpTransport
+from .python import Agent
+from .transport import Transport
+
+ADAPTERS = ("http", "http-async", "python")
+
+
+class SidecarOptionError(ReachError):
+    """Raised when a sidecar's options cannot make an instance: ``option`` names the one at
+    fault (``"--capability"``), ``None`` when the fault is how several combine."""
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(f"{option}: {message}" if option else message)
+        self.message = message
+        self.option = option
+
+
+@dataclass(frozen=True, slots=True)
+class AgentAddress:
+    """How a sidecar reaches its agent: the ``adapter`` and its ``target``, a URL (``http``,
+    ``http-async``) or ``MODULE:ATTR`` naming an in-process :class:`Agent` (``python``)."""
+
+    adapter: str
+    target: str
+
+    @property
+    def endpoint(self) -> str:
+        """What the card registers as the agent's endpoint."""
+        return f"python:{self.target}" if self.adapter == "python" else self.target
+
+
+def agent_address(
+    adapter: str | None, *, http_url: str | None, python_spec: str | None
+) -> AgentAddress:
+    """Exactly one of ``http_url`` and ``python_spec``, the one ``adapter`` needs; without an
+    ``adapter``, ``http`` for a URL and ``python`` for a ``MODULE:ATTR``."""
+    if (http_url is None) == (python_spec is None):
+        raise SidecarOptionError("give exactly one of --http URL or --python MODULE:ATTR")
+    chosen = adapter or ("http" if http_url is not None else "python")
+    if chosen not in ADAPTERS:
+        raise SidecarOptionError(f"{chosen!r}: adapters are {', '.join(ADAPTERS)}", "--adapter")
+    if (chosen == "python") != (python_spec is not None):
+        needs = "--python MODULE:ATTR" if chosen == "python" else "--http URL"
+        raise SidecarOptionError(f"--adapter {chosen} needs {needs}")
+    return AgentAddress(chosen, python_spec if python_spec is not None else http_url or "")
+
+
+def make_card(
+    *,
+    agent_id: str,
+    capabilities: Sequence[str],
+    endpoint: str,
+    max_inflight: int,
+    instance_id: str | None = None,
+    idempotent: bool = False,
+    version: str = "0",
+    tags: Mapping[str, str] | None = None,
+    weight: float = 1.0,
+    cost: float = 0.0,
+    status_url: str = "",
+) -> InstanceCard:
+    """The card an instance registers. Capabilities must read ``domain.action``; the agent id
+    and the instance id (default: ``<agent_id>-`` and 8 random characters) are message-id
+    safe, as they end up inside key names and hash tags."""
+    for capability in capabilities:
+        if problem := capability_problem(capability):
+            raise SidecarOptionError(problem, "--capability")
+    _check_id(agent_id, "--agent-id")
+    if instance_id is not None:
+        _check_id(instance_id, "--instance-id")
+    return InstanceCard(
+        agent_id=agent_id,
+        instance_id=instance_id or f"{agent_id}-{new_message_id()[-8:]}",
+        capabilities=tuple(capabilities),
+        endpoint=endpoint,
+        max_inflight=max_inflight,
+        idempotent=idempotent,
+        version=version,
+        tags=dict(tags or {}),
+        weight=weight,
+        cost=cost,
+        status_url=status_url,
+    )
+
+
+def _check_id(value: str, option: str) -> None:
+    if not re.match(MESSAGE_ID_PATTERN, value):
+        raise SidecarOptionError(f"{value!r}: use 1-128 of letters, digits and _ . : -", option)
+
+
+def callback_warning(
+    address: AgentAddress, *, instance_id: str | None, callback_port: int
+) -> str | None:
+    """Why callbacks handed out now may miss this sidecar after a restart, or ``None``: an
+    ``http-async`` callback URL holds the instance id and the port, so both must stay put."""
+    if address.adapter == "http-async" and (instance_id is None or callback_port == 0):
+        return (
+            "callbacks handed out now reach a restarted sidecar only under the same "
+            "--instance-id and --callback-port; give both"
+        )
+    return None
+
+
+def make_transport(address: AgentAddress, *, timeout_s: float, max_connections: int) -> Transport:
+    """The transport to the agent at ``address``: an HTTP client (``max_connections``, each
+    call bounded by ``timeout_s``), or the in-process agent, loaded."""
+    if address.adapter == "python":
+        return load_python_agent(address.target)
+    http = HttpAsyncTransport if address.adapter == "http-async" else HttpTransport
+    return http(address.target, timeout_s=timeout_s, max_connections=max_connections)
+
+
+def load_python_agent(spec: str) -> Agent:
+    """The :class:`Agent` that ``MODULE:ATTR`` names, or that calling it returns. Whatever
+    importing the module or making the agent raises is a refusal of ``--python``, not a
+    crash: it is the user's code."""
+    module_name, _, attribute = spec.partition(":")
+    if not attribute:
+        raise SidecarOptionError("expected module:attribute", "--python")
+    try:
+        target = getattr(importlib.import_module(module_name), attribute)
+        agent = target() if callable(target) and not isinstance(target, Agent) else target
+    except Exception as exc:
+        raise SidecarOptionError(f"cannot load {spec}: {exc}", "--python") from exc
+    if not isinstance(agent, Agent):
+        raise SidecarOptionError(f"{spec} is not an Agent", "--python")
+    return agent

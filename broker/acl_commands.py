@@ -1,0 +1,146 @@
+"""The Redis commands each role's processes run, as data: the ACL rules of :mod:`broker.acl`
+grant these, one by one, and ``tests/unit/test_acl.py`` reads every command out of the code
+(Python and Lua) to check that a role is granted each one it sends.
+
+Redis checks the commands a script runs against its caller's rules too, so a role that calls a
+script is granted what the script runs.
+"""
+
+from __future__ import annotations
+
+# Every process PINGs at start-up; SELECT serves a URL naming a database other than 0.
+CONNECT = ("ping", "select")
+# Scripts are called by sha; whoever meets NOSCRIPT (a restarted Redis) loads them again.
+SCRIPTS = ("evalsha", "script|load")
+
+PRODUCER_SUBMIT = ("xadd",)
+PRODUCER_REPLIES = ("xread", "xdel", "del")
+# records, timelines and broadcast outcomes: transition.lua, child_done.lua and their readers
+RECORD_COMMANDS = (
+    "evalsha",
+    "hget",
+    "hgetall",
+    "hmget",
+    "hset",
+    "hsetnx",
+    "hdel",
+    "hlen",
+    "rpush",
+    "ltrim",
+    "lrange",
+    "expire",
+    "persist",
+)
+# a sidecar's own card, work stream, in-flight set and callback key (heartbeat.lua,
+# release.lua, registering, draining, trimming its stream)
+INSTANCE_COMMANDS = (
+    "evalsha",
+    "hset",
+    "hget",
+    "hgetall",
+    "del",
+    "xgroup|create",
+    "xreadgroup",
+    "xack",
+    "xinfo|groups",
+    "xpending",
+    "xtrim",
+    "xrange",
+    "srem",
+    "scard",
+    "set",
+    "get",
+    "publish",
+)
+TELL_COMMANDS = ("xadd", "expire")  # a reply (with its TTL), a webhook, a dead letter
+PARK_COMMANDS = ("zadd", "sadd")  # the due index, a waiting set and the waiting index
+REGISTER_COMMANDS = ("zadd", "zrem")  # the registry index
+BROKER_COMMANDS = (
+    *CONNECT,
+    *SCRIPTS,
+    "xadd",
+    "xack",
+    "xautoclaim",
+    "xclaim",
+    "xdel",
+    "xgroup|create",
+    "xinfo|groups",
+    "xpending",
+    "xrange",
+    "xreadgroup",
+    "xtrim",
+    "hdel",
+    "hget",
+    "hgetall",
+    "hincrby",
+    "hlen",
+    "hmget",
+    "hset",
+    "hsetnx",
+    "del",
+    "exists",
+    "expire",
+    "persist",
+    "lrange",
+    "ltrim",
+    "rpush",
+    "sadd",
+    "scard",
+    "sismember",
+    "smembers",
+    "srem",
+    "zadd",
+    "zcard",
+    "zrange",
+    "zrangebyscore",
+    "zrem",
+    "zscore",
+    "get",
+    "incrby",
+    "mget",
+    "set",
+    "publish",
+    "subscribe",
+    "multi",
+    "exec",
+    # the janitor pages through the prefix's keys (SCAN MATCH P:*): SCAN takes no key, so
+    # the rule cannot bind it to the prefix; it lists other names, it reads no values
+    "scan",
+)
+OPERATOR_READS = (
+    "exists",
+    "hget",
+    "hgetall",
+    "hmget",
+    "lindex",
+    "lrange",
+    "mget",
+    "scard",
+    "smembers",
+    "xinfo|groups",
+    "xlen",
+    "xrange",
+    "xrevrange",
+    "zcard",
+    "zrange",
+    "zrangebyscore",
+    "zscore",
+)
+# replay, resolve and cancel move records (transition.lua) and tell producers (replies,
+# webhooks, a broadcast parent: child_done.lua); weight and drain change a card
+OPERATOR_WRITES = (
+    "evalsha",
+    "hset",
+    "hsetnx",
+    "hdel",
+    "hlen",
+    "rpush",
+    "ltrim",
+    "expire",
+    "persist",
+    "zadd",
+    "zrem",
+    "sadd",
+    "xadd",
+    "publish",
+)
