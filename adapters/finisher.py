@@ -1,0 +1,214 @@
+"""The finisher: records each outcome, tells the producer, returns the credit.
+
+Finished entries queue up and are settled together, in a few round trips however many there
+are: the outcomes recorded (compare-and-set, fenced on attempt and instance), then the replies
+of those recorded, then the credits returned and the entries acknowledged
+(``lua/release.lua``). Replies go before the acknowledgement, so a crash in between sends a
+reply again, never skips one. An outcome that moves a message elsewhere (back to waiting, or
+dead) is written at once, then its entry let go of the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from broker.connection import Connection
+from broker.envelope import Envelope
+from broker.errors import RedisReplyError, RedisUnavailable
+from broker.keyspace import SIDECAR_GROUP
+from broker.records import Moved
+from broker.results import Command
+from broker.retry import retry_delay_ms
+from broker.stages import TERMINAL, Stage
+from broker.store import MessageStore, Move, now_ms
+
+from .holdings import Finished, Holdings, Taken
+
+log = logging.getLogger("agent_reach.sidecar")
+
+RETRY_PAUSE_S = 0.5
+
+
+class Finisher:
+    def __init__(
+        self, conn: Connection, store: MessageStore, instance_id: str, holdings: Holdings
+    ) -> None:
+        self.conn = conn
+        self.store = store
+        self.instance_id = instance_id
+        self.holdings = holdings
+        self._queued: list[Finished] = []
+        self._ready = anyio.Event()
+        self._rng = random.Random()
+        # told when an entry is let go of (the callback desk forgets what it awaited)
+        self.on_let_go: list[Callable[[Taken], None]] = []
+
+    # -- queueing ----------------------------------------------------------------------------
+
+    def done(self, taken: Taken, replies: list[Command] | None = None) -> None:
+        """Queue the entry for the next release round trip (credit, ack, replies)."""
+        self.queue(Finished(taken, replies or []))
+
+    def queue(self, finished: Finished) -> None:
+        self._queued.append(finished)
+        self._ready.set()
+
+    def wake(self) -> None:
+        self._ready.set()
+
+    def settle(
+        self,
+        taken: Taken,
+        envelope: Envelope,
+        stage: Stage,
+        reason: str,
+        *,
+        source: Stage = Stage.PROCESSING,
+        result: bytes | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Queue ``stage`` (with its result or error) for the next finishing round trip."""
+        fields: dict[str, str | bytes] = {}
+        if result is not None:
+            fields["result"] = result
+        if error is not None:
+            fields["error"] = error
+        move = self.fenced(taken, stage, source, reason=reason, fields=fields)
+        replies = self.replies(taken, envelope, stage, result, error) if stage in TERMINAL else []
+        self.queue(Finished(taken, replies, move))
+
+    async def requeue(
+        self, taken: Taken, envelope: Envelope, reason: str, *, back_off: bool
+    ) -> None:
+        """Back to WAITING for another attempt, with the same idempotency key — elsewhere if
+        another instance can take it, and after a back-off for a failure."""
+        fields: dict[str, str | bytes | int] = {"avoid": self.instance_id}
+        if back_off:
+            settings = self.conn.settings
+            delay = retry_delay_ms(
+                taken.attempt,
+                base_ms=settings.retry_backoff_ms,
+                jitter=settings.retry_jitter,
+                rng=self._rng,
+            )
+            fields["retry_at_ms"] = now_ms() + delay
+            reason = f"{reason}; retry in {delay} ms"
+        moved = await self.store.apply(
+            self.fenced(
+                taken,
+                Stage.WAITING,
+                Stage.PROCESSING,
+                reason=reason,
+                fields=fields,
+                return_field="accepted_ms",
+            )
+        )
+        if moved.ok:
+            # ordered by when the broker accepted it, never by the producer's own clock
+            accepted_ms = int(moved.value or 0)
+            await self.store.park(
+                envelope.capability, envelope.message_id, envelope.priority, accepted_ms
+            )
+        self.done(taken)
+
+    async def dead(self, taken: Taken, envelope: Envelope, error: str) -> None:
+        """Out of attempts: DEAD, dead-lettered with the envelope and every reason on the way."""
+        moved = await self.store.apply(
+            self.fenced(taken, Stage.DEAD, Stage.PROCESSING, reason=error, fields={"error": error})
+        )
+        if moved.ok:
+            await self.store.dead_letter_message(envelope.message_id, error)
+            self.done(taken, self.replies(taken, envelope, Stage.DEAD, None, error))
+        else:
+            self.done(taken)
+
+    def fenced(self, taken: Taken, target: Stage, source: Stage, **options: Any) -> Move:
+        """A move allowed only from ``source``, at this entry's attempt, on this instance:
+        the fence that keeps a stale delivery from ever acting on the record."""
+        return Move(
+            taken.message_id,
+            target,
+            only_from=source,
+            expect_attempt=taken.attempt,
+            expect_instance=self.instance_id,
+            **options,
+        )
+
+    def replies(
+        self,
+        taken: Taken,
+        envelope: Envelope,
+        stage: Stage,
+        result: bytes | None,
+        error: str | None,
+    ) -> list[Command]:
+        """The commands that tell the producer (:mod:`broker.results`)."""
+        return self.store.delivery_commands(envelope, stage, result, error, attempt=taken.attempt)
+
+    # -- settling ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            await self._ready.wait()
+            self._ready = anyio.Event()
+            try:
+                await self.finish_now()
+            except (RedisUnavailable, RedisReplyError) as exc:
+                log.warning("release failed, retrying: %s", exc)
+                await anyio.sleep(RETRY_PAUSE_S)
+                self._ready.set()
+
+    async def finish_now(self) -> None:
+        """Settle every queued entry: record the outcomes, deliver the replies of those
+        recorded, then return the credits and acknowledge."""
+        batch, self._queued = self._queued, []
+        if not batch:
+            return
+        try:
+            await self._tell(batch, await self._record(batch))
+            await self.conn.call(
+                *self.store.release_command(
+                    self.instance_id,
+                    SIDECAR_GROUP,
+                    [(f"{i.taken.message_id}:{i.taken.attempt}", i.taken.entry_id) for i in batch],
+                )
+            )
+        except Exception:
+            # anything that stopped the round trip: the batch is finished again next time
+            self._queued = batch + self._queued
+            raise
+        for item in batch:
+            self.holdings.let_go(item.taken)
+            for listener in self.on_let_go:
+                listener(item.taken)
+
+    async def _record(self, batch: list[Finished]) -> set[int]:
+        """Write the outcomes; the ids of the items whose outcome is on the record."""
+        settles = [item for item in batch if item.settle is not None]
+        moved = await self.store.move_many([item.settle for item in settles if item.settle])
+        return {id(item) for item, m in zip(settles, moved, strict=True) if self._recorded(item, m)}
+
+    async def _tell(self, batch: list[Finished], recorded: set[int]) -> None:
+        replying = [
+            (item.taken.message_id, command)
+            for item in batch
+            if item.settle is None or id(item) in recorded
+            for command in item.replies
+        ]
+        commands = [command for _, command in replying]
+        replies = await self.conn.call_many(commands)
+        await self.store.after_delivery([m for m, _ in replying], commands, replies)
+
+    def _recorded(self, item: Finished, moved: Moved) -> bool:
+        """The outcome is on the record: written now, or by an earlier try of this batch."""
+        assert item.settle is not None
+        return moved.ok or (
+            moved.stage is item.settle.target
+            and moved.attempt == item.taken.attempt
+            and moved.instance == self.instance_id
+        )

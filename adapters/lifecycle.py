@@ -1,0 +1,175 @@
+"""An instance's life in the registry: registered, heartbeating, draining, gone.
+
+Each heartbeat carries the instance's state, live stats and credit limit (the vitals); it is
+sent every interval, or at once when the circuit, cooldown or limit changed. An operator's
+DRAINING on the card is followed; a card that vanished is written again. Draining
+(SIGTERM, or ``agent-reach drain``): no new assignments, what was assigned but never read
+goes back to WAITING with its credit, in-flight work gets the grace period, then the card is
+removed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+from anyio.abc import TaskGroup
+
+from broker.connection import Connection
+from broker.entries import parse_assignment
+from broker.errors import RedisReplyError, RedisUnavailable
+from broker.keyspace import SIDECAR_GROUP
+from broker.records import InstanceCard, InstanceState
+from broker.registry import Registry
+from broker.stages import Stage
+from broker.store import MessageStore, now_ms, trim_acknowledged
+from broker.streams import parse_entries
+
+from .callback_desk import CallbackDesk
+from .finisher import Finisher
+from .runner import Runner
+from .vitals import Vitals
+from .workpool import WorkPool
+
+log = logging.getLogger("agent_reach.sidecar")
+
+OVERDUE_CHECK_S = 0.1
+TRIM_EVERY_BEATS = 12
+DRAIN_POLL_S = 0.05
+
+
+class Lifecycle:
+    def __init__(
+        self,
+        conn: Connection,
+        store: MessageStore,
+        card: InstanceCard,
+        *,
+        vitals: Vitals,
+        finisher: Finisher,
+        runner: Runner,
+        desk: CallbackDesk | None,
+        grace_s: float,
+    ) -> None:
+        self.conn = conn
+        self.store = store
+        self.card = card
+        self.instance_id = card.instance_id
+        self.queue = conn.keys.queue(card.instance_id)
+        self.registry = Registry(conn)
+        self.vitals = vitals
+        self.finisher = finisher
+        self.runner = runner
+        self.desk = desk
+        self.grace_s = grace_s
+        self.stopping = anyio.Event()
+        self.pool: WorkPool | None = None
+        self._beat_now = anyio.Event()
+
+    def stop(self) -> None:
+        """Begin a graceful stop: no new reads, finish in-flight work, then deregister."""
+        self.stopping.set()
+
+    def beat_soon(self) -> None:
+        """Heartbeat now: the circuit, cooldown or credit limit changed."""
+        self._beat_now.set()
+
+    async def register(self) -> None:
+        await self.registry.register(self.card, credits=self.card.max_inflight)
+        log.info(
+            "instance %s registered for %s", self.instance_id, ",".join(self.card.capabilities)
+        )
+
+    async def deregister(self) -> None:
+        await self.registry.deregister(self.instance_id)
+        log.info("instance %s deregistered", self.instance_id)
+
+    # -- heartbeats --------------------------------------------------------------------------
+
+    async def heartbeat_loop(self) -> None:
+        """Heartbeat every interval, or at once when asked to; trim the acknowledged part of
+        the instance's stream now and then."""
+        beats = 0
+        while True:
+            with anyio.move_on_after(self.conn.settings.heartbeat_s):
+                await self._beat_now.wait()
+            self._beat_now = anyio.Event()
+            try:
+                await self._beat()
+                beats += 1
+                if beats % TRIM_EVERY_BEATS == 0:
+                    await trim_acknowledged(self.conn, self.queue)
+            except (RedisUnavailable, RedisReplyError) as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    async def overdue_loop(self) -> None:
+        """Let the credit limit see a slowdown before the first slow answer arrives."""
+        while True:
+            await anyio.sleep(OVERDUE_CHECK_S)
+            if self.runner.overdue():
+                self.beat_soon()
+
+    async def _beat(self) -> None:
+        active = self.pool.unfinished if self.pool is not None else 0
+        beat_ms = now_ms()
+        state, stats, announce = self.vitals.beat(beat_ms, active=active)
+        if self.stopping.is_set():
+            state = InstanceState.DRAINING
+        on_card = await self.registry.heartbeat(
+            self.instance_id,
+            state,
+            stats,
+            announce=announce,
+            hb_ms=beat_ms,
+            credits=self.vitals.effective_credits,
+        )
+        # The very time written on the card, which is what observers compare against.
+        self.vitals.beat_delivered(beat_ms)
+        if on_card is None and not self.stopping.is_set():
+            log.warning("instance %s was not registered: registering again", self.instance_id)
+            await self.registry.register(self.card, credits=self.card.max_inflight)
+        elif on_card is InstanceState.DRAINING and not self.stopping.is_set():
+            log.info("instance %s set DRAINING: finishing in-flight work", self.instance_id)
+            self.stop()
+
+    # -- draining ----------------------------------------------------------------------------
+
+    async def drain(self, pool: WorkPool, work: TaskGroup) -> None:
+        """DRAINING: no new assignments; reroute what was assigned but never read; give
+        in-flight work the grace period, then cancel what is left (it stays pending)."""
+        await self.registry.set_state(self.instance_id, InstanceState.DRAINING)
+        await self._reroute_unread()
+        pool.close()
+        with anyio.move_on_after(self.grace_s):
+            await pool.join()
+            # callbacks still to come in: polled, a drain is rare and lasts seconds
+            while self.desk is not None and self.desk.busy:  # noqa: ASYNC110
+                await anyio.sleep(DRAIN_POLL_S)
+        work.cancel_scope.cancel()
+
+    async def _reroute_unread(self) -> None:
+        """Entries assigned to this instance but never delivered to it go back to WAITING, so
+        another instance takes them; their credits here are returned."""
+        groups = await self.conn.call("XINFO", "GROUPS", self.queue)
+        info = dict(zip(groups[0][::2], groups[0][1::2], strict=True)) if groups else {}
+        after = b"(" + info.get(b"last-delivered-id", b"0-0")
+        unread = await self.conn.call("XRANGE", self.queue, after, "+")
+        returned = []
+        for entry_id, fields in parse_entries(unread):
+            taken = parse_assignment(entry_id, fields)
+            if isinstance(taken, str):
+                continue  # not an assignment: no credit to return; left for the trim
+            record = await self.store.get_record(taken.message_id)
+            moved = await self.store.apply(
+                self.finisher.fenced(taken, Stage.WAITING, Stage.ROUTED, reason="instance draining")
+            )
+            if moved.ok and record is not None:
+                await self.store.park(
+                    record.capability, record.id, record.priority, record.accepted_ms
+                )
+            returned.append((f"{taken.message_id}:{taken.attempt}", taken.entry_id))
+        if returned:
+            log.info("rerouting %d unread entries", len(returned))
+            await self.conn.call(
+                *self.store.release_command(self.instance_id, SIDECAR_GROUP, returned)
+            )

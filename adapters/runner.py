@@ -1,0 +1,309 @@
+"""The runner: one message through the agent, and what its outcome decides.
+
+It writes PROCESSING (write-ahead) before the request leaves, calls the transport, measures
+the call (the vitals: health, latency, the credit limit), and asks the recovery policy
+(:mod:`broker.recovery`) what the outcome means — then carries that out through the finisher
+and the callback desk. A message found again after a restart (or an error) is resumed from
+its record's stage. Any error while handling a message is kept to that message: it is taken
+again a few times, then given up on (:meth:`Runner.guarded`), so one message never keeps a
+sidecar busy for ever.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import anyio
+
+from broker.connection import Connection
+from broker.deadletters import Letter
+from broker.envelope import Envelope, load_envelope
+from broker.errors import RedisUnavailable
+from broker.records import InstanceCard, MessageRecord, Moved
+from broker.recovery import STATUS_SIGNALS, Action, Facts, Signal, decide
+from broker.stages import TERMINAL, Stage
+from broker.store import MessageStore, now_ms
+from broker.timeline import note_command
+
+from .callback_desk import CallbackDesk, callback_outcome
+from .finisher import Finisher
+from .holdings import Holdings, Taken
+from .outcome import Accepted, Ambiguous, Backoff, Failed, NotReached, Outcome, Succeeded
+from .status import StatusClient
+from .transport import Transport
+from .vitals import Vitals
+
+log = logging.getLogger("agent_reach.sidecar")
+
+# An entry whose handling raised this many times in a row is let go of (see give_up).
+MAX_INTERNAL_ERRORS = 3
+SIDECAR_ERROR = "SIDECAR_ERROR"
+# an entry taken again from this instance's pending list: after a restart, or a try that
+# failed inside the sidecar
+RESUMED = "resumed from this instance's pending entries"
+RESTARTED = "sidecar restarted while the agent was processing"
+# Written with every PROCESSING that is about to call the agent: a retry's attempt awaits no
+# callback until its own agent answers 202.
+NOT_AWAITING: dict[str, str | bytes | int] = {"awaiting_callback": "", "agent_task": ""}
+
+_SIGNALS: dict[type, Signal] = {
+    Succeeded: Signal.SUCCEEDED,
+    Failed: Signal.FAILED,
+    NotReached: Signal.NOT_REACHED,
+    Ambiguous: Signal.AMBIGUOUS,
+    Backoff: Signal.BACKPRESSURE,
+    Accepted: Signal.ACCEPTED,
+}
+
+
+class Runner:
+    def __init__(
+        self,
+        conn: Connection,
+        store: MessageStore,
+        card: InstanceCard,
+        transport: Transport,
+        *,
+        holdings: Holdings,
+        finisher: Finisher,
+        vitals: Vitals,
+        desk: CallbackDesk | None,
+        on_health_change: Callable[[], None],
+    ) -> None:
+        self.conn = conn
+        self.store = store
+        self.card = card
+        self.transport = transport
+        self.holdings = holdings
+        self.finisher = finisher
+        self.vitals = vitals
+        self.desk = desk
+        self.on_health_change = on_health_change
+        self.status = StatusClient(max_answer_bytes=conn.settings.max_result_bytes)
+        # calls to the agent now running: entry id -> start (monotonic); and those already
+        # counted as overdue by the credit limit
+        self.calls: dict[str, float] = {}
+        self.overdue_counted: set[str] = set()
+
+    # -- guarding ----------------------------------------------------------------------------
+
+    async def guarded(self, taken: Taken, step: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await step()
+        except RedisUnavailable as exc:
+            # The entry stays pending; the record's stage says where to resume, and the
+            # consume loop takes it again from the pending list.
+            log.warning("message %s: redis unavailable, left pending: %s", taken.message_id, exc)
+            self._slip(taken)
+        except Exception as exc:
+            # Never let one message take the sidecar down. It stays pending and is taken
+            # again — a few times, in case it was passing; then it is let go of.
+            if self.holdings.failed(taken) < MAX_INTERNAL_ERRORS:
+                log.exception("message %s: unexpected error, left pending", taken.message_id)
+                self._slip(taken)
+            else:
+                log.exception("message %s: unexpected error, giving up on it", taken.message_id)
+                await self.give_up(taken, exc)
+        finally:
+            self.finisher.wake()
+
+    def _slip(self, taken: Taken) -> None:
+        self.holdings.slip(taken)
+        if self.desk is not None:
+            self.desk.forget(taken)
+
+    async def give_up(self, taken: Taken, exc: Exception) -> None:
+        """Let go of an entry that failed inside this sidecar ``MAX_INTERNAL_ERRORS`` times:
+        its credit returned and the entry acknowledged, the error on the message's timeline
+        and in the dead letters. The record is left as it stands, to the reaper, which
+        resolves it by its stage when its time comes — rerouted if the agent was never
+        asked; asked, retried only if idempotent, or parked, if it may have been."""
+        instance = self.card.instance_id
+        error = f"sidecar {instance} gave up on it: {type(exc).__name__}: {exc}"
+        queue = self.conn.keys.queue(instance)
+        letter = Letter(
+            id=taken.message_id,
+            reason="sidecar_error",
+            error=error,
+            ts_ms=now_ms(),
+            source=f"{queue} {taken.entry_id}",
+        )
+        try:
+            await self.store.run_all(
+                [
+                    note_command(
+                        self.conn, taken.message_id, SIDECAR_ERROR, error, now_ms=now_ms()
+                    ),
+                    self.store.dead_letter_command(letter),
+                ]
+            )
+        except Exception:  # the entry is let go of whatever: the reaper still sees the record
+            log.exception("message %s: could not record the sidecar error", taken.message_id)
+        if self.desk is not None:
+            self.desk.forget(taken)
+        self.finisher.done(taken)
+
+    # -- fresh and resumed work --------------------------------------------------------------
+
+    async def run_stored(self, taken: Taken, stored: bytes) -> None:
+        """A fresh entry whose PROCESSING is written: call the agent."""
+        await self.call_agent(taken, load_envelope(stored))
+
+    async def resume(self, taken: Taken, moved: Moved) -> None:
+        """The entry did not find its record ROUTED here: a restart, or a stale delivery."""
+        instance = self.card.instance_id
+        if moved.missing or moved.attempt != taken.attempt or moved.instance != instance:
+            log.info(
+                "message %s attempt %d is stale here: dropped, not executed",
+                taken.message_id,
+                taken.attempt,
+            )
+            self.finisher.done(taken)
+            return
+        record = await self.store.get_record(taken.message_id)
+        if record is None:
+            self.finisher.done(taken)
+            return
+        await self._resume_at(taken, record, load_envelope(record.envelope))
+
+    async def _resume_at(self, taken: Taken, record: MessageRecord, envelope: Envelope) -> None:
+        stage = record.stage
+        if stage is Stage.RECEIVED:
+            await self.execute(taken, envelope, Stage.RECEIVED, RESUMED)
+        elif stage is Stage.CALLBACK_RECEIVED and self.desk is not None:
+            self.desk.finish(taken, envelope, callback_outcome(record))
+        elif stage is Stage.PROCESSING:
+            await self._restarted(taken, envelope, record)
+        elif stage in TERMINAL:
+            replies = self.finisher.replies(taken, envelope, stage, record.result, record.error)
+            self.finisher.done(taken, replies)
+        else:
+            if stage is Stage.WAITING:  # sent back, maybe not yet indexed: index it
+                await self.store.park(
+                    record.capability, record.id, record.priority, record.accepted_ms
+                )
+            self.finisher.done(taken)
+
+    async def _restarted(self, taken: Taken, envelope: Envelope, record: MessageRecord) -> None:
+        """The agent had the message when this sidecar stopped (or an error stopped it)."""
+        facts = self.facts(taken, envelope, awaiting_callback=record.awaiting_callback)
+        match decide(Signal.RESTARTED, facts):
+            case Action.AWAIT_CALLBACK if self.desk is not None:
+                self.desk.resume_awaiting(taken)  # its callback is to come
+            case Action.ASK_STATUS:
+                # the agent may have finished meanwhile: ask before re-running or parking
+                await self.record(taken, envelope, Ambiguous(RESTARTED))
+            case Action.RUN_AGAIN:
+                reason = f"{RESUMED}; agent is idempotent, same idempotency key"
+                await self.execute(taken, envelope, Stage.PROCESSING, reason)
+            case _:
+                reason = f"{RESTARTED}; agent is not idempotent"
+                self.finisher.settle(taken, envelope, Stage.NEEDS_CONFIRMATION, reason)
+
+    async def execute(self, taken: Taken, envelope: Envelope, source: Stage, reason: str) -> None:
+        processing = await self.store.apply(
+            self.finisher.fenced(
+                taken, Stage.PROCESSING, source, reason=reason, fields=NOT_AWAITING
+            )
+        )
+        if not processing.ok:
+            self.finisher.done(taken)
+            return
+        await self.call_agent(taken, envelope)
+
+    # -- the call ------------------------------------------------------------------------------
+
+    async def call_agent(self, taken: Taken, envelope: Envelope) -> None:
+        started = self.calls[taken.entry_id] = anyio.current_time()
+        try:
+            outcome = await self._deliver(taken, envelope)
+        finally:
+            del self.calls[taken.entry_id]
+            self.overdue_counted.discard(taken.entry_id)
+        latency_ms = (anyio.current_time() - started) * 1000
+        if self.vitals.record(outcome, latency_ms=latency_ms, now_ms=now_ms()):
+            self.on_health_change()  # the circuit or cooldown changed: tell the dispatchers
+        await self.record(taken, envelope, outcome)
+
+    async def _deliver(self, taken: Taken, envelope: Envelope) -> Outcome:
+        """The transport's outcome; a transport that raises instead of answering is a
+        failure with its reason — never an error that leaves the entry to be run again."""
+        try:
+            return await self.transport.deliver(envelope, taken.attempt)
+        except Exception as exc:
+            log.exception("message %s: the transport raised", taken.message_id)
+            return Failed(f"the sidecar's transport raised {type(exc).__name__}: {exc}", False)
+
+    def overdue(self) -> bool:
+        """Count the calls running past twice the agent's normal latency (the credit limit
+        sees a slowdown before its first slow answer). Whether the limit changed."""
+        now = anyio.current_time()
+        running = [(e, now - t) for e, t in self.calls.items() if e not in self.overdue_counted]
+        if not running:
+            return False
+        before = self.vitals.effective_credits
+        counted = self.vitals.overdue([age * 1000 for _, age in running])
+        self.overdue_counted.update(e for (e, _), c in zip(running, counted, strict=True) if c)
+        return self.vitals.effective_credits != before
+
+    # -- what the outcome decides ------------------------------------------------------------
+
+    def facts(self, taken: Taken, envelope: Envelope, **more: bool) -> Facts:
+        return Facts(
+            stage=Stage.PROCESSING,
+            idempotent=self.card.idempotent,
+            attempts_left=taken.attempt < envelope.max_attempts,
+            status_endpoint=bool(self.card.status_url),
+            **more,
+        )
+
+    async def record(
+        self,
+        taken: Taken,
+        envelope: Envelope,
+        outcome: Outcome,
+        signal: Signal | None = None,
+    ) -> None:
+        """Carry out what the recovery policy says ``outcome`` means (``signal``: what it
+        stands for, when it came from a status answer)."""
+        asked = signal is not None
+        signal = signal or _SIGNALS[type(outcome)]
+        action = decide(signal, self.facts(taken, envelope, status_asked=asked))
+        reason = getattr(outcome, "reason", "")
+        match action:
+            case Action.ASK_STATUS:
+                await self._ask_status(taken, envelope, reason)
+            case Action.AWAIT_CALLBACK if isinstance(outcome, Accepted) and self.desk:
+                await self.desk.await_callback(taken, outcome.task_id)
+            case Action.SUCCEED if isinstance(outcome, Succeeded):
+                self.finisher.settle(taken, envelope, Stage.SUCCEEDED, "", result=outcome.result)
+            case Action.FAIL:
+                self.finisher.settle(taken, envelope, Stage.FAILED, reason, error=reason)
+            case Action.REQUEUE:  # it did not take the work: no failure, no back-off
+                await self.finisher.requeue(taken, envelope, reason, back_off=False)
+            case Action.RETRY:
+                await self.finisher.requeue(taken, envelope, reason, back_off=True)
+            case Action.PARK:
+                self.finisher.settle(taken, envelope, Stage.NEEDS_CONFIRMATION, reason)
+            case Action.GIVE_UP:  # out of attempts
+                error = f"gave up after {taken.attempt} attempts: {reason}"
+                await self.finisher.dead(taken, envelope, error)
+            case _:  # a defect: counted against the entry like any other (guarded)
+                raise RuntimeError(f"{action} for {type(outcome).__name__}: not for a sidecar")
+
+    async def _ask_status(self, taken: Taken, envelope: Envelope, reason: str) -> None:
+        """No answer in time: before guessing, ask the agent what became of the message."""
+        status = await self.status.query(self.card.status_url, taken.message_id)
+        why = f"{reason}; {status.why}"
+        signal = STATUS_SIGNALS[status.state]
+        outcome: Outcome
+        if signal is Signal.STATUS_DONE:
+            outcome = Succeeded(status.result_json)
+        elif signal is Signal.STATUS_FAILED and not (
+            self.card.idempotent and taken.attempt < envelope.max_attempts
+        ):
+            outcome = Failed(status.error or why)
+        else:
+            outcome = Ambiguous(why)
+        await self.record(taken, envelope, outcome, signal)

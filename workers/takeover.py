@@ -1,0 +1,136 @@
+"""Taking over the work of a dead instance, at once rather than at each message's timeout.
+
+Every credit a dead instance holds names a message attempt (``<id>:<attempt>``): each is
+resolved through its record's stage — an attempt the agent was never asked about goes back
+to WAITING now, one the agent may be working on is made due now (the reaper asks its status
+endpoint), one that ended is told again (its sidecar may have died before the reply left).
+Then the entries its sidecar read and never acknowledged are claimed (``XAUTOCLAIM``),
+resolved the same way, and acknowledged. Credits no live attempt holds are taken back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from broker.connection import Connection
+from broker.entries import parse_assignment
+from broker.errors import RedisReplyError, RedisUnavailable
+from broker.keyspace import SIDECAR_GROUP
+from broker.records import MessageRecord
+from broker.stages import AT_THE_DOOR, HOLDS_CREDIT, IN_FLIGHT, TERMINAL
+from broker.store import MessageStore
+from broker.streams import parse_entries
+
+from .instances import Instances
+from .resolver import Resolver, Verdict
+
+log = logging.getLogger("agent_reach.reaper")
+
+CLAIM_BATCH = 200
+
+Judge = Callable[[str, MessageRecord | None, int], Awaitable[Verdict]]
+
+
+class Takeover:
+    def __init__(
+        self,
+        conn: Connection,
+        store: MessageStore,
+        instances: Instances,
+        resolver: Resolver,
+        judge: Judge,
+        handled: dict[str, int],
+    ) -> None:
+        self.conn = conn
+        self.store = store
+        self.instances = instances
+        self.resolver = resolver
+        self.judge = judge  # the reaper's guarded resolve: one message's defect stays its own
+        self.handled = handled
+
+    async def dead_instances(self, now: int) -> int:
+        """Resolve the work of every instance that is down. Returns how many messages (and
+        claimed entries) were looked at."""
+        total = 0
+        for instance_id in self.instances.dead(now):
+            raw = await self.conn.call("SMEMBERS", self.conn.keys.inflight(instance_id))
+            members = {m.decode(errors="replace") for m in raw}
+            ids = sorted({m.rpartition(":")[0] for m in members})
+            total += await self._resolve_now(ids, instance_id, now, members)
+            total += await self._claim_pending(instance_id, now)
+        return total
+
+    async def _resolve_now(
+        self, ids: list[str], instance_id: str, now: int, members: set[str] | None = None
+    ) -> int:
+        if not ids:
+            return 0
+        commands: list[tuple[Any, ...]] = []
+        for message_id, record in zip(ids, await self.store.get_records(ids), strict=True):
+            leaked = stale_credits(message_id, record, instance_id, members or set())
+            if leaked:
+                commands.append(("SREM", self.conn.keys.inflight(instance_id), *leaked))
+            if record is None or record.instance != instance_id:
+                continue
+            if record.stage in AT_THE_DOOR:
+                verdict = await self.judge(message_id, record, now)
+                self.handled[verdict.action] = self.handled.get(verdict.action, 0) + 1
+                if verdict.next_due_ms is not None:
+                    commands.append(self.store.due_command(message_id, verdict.next_due_ms))
+            elif record.stage in IN_FLIGHT:  # PROCESSING, CALLBACK_RECEIVED (RECEIVED is above)
+                # due now: this tick's claim asks the agent (or finishes a received callback)
+                commands.append(self.store.due_at_most_command(message_id, now))
+            elif record.stage in TERMINAL:
+                # finished, but the sidecar died before it returned the credit — and maybe
+                # before the reply left: send it (at least once; it carries the id)
+                await self.resolver.release(record)
+                await self._retell(record)
+        await self.store.run_all(commands)
+        return len(ids)
+
+    async def _retell(self, record: MessageRecord) -> None:
+        try:
+            await self.resolver.reply(record, record.stage, record.result, record.error)
+        except RedisUnavailable:
+            raise
+        except Exception:  # one unreadable record must not stop the take-over of the rest
+            log.exception("message %s: its ending could not be told again", record.id)
+
+    async def _claim_pending(self, instance_id: str, now: int) -> int:
+        """Entries a dead sidecar read and never acknowledged: claim, resolve, acknowledge.
+        An entry that holds no assignment (garbage an attacker wrote) is only acknowledged."""
+        queue = self.conn.keys.queue(instance_id)
+        idle_ms = self.instances.table.policy.down_after_ms
+        try:
+            reply = await self.conn.call(
+                "XAUTOCLAIM", queue, SIDECAR_GROUP, "reaper", idle_ms, "0-0", "COUNT", CLAIM_BATCH
+            )
+        except RedisReplyError:
+            return 0  # no stream or no group: nothing was ever assigned there
+        claimed = [e[0] for e in reply[1] if e]
+        if not claimed:
+            return 0
+        ids: set[str] = set()
+        for entry_id, fields in parse_entries(reply[1]):  # without entries deleted while pending
+            assignment = parse_assignment(entry_id, fields)
+            if isinstance(assignment, str):
+                log.warning("%s: entry %s holds no assignment: %s", queue, entry_id, assignment)
+            else:
+                ids.add(assignment.message_id)
+        await self._resolve_now(sorted(ids), instance_id, now)
+        await self.conn.call("XACK", queue, SIDECAR_GROUP, *claimed)
+        return len(claimed)
+
+
+def stale_credits(
+    message_id: str, record: MessageRecord | None, instance_id: str, members: set[str]
+) -> list[str]:
+    """The message's credits on the instance that no live attempt there holds any more."""
+    live = (
+        f"{message_id}:{record.attempt}"
+        if record is not None and record.instance == instance_id and record.stage in HOLDS_CREDIT
+        else None
+    )
+    return [m for m in members if m.rpartition(":")[0] == message_id and m != live]
