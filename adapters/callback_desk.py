@@ -18,11 +18,13 @@ import anyio
 from anyio.abc import TaskStatus
 
 from broker.connection import Connection
+from broker.due_clock import due_at_most_command
 from broker.envelope import Envelope, load_envelope
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.records import MessageRecord
 from broker.stages import TERMINAL, Stage
-from broker.store import MessageStore, Move, now_ms
+from broker.store import MessageStore, Move
+from broker.timekeeping import now_ms
 
 from .asgi import serve_app
 from .callbacks import Answer, CallbackTokens, callback_app
@@ -174,7 +176,7 @@ class CallbackDesk:
         )
         if moved.ok:  # should this sidecar stop before it finishes, the reaper does, soon
             soon = now_ms() + int(self.conn.settings.delivery_timeout_s * 1000)
-            await self.conn.call(*self.store.due_at_most_command(record.id, soon))
+            await self.conn.call(*due_at_most_command(self.store.keys, record.id, soon))
             return None
         if moved.stage in TERMINAL or moved.stage is Stage.CALLBACK_RECEIVED:
             assert moved.stage is not None
@@ -259,7 +261,7 @@ class CallbackDesk:
             )
         )
         if moved.ok:
-            await self.store.deliver(envelope, stage, result, error, attempt=attempt)
+            await self.store.delivery.deliver(envelope, stage, result, error, attempt=attempt)
             record_key = self.conn.keys.record(envelope.message_id)
             await self.conn.call("HDEL", record_key, "reply_pending")
 

@@ -18,6 +18,8 @@ from typing import Any
 import anyio
 
 from broker.connection import Connection
+from broker.credits import release_command
+from broker.delivery import producer_commands
 from broker.envelope import Envelope
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
@@ -25,7 +27,8 @@ from broker.records import Moved
 from broker.results import Command
 from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
-from broker.store import MessageStore, Move, now_ms
+from broker.store import MessageStore, Move
+from broker.timekeeping import now_ms
 
 from .holdings import Finished, Holdings, Taken
 
@@ -111,7 +114,7 @@ class Finisher:
         if moved.ok:
             # ordered by when the broker accepted it, never by the producer's own clock
             accepted_ms = int(moved.value or 0)
-            await self.store.park(
+            await self.store.waiting.park(
                 envelope.capability, envelope.message_id, envelope.priority, accepted_ms
             )
         self.done(taken)
@@ -122,7 +125,7 @@ class Finisher:
             self.fenced(taken, Stage.DEAD, Stage.PROCESSING, reason=error, fields={"error": error})
         )
         if moved.ok:
-            await self.store.dead_letter_message(envelope.message_id, error)
+            await self.store.delivery.dead_letter_message(envelope.message_id, error)
             self.done(taken, self.replies(taken, envelope, Stage.DEAD, None, error))
         else:
             self.done(taken)
@@ -148,7 +151,9 @@ class Finisher:
         error: str | None,
     ) -> list[Command]:
         """The commands that tell the producer (:mod:`broker.results`)."""
-        return self.store.delivery_commands(envelope, stage, result, error, attempt=taken.attempt)
+        return producer_commands(
+            self.store.conn, envelope, stage, result, error, attempt=taken.attempt
+        )
 
     # -- settling ----------------------------------------------------------------------------
 
@@ -172,7 +177,8 @@ class Finisher:
         try:
             await self._tell(batch, await self._record(batch))
             await self.conn.call(
-                *self.store.release_command(
+                *release_command(
+                    self.store.conn,
                     self.instance_id,
                     SIDECAR_GROUP,
                     [(f"{i.taken.message_id}:{i.taken.attempt}", i.taken.entry_id) for i in batch],
@@ -202,7 +208,7 @@ class Finisher:
         ]
         commands = [command for _, command in replying]
         replies = await self.conn.call_many(commands)
-        await self.store.after_delivery([m for m, _ in replying], commands, replies)
+        await self.store.delivery.after_delivery([m for m, _ in replying], commands, replies)
 
     def _recorded(self, item: Finished, moved: Moved) -> bool:
         """The outcome is on the record: written now, or by an earlier try of this batch."""

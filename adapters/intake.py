@@ -18,12 +18,14 @@ import anyio
 from broker import failpoints
 from broker.connection import Connection
 from broker.deadletters import Letter
+from broker.delivery import capped_dead_letter_command
 from broker.entries import fields_as_bytes, parse_assignment
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
 from broker.stages import Stage
-from broker.store import MessageStore, now_ms
+from broker.store import MessageStore
 from broker.streams import GroupReader, StreamEntry, field_bytes
+from broker.timekeeping import now_ms
 
 from .callback_desk import CallbackDesk
 from .finisher import Finisher
@@ -132,17 +134,18 @@ class SidecarIntake:
         if not malformed:
             return
         letters = [
-            self.store.dead_letter_command(
+            capped_dead_letter_command(
+                self.store.conn,
                 Letter(
                     id="",
                     reason=f"malformed_entry: {why}",
                     raw=fields_as_bytes((field_bytes(k), v) for k, v in fields.items()),
                     source=f"{self.queue} {entry_id}",
                     ts_ms=now_ms(),
-                )
+                ),
             )
             for entry_id, fields, why in malformed
         ]
         ack = ("XACK", self.queue, SIDECAR_GROUP, *(entry_id for entry_id, _, _ in malformed))
-        await self.store.run_all([*letters, ack])
+        await self.store.conn.run_all([*letters, ack])
         log.warning("dropped %d malformed entries from %s", len(malformed), self.queue)

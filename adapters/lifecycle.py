@@ -15,15 +15,18 @@ import logging
 import anyio
 from anyio.abc import TaskGroup
 
+from broker.acks import trim_acknowledged
 from broker.connection import Connection
+from broker.credits import release_command
 from broker.entries import parse_assignment
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
 from broker.records import InstanceCard, InstanceState
 from broker.registry import Registry
 from broker.stages import Stage
-from broker.store import MessageStore, now_ms, trim_acknowledged
+from broker.store import MessageStore
 from broker.streams import parse_entries
+from broker.timekeeping import now_ms
 
 from .callback_desk import CallbackDesk
 from .finisher import Finisher
@@ -164,12 +167,12 @@ class Lifecycle:
                 self.finisher.fenced(taken, Stage.WAITING, Stage.ROUTED, reason="instance draining")
             )
             if moved.ok and record is not None:
-                await self.store.park(
+                await self.store.waiting.park(
                     record.capability, record.id, record.priority, record.accepted_ms
                 )
             returned.append((f"{taken.message_id}:{taken.attempt}", taken.entry_id))
         if returned:
             log.info("rerouting %d unread entries", len(returned))
             await self.conn.call(
-                *self.store.release_command(self.instance_id, SIDECAR_GROUP, returned)
+                *release_command(self.store.conn, self.instance_id, SIDECAR_GROUP, returned)
             )

@@ -18,12 +18,14 @@ import anyio
 
 from broker.connection import Connection
 from broker.deadletters import Letter
+from broker.delivery import capped_dead_letter_command
 from broker.envelope import Envelope, load_envelope
 from broker.errors import RedisUnavailable
 from broker.records import InstanceCard, MessageRecord, Moved
 from broker.recovery import STATUS_SIGNALS, Action, Facts, Signal, decide
 from broker.stages import TERMINAL, Stage
-from broker.store import MessageStore, now_ms
+from broker.store import MessageStore
+from broker.timekeeping import now_ms
 from broker.timeline import note_command
 
 from .callback_desk import CallbackDesk, callback_outcome
@@ -130,12 +132,12 @@ class Runner:
             source=f"{queue} {taken.entry_id}",
         )
         try:
-            await self.store.run_all(
+            await self.store.conn.run_all(
                 [
                     note_command(
                         self.conn, taken.message_id, SIDECAR_ERROR, error, now_ms=now_ms()
                     ),
-                    self.store.dead_letter_command(letter),
+                    capped_dead_letter_command(self.store.conn, letter),
                 ]
             )
         except Exception:  # the entry is let go of whatever: the reaper still sees the record
@@ -180,7 +182,7 @@ class Runner:
             self.finisher.done(taken, replies)
         else:
             if stage is Stage.WAITING:  # sent back, maybe not yet indexed: index it
-                await self.store.park(
+                await self.store.waiting.park(
                     record.capability, record.id, record.priority, record.accepted_ms
                 )
             self.finisher.done(taken)

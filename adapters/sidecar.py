@@ -26,7 +26,8 @@ from anyio.abc import TaskStatus
 from broker.connection import Connection, ensure_group
 from broker.keyspace import SIDECAR_GROUP
 from broker.records import InstanceCard
-from broker.store import MessageStore, now_ms
+from broker.store import MessageStore
+from broker.timekeeping import now_ms
 
 from .callback_desk import CallbackDesk
 from .finisher import Finisher

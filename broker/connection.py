@@ -59,6 +59,12 @@ class Connection:
         """Commands that leave together, in order; error replies come back in place."""
         return await self.pipeliner.call_many(commands)
 
+    async def run_all(self, commands: list[tuple[Any, ...]]) -> None:
+        """Commands in one round trip; the first error reply is raised."""
+        for reply in await self.pipeliner.call_many(commands):
+            if isinstance(reply, Exception):
+                raise reply
+
     def sha(self, name: ScriptName) -> str:
         return self.scripts[name].sha
 

@@ -137,3 +137,61 @@ def parse_letter(entry_id: bytes, flat: list[bytes]) -> Letter:
 def _number(raw: bytes) -> int | None:
     """ASCII digits as a number (``int`` refuses more than 4,300 of them: never asked)."""
     return int(raw) if raw.isdigit() and len(raw) <= _MAX_DIGITS else None
+
+
+class DeadLetter(msgspec.Struct, frozen=True):
+    """One entry of the dead-letter stream. ``raw`` is the original bytes as text when they
+    are UTF-8; otherwise they are in ``raw_base64``."""
+
+    entry_id: str
+    id: str
+    stage: str
+    reason: str
+    ts_ms: int
+    raw: str | None = None
+    raw_base64: bytes | None = None
+    # a webhook that could not be delivered: where to, how often tried, the last error
+    url: str | None = None
+    attempts: int | None = None
+    error: str | None = None
+    # `raw` was cut to `dlq_entry_max_bytes`: the size it had
+    raw_size: int | None = None
+    # a malformed stream entry: "<stream> <entry id>"
+    source: str | None = None
+
+
+class DeadLetters(msgspec.Struct, frozen=True):
+    total: int  # entries in the stream
+    letters: list[DeadLetter]  # the newest ones asked for, oldest first
+
+
+def letter_view(entry_id: bytes, flat: list[bytes]) -> DeadLetter:
+    """A dead-letter stream entry as an operator reads it: raw bytes as text where they are
+    UTF-8."""
+    letter = parse_letter(entry_id, flat)
+    raw = letter.raw
+    text = _utf8(raw, cut=letter.raw_size is not None) if raw is not None else None
+    return DeadLetter(
+        entry_id=entry_id.decode(),
+        id=letter.id,
+        stage=letter.stage,
+        reason=letter.reason,
+        ts_ms=letter.ts_ms,
+        raw=text,
+        raw_base64=raw if raw is not None and text is None else None,
+        raw_size=letter.raw_size,
+        url=letter.url,
+        attempts=letter.attempts,
+        error=letter.error,
+        source=letter.source,
+    )
+
+
+def _utf8(raw: bytes, *, cut: bool) -> str | None:
+    """``raw`` as text when it is UTF-8 — a cut one may end inside a character."""
+    for end in range(len(raw), max(0, len(raw) - 3) - 1, -1) if cut else (len(raw),):
+        try:
+            return raw[:end].decode()
+        except UnicodeDecodeError:
+            continue
+    return None

@@ -13,28 +13,30 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 import msgspec
 
 from .connection import Connection
-from .deadletters import parse_letter
+from .deadletters import DeadLetter, DeadLetters, letter_view
+from .due_clock import due_command
 from .envelope import load_envelope
 from .errors import UnknownMessage
+from .record_codec import timeline_entry
 from .records import MessageRecord
 from .registry import Registry
-from .stages import TERMINAL, Stage
-from .store import MessageStore, Move, now_ms, timeline_entry
+from .stages import (
+    ENDED_REPLAYABLE,
+    IN_FLIGHT,
+    QUEUED,
+    REPAIRS,
+    TERMINAL,
+    Repair,
+    Stage,
+)
+from .store import MessageStore, Move
+from .timekeeping import now_ms
 from .wire import ReplyEntry
 
 PAGE = 500  # due-index entries read per round trip
 
-# Where a replay may start: the message waits for an operator, or gave up (DEAD). Nothing
-# in flight. Messages that ended with an answer their producer has had — FAILED, EXPIRED,
-# CANCELLED — only when the operator says so (`include_ended`): the producer gets a new one.
-REPLAYABLE: frozenset[Stage] = frozenset({Stage.NEEDS_CONFIRMATION, Stage.DEAD})
-ENDED_REPLAYABLE: frozenset[Stage] = frozenset({Stage.FAILED, Stage.EXPIRED, Stage.CANCELLED})
 REPLAYED_NOTICE = "replayed"
-# Where a cancel may start: no sidecar has taken the message yet.
-CANCELLABLE: frozenset[Stage] = frozenset({Stage.ACCEPTED, Stage.WAITING, Stage.ROUTED})
-
-_QUEUED = frozenset({Stage.ACCEPTED, Stage.WAITING, Stage.ROUTED})
-_IN_FLIGHT = frozenset({Stage.RECEIVED, Stage.PROCESSING, Stage.CALLBACK_RECEIVED})
+_RESOLVE_AS = {Stage.SUCCEEDED: Repair.RESOLVE_SUCCEEDED, Stage.FAILED: Repair.RESOLVE_FAILED}
 
 
 class Action(msgspec.Struct, frozen=True):
@@ -69,32 +71,6 @@ class ReplayPlan(msgspec.Struct, frozen=True):
     unsafe: dict[str, str]
 
 
-class DeadLetter(msgspec.Struct, frozen=True):
-    """One entry of the dead-letter stream. ``raw`` is the original bytes as text when they
-    are UTF-8; otherwise they are in ``raw_base64``."""
-
-    entry_id: str
-    id: str
-    stage: str
-    reason: str
-    ts_ms: int
-    raw: str | None = None
-    raw_base64: bytes | None = None
-    # a webhook that could not be delivered: where to, how often tried, the last error
-    url: str | None = None
-    attempts: int | None = None
-    error: str | None = None
-    # `raw` was cut to `dlq_entry_max_bytes`: the size it had
-    raw_size: int | None = None
-    # a malformed stream entry: "<stream> <entry id>"
-    source: str | None = None
-
-
-class DeadLetters(msgspec.Struct, frozen=True):
-    total: int  # entries in the stream
-    letters: list[DeadLetter]  # the newest ones asked for, oldest first
-
-
 def replay_refusal(message_id: str, stage: Stage) -> str:
     """Why a message in ``stage`` is not replayed."""
     if stage in ENDED_REPLAYABLE:
@@ -102,9 +78,9 @@ def replay_refusal(message_id: str, stage: Stage) -> str:
             f"{message_id} is {stage}: its producer has had that answer; replay it with "
             "--include-ended to run it again and send a new one"
         )
-    if stage in _QUEUED:
+    if stage in QUEUED:
         why = "not finished, it is still queued to run"
-    elif stage in _IN_FLIGHT:
+    elif stage in IN_FLIGHT:
         why = "still in flight"
     elif stage is Stage.SUCCEEDED:
         why = "it succeeded"
@@ -119,7 +95,7 @@ def cancel_refusal(message_id: str, stage: Stage) -> str:
     """Why a message in ``stage`` cannot be cancelled."""
     if stage is Stage.RECEIVED:
         why = "its sidecar has taken it"
-    elif stage in _IN_FLIGHT:
+    elif stage in IN_FLIGHT:
         why = "the agent may be working on it"
     elif stage is Stage.NEEDS_CONFIRMATION:
         why = "the agent may have done it (close it with resolve)"
@@ -271,7 +247,7 @@ class Operator:
     async def _plan(
         self, records: list[MessageRecord], refused: list[Action], *, include_ended: bool = False
     ) -> ReplayPlan:
-        allowed = REPLAYABLE | ENDED_REPLAYABLE if include_ended else REPLAYABLE
+        allowed, _ = REPAIRS[Repair.REPLAY_ENDED if include_ended else Repair.REPLAY]
         replayable = [r for r in records if r.stage in allowed]
         refused = refused + [
             _refused(r.id, r.stage, replay_refusal(r.id, r.stage))
@@ -310,13 +286,13 @@ class Operator:
         deadline_ms = now_ms() + int(timeout_s * 1000)
         # indexed for the reaper first: a stop between the two writes leaves a message the
         # reaper looks at, never a live one nobody will
-        await self.conn.call(*self.store.due_command(record.id, deadline_ms))
+        await self.conn.call(*due_command(self.store.keys, record.id, deadline_ms))
         moved = await self.store.apply(
             Move(
                 record.id,
                 Stage.WAITING,
                 # exactly what was planned (and confirmed): not a later state of the message
-                any_of=frozenset({record.stage}) & (REPLAYABLE | ENDED_REPLAYABLE),
+                any_of=frozenset({record.stage}) & REPAIRS[Repair.REPLAY_ENDED][0],
                 expect_attempt=record.attempt,
                 new_attempt="+",
                 reason=f"replayed by {by}",
@@ -333,9 +309,11 @@ class Operator:
         if not moved.ok:
             return _refused(record.id, moved.stage, _no_replay(record.id, moved.stage))
         await self.conn.call("HDEL", self.conn.keys.record(record.id), "deadline_told")
-        await self.store.park(record.capability, record.id, record.priority, record.accepted_ms)
+        await self.store.waiting.park(
+            record.capability, record.id, record.priority, record.accepted_ms
+        )
         if record.reply_to:
-            await self.store.send_reply(
+            await self.store.delivery.send_reply(
                 record.reply_to,
                 ReplyEntry(
                     id=record.id,
@@ -377,7 +355,7 @@ class Operator:
             Move(
                 message_id,
                 target,
-                only_from=Stage.NEEDS_CONFIRMATION,
+                any_of=REPAIRS[_RESOLVE_AS[target]][0],
                 reason=reason,
                 fields=fields,
             )
@@ -397,14 +375,14 @@ class Operator:
             Move(
                 message_id,
                 Stage.CANCELLED,
-                any_of=CANCELLABLE,
+                any_of=REPAIRS[Repair.CANCEL][0],
                 reason=reason,
                 fields={"error": reason},
             )
         )
         if not moved.ok:
             return self._not_moved(message_id, moved.stage, cancel_refusal)
-        await self.store.unpark_many(record.capability, [message_id])
+        await self.store.waiting.unpark_many(record.capability, [message_id])
         await self._finish(record, Stage.CANCELLED, {"error": reason.encode()})
         return Action(
             message_id, True, Stage.CANCELLED, f"{message_id} {reason} (was {record.stage})"
@@ -423,14 +401,14 @@ class Operator:
     ) -> None:
         """The message has ended: tell its producer, and drop its deadline entry."""
         error = fields.get("error")
-        await self.store.deliver(
+        await self.store.delivery.deliver(
             record.envelope,
             stage,
             fields.get("result"),
             error.decode() if error else None,
             attempt=record.attempt,
         )
-        await self.store.forget_due([record.id])
+        await self.store.due.forget([record.id])
 
     # -- dead letters ----------------------------------------------------------------------
 
@@ -439,47 +417,17 @@ class Operator:
         total, newest = await self.conn.call_many(
             [("XLEN", self.keys.dlq), ("XREVRANGE", self.keys.dlq, "+", "-", "COUNT", count)]
         )
-        return DeadLetters(int(total), [_letter(e, f) for e, f in reversed(newest)])
+        return DeadLetters(int(total), [letter_view(e, f) for e, f in reversed(newest)])
 
     async def _all_letters(self) -> list[DeadLetter]:
         letters: list[DeadLetter] = []
         after = "-"
         while True:
             entries = await self.conn.call("XRANGE", self.keys.dlq, after, "+", "COUNT", PAGE)
-            letters += [_letter(e, f) for e, f in entries]
+            letters += [letter_view(e, f) for e, f in entries]
             if len(entries) < PAGE:
                 return letters
             after = "(" + entries[-1][0].decode()
-
-
-def _letter(entry_id: bytes, flat: list[bytes]) -> DeadLetter:
-    letter = parse_letter(entry_id, flat)
-    raw = letter.raw
-    text = _utf8(raw, cut=letter.raw_size is not None) if raw is not None else None
-    return DeadLetter(
-        entry_id=entry_id.decode(),
-        id=letter.id,
-        stage=letter.stage,
-        reason=letter.reason,
-        ts_ms=letter.ts_ms,
-        raw=text,
-        raw_base64=raw if raw is not None and text is None else None,
-        raw_size=letter.raw_size,
-        url=letter.url,
-        attempts=letter.attempts,
-        error=letter.error,
-        source=letter.source,
-    )
-
-
-def _utf8(raw: bytes, *, cut: bool) -> str | None:
-    """``raw`` as text when it is UTF-8 — a cut one may end inside a character."""
-    for end in range(len(raw), max(0, len(raw) - 3) - 1, -1) if cut else (len(raw),):
-        try:
-            return raw[:end].decode()
-        except UnicodeDecodeError:
-            continue
-    return None
 
 
 def _unique(ids: Iterable[str]) -> list[str]:

@@ -12,9 +12,10 @@ import msgspec
 from .connection import Connection
 from .envelope import MESSAGE_ID_PATTERN
 from .keyspace import SIDECAR_GROUP
+from .record_codec import pairs
 from .records import CircuitState, InstanceCard, InstanceState, InstanceStats, InstanceView
 from .scripts import ScriptName
-from .store import now_ms, pairs
+from .timekeeping import now_ms
 
 log = logging.getLogger("agent_reach.registry")
 _tags_decoder = msgspec.json.Decoder(dict[str, str])

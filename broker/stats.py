@@ -7,7 +7,8 @@ import msgspec
 
 from .connection import Connection
 from .registry import Registry
-from .store import MessageStore, now_ms
+from .store import MessageStore
+from .timekeeping import now_ms
 
 
 class CapabilityStats(msgspec.Struct, frozen=True):
@@ -44,12 +45,12 @@ async def backlog_stats(conn: Connection) -> BacklogStats:
     for view in views:
         for capability in view.card.capabilities:
             served[capability] = served.get(capability, 0) + 1
-    capabilities = sorted(set(served) | set(await store.waiting_capabilities()))
+    capabilities = sorted(set(served) | set(await store.waiting.capabilities()))
     now = now_ms()
-    rates = await store.assignment_rates(capabilities, now)
+    rates = await store.waiting.assignment_rates(capabilities, now)
     rows = []
     for capability in capabilities:
-        depth, unmatched, oldest_ms = await store.oldest_waiting(capability)
+        depth, unmatched, oldest_ms = await store.waiting.oldest(capability)
         rows.append(
             CapabilityStats(
                 capability=capability,

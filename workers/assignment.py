@@ -18,7 +18,9 @@ from broker.envelope import Envelope
 from broker.records import AssignResult, Moved
 from broker.routing import Decision, Outcome, RouteRequest
 from broker.stages import Stage
-from broker.store import MessageStore, Move, now_ms
+from broker.store import MessageStore, Move
+from broker.timekeeping import now_ms
+from broker.waiting_sets import count_assigned_commands, park_commands
 
 from .routing_table import RoutingTable
 
@@ -71,7 +73,7 @@ class Assigner:
         Returns the assigned ones."""
         if not routed:
             return []
-        results = await self.store.assign_many(
+        results = await self.store.credits.assign_many(
             [(r.instance_id, r.message_id, r.attempt) for r in routed]
         )
         refused = [(r, res) for r, res in zip(routed, results, strict=True) if res not in OK]
@@ -82,15 +84,16 @@ class Assigner:
             if res is AssignResult.ASSIGNED
         )
         # one round trip: the refused parked, and the assignments counted (for `stats`)
-        await self.store.run_all(
-            self.store.park_commands(
+        await self.store.conn.run_all(
+            park_commands(
+                self.store.keys,
                 [
                     (r.capability, r.message_id, r.priority, r.accepted_ms)
                     for (r, _), m in zip(refused, moved, strict=True)
                     if m.ok
-                ]
+                ],
             )
-            + self.store.count_assigned_commands(counts, now_ms())
+            + count_assigned_commands(self.store.keys, counts, now_ms())
         )
         return [r for r, res in zip(routed, results, strict=True) if res in OK]
 

@@ -31,6 +31,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from broker import failpoints
+from broker.acks import ack, trim_acknowledged
 from broker.broadcast import (
     Children,
     child_envelope,
@@ -42,6 +43,7 @@ from broker.broadcast import (
 )
 from broker.connection import Connection, ensure_group
 from broker.deadletters import Letter
+from broker.due_clock import due_at_most_command, due_command
 from broker.entries import IngressEntry, parse_ingress
 from broker.envelope import (
     Envelope,
@@ -53,9 +55,12 @@ from broker.keyspace import DISPATCH_GROUP
 from broker.records import MessageRecord
 from broker.registry import Registry
 from broker.routing import Decision
+from broker.sessions import bind_session_commands, bound_instances
 from broker.stages import Stage
-from broker.store import Acceptance, MessageStore, ack, now_ms, trim_acknowledged
+from broker.store import Acceptance, MessageStore
 from broker.streams import GroupReader, RawEntry, Subscriber, raw_entries
+from broker.timekeeping import now_ms
+from broker.waiting_sets import park_commands
 
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
 from .intake import Intake
@@ -247,8 +252,8 @@ class Dispatcher:
         parent FANNED_OUT, then its children): one round trip for the records, one more for
         every child of the batch's broadcasts (plus one for the sessions the batch names)."""
         now = now_ms()
-        sessions = await self.store.sessions(
-            sorted({e.session_id for e in envelopes if e.session_id})
+        sessions = await bound_instances(
+            self.store.conn, sorted({e.session_id for e in envelopes if e.session_id})
         )
         admitted = _Admitted()
         await self._admit([self._plan(e, now, sessions) for e in envelopes], admitted, now)
@@ -265,10 +270,10 @@ class Dispatcher:
             admitted.fan_outs = []
             await self._admit(children, admitted, now)
         # the batch's index writes (deadlines, waiting sets, sessions) in one round trip
-        await self.store.run_all(
+        await self.store.conn.run_all(
             admitted.due
-            + self.store.park_commands(admitted.to_park)
-            + self.store.bind_session_commands(admitted.bindings)
+            + park_commands(self.store.keys, admitted.to_park)
+            + bind_session_commands(self.store.conn, admitted.bindings)
         )
         if admitted.to_park:
             parked = {capability for capability, *_ in admitted.to_park}
@@ -297,7 +302,7 @@ class Dispatcher:
                 continue
             # the reaper's first look: when a delivery would be late, or the deadline
             admitted.due.append(
-                self.store.due_command(a.message_id, min(a.deadline_ms, reaper_look))
+                due_command(self.store.keys, a.message_id, min(a.deadline_ms, reaper_look))
             )
             if a.next_stage is Stage.FANNED_OUT:
                 admitted.fan_outs.append((plan.envelope, plan.children, a.deadline_ms))
@@ -399,22 +404,23 @@ class Dispatcher:
             await self.intake.conflict(record, planned)
             return
         reason = f"child id {record.id} already names another message"
-        await self.store.deliver(planned, Stage.REJECTED, None, reason, attempt=0)
+        await self.store.delivery.deliver(planned, Stage.REJECTED, None, reason, attempt=0)
         log.warning("broadcast %s: %s", planned.parent, reason)
 
     async def _reapply(self, records: list[MessageRecord], admitted: _Admitted) -> None:
         if not records:
             return
         # never later than a look already due (a delivery timeout, a lease): only sooner
-        commands = [self.store.due_at_most_command(r.id, r.deadline_ms) for r in records]
-        commands += self.store.park_commands(
+        commands = [due_at_most_command(self.store.keys, r.id, r.deadline_ms) for r in records]
+        commands += park_commands(
+            self.store.keys,
             [
                 (r.capability, r.id, r.priority, r.accepted_ms)
                 for r in records
                 if r.stage is Stage.WAITING
-            ]
+            ],
         )
-        await self.store.run_all(commands)
+        await self.store.conn.run_all(commands)
         await self.assigner.assign(
             [
                 Routed(r.id, r.capability, r.instance, r.attempt, r.priority, r.accepted_ms)
@@ -440,7 +446,7 @@ class Dispatcher:
         # Shielded: a dispatcher being stopped finishes telling; only a kill leaves it (the
         # ingress entry is still pending then: handled again, _repair tells).
         with anyio.CancelScope(shield=True):
-            await self.store.dead_letter(
+            await self.store.delivery.dead_letter(
                 Letter(
                     id=message_id,
                     stage=Stage.REJECTED.value,
@@ -449,7 +455,7 @@ class Dispatcher:
                     ts_ms=now_ms(),
                 )
             )
-            await self.store.deliver(envelope, Stage.REJECTED, None, reason, attempt=0)
+            await self.store.delivery.deliver(envelope, Stage.REJECTED, None, reason, attempt=0)
             await self.conn.call("HDEL", self.keys.record(message_id), "reply_pending")
         log.info("broadcast %s rejected: %s", message_id, reason)
 
@@ -485,12 +491,12 @@ class Dispatcher:
     async def _waiting_capabilities(self) -> list[str]:
         """The capabilities with waiting work; now and then the index is pruned of those
         with none left, and so is this dispatcher's memory of them."""
-        waiting = await self.store.waiting_capabilities()
+        waiting = await self.store.waiting.capabilities()
         now = anyio.current_time()
         if now < self._next_prune:
             return waiting
         self._next_prune = now + PRUNE_EVERY_S
-        dropped = set(await self.store.prune_waiting_index(waiting))
+        dropped = set(await self.store.waiting.prune_index(waiting))
         self.waiting.forget(dropped)
         return [c for c in waiting if c not in dropped]
 
@@ -525,7 +531,7 @@ class Dispatcher:
         if channel == self.keys.registry_channel:
             try:
                 await self.refresh()
-                self._to_drain.update(await self.store.waiting_capabilities())
+                self._to_drain.update(await self.store.waiting.capabilities())
             except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("registry refresh failed (the sweep retries): %s", exc)
         else:

@@ -35,6 +35,7 @@ import msgspec
 from broker.broadcast import id_problem
 from broker.connection import Connection
 from broker.deadletters import Letter, cap_bytes
+from broker.delivery import capped_dead_letter_command
 from broker.entries import IngressEntry, MalformedEntry, parse_ingress
 from broker.envelope import (
     Envelope,
@@ -52,8 +53,9 @@ from broker.keyspace import DISPATCH_GROUP
 from broker.records import MessageRecord
 from broker.results import Command
 from broker.stages import Stage
-from broker.store import Acceptance, MessageStore, now_ms
+from broker.store import Acceptance, MessageStore
 from broker.streams import RawEntry
+from broker.timekeeping import now_ms
 from broker.webhooks import callback_problem
 from broker.wire import ReplyEntry, reply_fields
 
@@ -112,7 +114,7 @@ class Intake:
         commands: list[Command] = [("XACK", self.stream, DISPATCH_GROUP, *entry_ids)]
         if minted:
             commands.append(("DEL", *minted))
-        await self.store.run_all(commands)
+        await self.store.conn.run_all(commands)
 
     def rejection(
         self, entry_id: str, name: str, reason: str, raw: bytes, *, salvage: bytes | None = None
@@ -234,7 +236,7 @@ class Intake:
             foreign = not a.created and not _ours(records.get(r.message_id), r.raw, max_bytes)
             if foreign:
                 reason = f"{reason}; id {r.message_id} already names another message"
-            commands.append(self.store.dead_letter_command(self._letter(r, reason)))
+            commands.append(capped_dead_letter_command(self.store.conn, self._letter(r, reason)))
             owners.append(r.message_id)
             if r.reply_to:
                 notice = REJECTED_NOTICE if foreign else None
@@ -242,7 +244,9 @@ class Intake:
                     commands.append(command)
                     owners.append(r.message_id)
             log.info("message %s rejected: %s", r.message_id, reason)
-        await self.store.after_delivery(owners, commands, await self.conn.call_many(commands))
+        await self.store.delivery.after_delivery(
+            owners, commands, await self.conn.call_many(commands)
+        )
 
     def _rejected_record(self, r: Rejection, max_bytes: int) -> Acceptance:
         kept, size = cap_bytes(r.raw, max_bytes)
@@ -310,7 +314,7 @@ class Intake:
             raw=encode_envelope(planned),
             ts_ms=now_ms(),
         )
-        commands = [self.store.dead_letter_command(letter)]
+        commands = [capped_dead_letter_command(self.store.conn, letter)]
         if planned.reply_to:
             # a notice naming the refused request: only its own producer takes it as its
             # answer, never one waiting for the message that holds the id
@@ -322,7 +326,9 @@ class Intake:
                 request=request_digest(planned),
             )
         owners = [record.id] * len(commands)
-        await self.store.after_delivery(owners, commands, await self.conn.call_many(commands))
+        await self.store.delivery.after_delivery(
+            owners, commands, await self.conn.call_many(commands)
+        )
         log.warning("message %s: %s", record.id, reason)
 
 

@@ -81,7 +81,7 @@ class Janitor:
         scores = await self.conn.call_many([("ZSCORE", self.keys.due, i) for i in live])
         lost = [i for i, score in zip(live, scores, strict=True) if score is None]
         if lost:
-            await self.store.run_all([("ZADD", self.keys.due, "NX", now, i) for i in lost])
+            await self.store.conn.run_all([("ZADD", self.keys.due, "NX", now, i) for i in lost])
             self.reindexed += len(lost)
             log.warning("indexed %d live messages the due index had lost", len(lost))
 

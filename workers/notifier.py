@@ -54,8 +54,8 @@ from broker.entries import fields_as_bytes
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import NOTIFY_GROUP
 from broker.retry import retry_delay_ms
-from broker.store import now_ms
 from broker.streams import GroupReader, StreamEntry, field_bytes, parse_entries
+from broker.timekeeping import now_ms
 from broker.timeline import CALLBACK_DELIVERED, note_command
 from broker.wire import OutboxEntry, outbox_fields, parse_outbox_entry
 

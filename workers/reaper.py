@@ -23,7 +23,8 @@ from broker.connection import Connection
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.records import MessageRecord
 from broker.registry import Registry
-from broker.store import MessageStore, now_ms
+from broker.store import MessageStore
+from broker.timekeeping import now_ms
 
 from .instances import Instances
 from .janitor import Janitor
@@ -78,11 +79,11 @@ class Reaper:
         total = await self.takeover.dead_instances(now_ms())
         while True:
             now = now_ms()
-            ids = await self.store.claim_due(now, LEASE_MS, CLAIM_BATCH)
+            ids = await self.store.due.claim(now, LEASE_MS, CLAIM_BATCH)
             total += len(ids)
             if ids:
                 verdicts = await self._judge_all(ids, now)
-                await self.store.reschedule_due(now + LEASE_MS, verdicts)
+                await self.store.due.reschedule(now + LEASE_MS, verdicts)
             if len(ids) < CLAIM_BATCH:
                 break
         await self._sweep(now_ms())

@@ -39,7 +39,8 @@ from broker.records import MessageRecord
 from broker.recovery import MAX_EXTENSIONS, STATUS_SIGNALS, Action, Facts, Signal, decide
 from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
-from broker.store import MessageStore, Move, now_ms
+from broker.store import MessageStore, Move
+from broker.timekeeping import now_ms
 from broker.wire import ReplyEntry
 
 from .instances import Instances
@@ -113,7 +114,7 @@ class Resolver:
                 "ZSCORE", self.conn.keys.unmatched(record.capability), record.id
             )
             if set_aside is None:
-                await self.store.park(
+                await self.store.waiting.park(
                     record.capability, record.id, record.priority, record.accepted_ms
                 )
             return Verdict("waiting", min(record.deadline_ms, now + self.delivery_timeout_ms))
@@ -133,7 +134,9 @@ class Resolver:
             reason="accepted but never routed (its dispatcher stopped): waiting",
         )
         if moved.ok:
-            await self.store.park(record.capability, record.id, record.priority, record.accepted_ms)
+            await self.store.waiting.park(
+                record.capability, record.id, record.priority, record.accepted_ms
+            )
         return Verdict("parked accepted", self.next_look(record, now))
 
     async def _at_the_door(self, record: MessageRecord, now: int) -> Verdict:
@@ -158,7 +161,9 @@ class Resolver:
         )
         if moved.ok:
             await self.release(record)
-            await self.store.park(record.capability, record.id, record.priority, record.accepted_ms)
+            await self.store.waiting.park(
+                record.capability, record.id, record.priority, record.accepted_ms
+            )
             return Verdict("rerouted", self.next_look(record, now))
         return Verdict("raced", now + RACED_LOOK_MS)
 
@@ -249,7 +254,7 @@ class Resolver:
         untold = [child for child, outcome in zip(children, told, strict=True) if not outcome]
         for child in await self.store.get_records(untold):
             if child is not None and child.stage in TERMINAL:
-                await self.store.deliver(
+                await self.store.delivery.deliver(
                     child.envelope, child.stage, child.result, child.error, attempt=child.attempt
                 )
 
@@ -274,7 +279,9 @@ class Resolver:
         if not moved.ok:
             return Verdict("raced", now + RACED_LOOK_MS)
         await self.release(record)
-        await self.store.park(envelope.capability, record.id, record.priority, record.accepted_ms)
+        await self.store.waiting.park(
+            envelope.capability, record.id, record.priority, record.accepted_ms
+        )
         return Verdict("retried", max(now + delay, self.next_look(record, now)))
 
     # -- carrying it out ---------------------------------------------------------------------
@@ -318,7 +325,7 @@ class Resolver:
                 return False
             await self.release(record)
             if stage is Stage.DEAD:  # dead-lettered before the producer hears of it
-                await self.store.dead_letter_message(record.id, str(fields["error"]))
+                await self.store.delivery.dead_letter_message(record.id, str(fields["error"]))
             await self.reply(record, stage, result, str(fields.get("error", reason)))
             await self.conn.call("HDEL", self.conn.keys.record(record.id), "reply_pending")
         return True
@@ -348,23 +355,25 @@ class Resolver:
         letter = Letter(
             id=record.id, stage=Stage.DEAD.value, reason=error, raw=record.envelope, ts_ms=now_ms()
         )
-        await self.store.dead_letter(letter)
+        await self.store.delivery.dead_letter(letter)
         await self.release(record)
         if record.reply_to:
             entry = ReplyEntry(id=record.id, stage=Stage.DEAD, attempt=record.attempt, error=error)
-            await self.store.send_reply(record.reply_to, entry)
+            await self.store.delivery.send_reply(record.reply_to, entry)
         return Verdict("dead: unresolvable", None)
 
     async def finish_telling(self, record: MessageRecord) -> None:
         if record.stage is Stage.DEAD:
-            await self.store.dead_letter_message(record.id, record.error or "dead")
+            await self.store.delivery.dead_letter_message(record.id, record.error or "dead")
         await self.reply(record, record.stage, record.result, record.error)
         await self.conn.call("HDEL", self.conn.keys.record(record.id), "reply_pending")
 
     async def reply(
         self, record: MessageRecord, stage: Stage, result: bytes | None, error: str | None
     ) -> None:
-        await self.store.deliver(record.envelope, stage, result, error, attempt=record.attempt)
+        await self.store.delivery.deliver(
+            record.envelope, stage, result, error, attempt=record.attempt
+        )
 
     async def release(self, record: MessageRecord) -> None:
         """Return the credit the abandoned attempt held on a dead instance. A live sidecar
@@ -379,7 +388,7 @@ class Resolver:
         """Once: the producer learns its deadline passed while the agent may still work."""
         key = self.conn.keys.record(record.id)
         if await self.conn.call("HSETNX", key, "deadline_told", 1):
-            await self.store.send_reply(
+            await self.store.delivery.send_reply(
                 record.reply_to,
                 ReplyEntry(
                     id=record.id,

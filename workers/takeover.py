@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from broker.connection import Connection
+from broker.due_clock import due_at_most_command, due_command
 from broker.entries import parse_assignment
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
@@ -78,16 +79,16 @@ class Takeover:
                 verdict = await self.judge(message_id, record, now)
                 self.handled[verdict.action] = self.handled.get(verdict.action, 0) + 1
                 if verdict.next_due_ms is not None:
-                    commands.append(self.store.due_command(message_id, verdict.next_due_ms))
+                    commands.append(due_command(self.store.keys, message_id, verdict.next_due_ms))
             elif record.stage in IN_FLIGHT:  # PROCESSING, CALLBACK_RECEIVED (RECEIVED is above)
                 # due now: this tick's claim asks the agent (or finishes a received callback)
-                commands.append(self.store.due_at_most_command(message_id, now))
+                commands.append(due_at_most_command(self.store.keys, message_id, now))
             elif record.stage in TERMINAL:
                 # finished, but the sidecar died before it returned the credit — and maybe
                 # before the reply left: send it (at least once; it carries the id)
                 await self.resolver.release(record)
                 await self._retell(record)
-        await self.store.run_all(commands)
+        await self.store.conn.run_all(commands)
         return len(ids)
 
     async def _retell(self, record: MessageRecord) -> None:

@@ -16,20 +16,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from broker.due_clock import due_at_most_command
 from broker.envelope import Envelope, load_envelope
 from broker.fairness import Rotation, fair_order
 from broker.records import MessageRecord
 from broker.routing import Outcome
-from broker.stages import Stage
-from broker.store import MessageStore, Move, now_ms
+from broker.sessions import bind_session_commands, bound_instances
+from broker.stages import QUEUED, Stage
+from broker.store import MessageStore, Move
+from broker.timekeeping import now_ms
+from broker.waiting_sets import restore_commands, set_aside_commands, unpark_commands
 
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
 from .routing_table import RoutingTable
 
 log = logging.getLogger("agent_reach.waiting")
 
-# A waiting-set entry whose record is in one of these may still be needed: leave it.
-_MAY_RETURN_TO_WAITING = frozenset({Stage.ACCEPTED, Stage.WAITING, Stage.ROUTED})
 _EXPLAINED = (Outcome.NO_CAPABILITY_MATCH, Outcome.NO_SELECTOR_MATCH, Outcome.ALL_CANDIDATES_DOWN)
 
 
@@ -70,7 +72,7 @@ class WaitingRoom:
                 windows[capability] = min(self.batch, 4 * free + 16)
         if not windows:
             return 0
-        heads = await self.store.waiting_heads(windows)
+        heads = await self.store.waiting.heads(windows)
         offer = fair_order(heads, self.rotation.order(heads))
         records = dict(
             zip(
@@ -96,12 +98,12 @@ class WaitingRoom:
         # Still indexed: the refused ones keep their waiting-set entry.
         removed = {c: [a.message_id for a in done if a.capability == c] + stale[c] for c in heads}
         aside = {c: [r for c2, r in unmatched if c2 == c] for c in heads}
-        await self.store.run_all(
-            self.store.unpark_commands(removed)
+        await self.store.conn.run_all(
+            unpark_commands(self.store.keys, removed)
             + [
                 cmd
                 for c, records in aside.items()
-                for cmd in self.store.set_aside_commands(c, records)
+                for cmd in set_aside_commands(self.store.keys, c, records)
             ]
         )
         for capability, head in heads.items():
@@ -125,7 +127,7 @@ class WaitingRoom:
             return
         back = [r for r in await self.store.get_records(returned) if r and r.stage is Stage.WAITING]
         if back:
-            await self.store.park_many(
+            await self.store.waiting.park_many(
                 [(capability, r.id, r.priority, r.accepted_ms) for r in back]
             )
             self.note_waiting([capability])
@@ -152,8 +154,8 @@ class WaitingRoom:
         """Route each offered message in turn while its capability has free credits. Returns
         the picks, and the messages no instance can take at all (to be set aside)."""
         envelopes = [(c, load_envelope(r.envelope)) for c, r in waiting]
-        sessions = await self.store.sessions(
-            sorted({e.session_id for _, e in envelopes if e.session_id})
+        sessions = await bound_instances(
+            self.store.conn, sorted({e.session_id for _, e in envelopes if e.session_id})
         )
         picks, unmatched = [], []
         for (capability, envelope), (_, record) in zip(envelopes, waiting, strict=True):
@@ -188,7 +190,7 @@ class WaitingRoom:
         windows = {c: (self._review_from.get(c, 0), self.batch) for c in capabilities}
         if not windows:
             return 0
-        heads = await self.store.unmatched_heads(windows)
+        heads = await self.store.waiting.unmatched_heads(windows)
         ids = [i for head in heads.values() for i in head]
         records = dict(zip(ids, await self.store.get_records(ids), strict=True))
         commands: list[tuple[Any, ...]] = []
@@ -209,9 +211,9 @@ class WaitingRoom:
                     back.append(record)
             if stale:
                 commands.append(("ZREM", self.store.keys.unmatched(capability), *stale))
-            commands += self.store.restore_commands(capability, back)
+            commands += restore_commands(self.store.keys, capability, back)
             restored += len(back)
-        await self.store.run_all(commands)
+        await self.store.conn.run_all(commands)
         return restored
 
     async def _claim(self, picks: list[Pick]) -> list[Routed]:
@@ -247,11 +249,12 @@ class WaitingRoom:
                 self.table.unreserve(p.instance_id)
         # sessions bound, and the reaper's next look brought forward to the delivery timeout
         look = now_ms() + self.delivery_timeout_ms
-        await self.store.run_all(
-            self.store.bind_session_commands(
-                [(p.envelope.session_id, p.instance_id) for p in picks if p.envelope.session_id]
+        await self.store.conn.run_all(
+            bind_session_commands(
+                self.store.conn,
+                [(p.envelope.session_id, p.instance_id) for p in picks if p.envelope.session_id],
             )
-            + [self.store.due_at_most_command(r.message_id, look) for r in won]
+            + [due_at_most_command(self.store.keys, r.message_id, look) for r in won]
         )
         return won
 
@@ -268,12 +271,12 @@ class WaitingRoom:
         if not moved.ok:
             return False
         await self.reply_expired(record, reason)
-        await self.store.unpark_many(record.capability, [record.id])
+        await self.store.waiting.unpark_many(record.capability, [record.id])
         log.info("message %s expired: %s", record.id, reason)
         return True
 
     async def reply_expired(self, record: MessageRecord, reason: str) -> None:
-        await self.store.deliver(
+        await self.store.delivery.deliver(
             record.envelope, Stage.EXPIRED, None, reason, attempt=record.attempt
         )
 
@@ -287,4 +290,4 @@ class WaitingRoom:
 
 
 def _may_wait(record: MessageRecord | None) -> bool:
-    return record is not None and record.stage in _MAY_RETURN_TO_WAITING
+    return record is not None and record.stage in QUEUED  # may come back to WAITING: leave it

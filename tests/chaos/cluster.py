@@ -21,7 +21,8 @@ from broker.connection import Connection
 from broker.embedded import RedisServer, ping
 from broker.errors import RedisUnavailable
 from broker.keyspace import DISPATCH_GROUP
-from broker.store import now_ms, pairs
+from broker.record_codec import pairs
+from broker.timekeeping import now_ms
 from tests.support.processes import start, stop
 
 from .agents import ChaosAgent

@@ -249,7 +249,7 @@ async def test_stats_shows_waiting_work_and_credits(conn: Connection, settings: 
         await client.submit_many(envelopes)
 
         async def backlog() -> bool:
-            return await MessageStore(conn).waiting_depth("text.echo") == 8
+            return await MessageStore(conn).waiting.depth("text.echo") == 8
 
         await eventually(backlog)
         code, out = await cli(settings, "stats", "--json")

@@ -14,7 +14,7 @@ from broker.connection import open_connection
 from broker.health import observed_state
 from broker.records import InstanceState
 from broker.registry import Registry
-from broker.store import now_ms
+from broker.timekeeping import now_ms
 from tests.support.agents import http_agent
 from tests.support.harness import eventually
 from tests.support.processes import process_env, start, stop

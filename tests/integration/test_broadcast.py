@@ -28,7 +28,8 @@ from broker.keyspace import DISPATCH_GROUP
 from broker.records import InstanceCard, InstanceState, MessageRecord
 from broker.registry import Registry
 from broker.stages import Stage
-from broker.store import Acceptance, MessageStore, Move, now_ms
+from broker.store import Acceptance, MessageStore, Move
+from broker.timekeeping import now_ms
 from tests.support.agents import Gate, RunningAgent, http_agent
 from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
 from tests.support.processes import AGENT_REACH, process_env, start, stop
@@ -343,7 +344,7 @@ async def test_first_outcome_wins_and_an_untold_parent_is_told_by_a_resend_or_th
         )
         assert moved.ok
         record = await record_of(conn, child)
-        await store.deliver(record.envelope, stage, result, error, attempt=record.attempt)
+        await store.delivery.deliver(record.envelope, stage, result, error, attempt=record.attempt)
 
     async def stop_before_telling(parent: Envelope, result: bytes) -> None:
         raise RedisUnavailable("stopped before telling the parent's producer")
@@ -351,14 +352,14 @@ async def test_first_outcome_wins_and_an_untold_parent_is_told_by_a_resend_or_th
     for parent in (first, second):
         await end(f"{parent}.1", Stage.SUCCEEDED, b'{"n": 1}', None)
         record = await record_of(conn, f"{parent}.1")
-        await store.deliver(  # ignored
+        await store.delivery.deliver(  # ignored
             record.envelope, Stage.FAILED, None, "late repeat", attempt=record.attempt
         )
         assert (await record_of(conn, parent)).stage is Stage.FANNED_OUT
-        store._tell_parent = stop_before_telling  # type: ignore[method-assign]
+        store.delivery._tell_parent = stop_before_telling  # type: ignore[method-assign]
         with pytest.raises(RedisUnavailable):
             await end(f"{parent}.2", Stage.FAILED, None, "boom")
-        del store._tell_parent
+        del store.delivery._tell_parent
         ended = await record_of(conn, parent)
         assert ended.stage is Stage.SUCCEEDED and ended.reply_pending
         due = await conn.call("ZSCORE", conn.keys.due, parent)
@@ -367,7 +368,9 @@ async def test_first_outcome_wins_and_an_untold_parent_is_told_by_a_resend_or_th
 
     # the first: its last child's outcome is sent again (its ender restarted)
     record = await record_of(conn, f"{first}.2")
-    await store.deliver(record.envelope, Stage.FAILED, None, "boom", attempt=record.attempt)
+    await store.delivery.deliver(
+        record.envelope, Stage.FAILED, None, "boom", attempt=record.attempt
+    )
     # the second: nobody re-sends; the reaper finds reply_pending
     reaper = Reaper(conn)
     verdict = await reaper.resolve(second, await record_of(conn, second), now_ms())

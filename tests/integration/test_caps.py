@@ -13,7 +13,8 @@ from broker.envelope import Envelope
 from broker.records import InstanceCard
 from broker.registry import Registry
 from broker.stages import Stage
-from broker.store import Acceptance, MessageStore, now_ms
+from broker.store import Acceptance, MessageStore
+from broker.timekeeping import now_ms
 from tests.support.agents import http_agent
 from tests.support.harness import (
     collect_replies,

@@ -28,9 +28,10 @@ from broker.connection import Connection
 from broker.envelope import Envelope, complete
 from broker.errors import RedisReplyError
 from broker.keyspace import NOTIFY_GROUP
+from broker.record_codec import pairs
 from broker.results import delivery_commands
 from broker.stages import Stage
-from broker.store import MessageStore, pairs
+from broker.store import MessageStore
 from broker.timeline import CALLBACK_DELIVERED
 from tests.support.agents import http_agent
 from tests.support.harness import (

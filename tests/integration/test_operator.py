@@ -12,7 +12,8 @@ from broker.errors import UnknownMessage
 from broker.operator import Operator
 from broker.registry import Registry
 from broker.stages import Stage
-from broker.store import MessageStore, now_ms
+from broker.store import MessageStore
+from broker.timekeeping import now_ms
 from tests.support.agents import http_agent
 from tests.support.harness import (
     card,
@@ -72,7 +73,7 @@ async def test_replay_from_the_dead_letter_stream_runs_the_dead_and_notes_the_re
 ) -> None:
     reply_to = conn.keys.reply("dlq")
     dead = await record_in(conn, Stage.DEAD, reply_to=reply_to, reason="gave up after 3")
-    await MessageStore(conn).dead_letter(
+    await MessageStore(conn).delivery.dead_letter(
         Letter(id="x", reason="reply_undeliverable: WRONGTYPE", ts_ms=now_ms())
     )
     operator = Operator(conn)
@@ -118,8 +119,8 @@ async def test_replay_of_a_whole_stage_parks_each_with_a_fresh_deadline(conn: Co
     actions = await operator.replay(plan, by="carol")
     assert all(a.done for a in actions) and len(actions) == 3
     store = MessageStore(conn)
-    assert await store.waiting_depth("text.echo") == 3
-    assert await store.waiting_capabilities() == ["text.echo"]
+    assert await store.waiting.depth("text.echo") == 3
+    assert await store.waiting.capabilities() == ["text.echo"]
     for message_id in parked:
         record = await store.get_record(message_id)
         assert record is not None and record.stage is Stage.WAITING
@@ -231,7 +232,7 @@ async def test_cancel_of_a_waiting_message_means_the_agent_never_sees_it(
         queued = await held.queued(reply_to)
         action = await Operator(conn).cancel(queued, by="gus")
         assert action.done and action.stage is Stage.CANCELLED
-        assert await store.waiting_depth("text.echo") == 0
+        assert await store.waiting.depth("text.echo") == 0
         later = await held.client.submit(echo(reply_to))  # behind `queued` had it stayed
         held.gate.open()
         results = await collect_replies(conn, reply_to, 3)

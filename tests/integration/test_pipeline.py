@@ -76,7 +76,7 @@ async def test_credit_limit_holds_and_excess_waits_outside_the_stream(conn: Conn
             peaks["stream"] = max(peaks["stream"], stream)
             in_use = int(await conn.call("SCARD", conn.keys.inflight("slow-1")))
             peaks["credits"] = max(peaks["credits"], in_use)
-            peaks["waiting"] = max(peaks["waiting"], await store.waiting_depth("text.echo"))
+            peaks["waiting"] = max(peaks["waiting"], await store.waiting.depth("text.echo"))
             await anyio.sleep(0.005)
 
     async with (

@@ -12,9 +12,11 @@ from adapters.outcome import Outcome
 from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection, open_connection
+from broker.due_clock import due_command
 from broker.envelope import Envelope, complete, encode_envelope
 from broker.stages import Stage
-from broker.store import Acceptance, MessageStore, now_ms
+from broker.store import Acceptance, MessageStore
+from broker.timekeeping import now_ms
 from tests.support.agents import http_agent
 from tests.support.harness import (
     collect_replies,
@@ -80,8 +82,8 @@ async def _routed(
             instance=instance,
         )
     )
-    await conn.call(*store.due_command(envelope.message_id, now))  # the reaper looks at once
-    await store.assign(instance, envelope.message_id, 1)
+    await conn.call(*due_command(store.keys, envelope.message_id, now))  # the reaper looks at once
+    await store.credits.assign(instance, envelope.message_id, 1)
     return envelope.message_id
 
 
@@ -323,7 +325,7 @@ async def test_a_waiting_message_the_reaper_cannot_read_ends_dead_not_in_a_loop(
                 accepted_ms=now,
             )
         )
-        await conn.call(*store.due_command("unreadable-1", now))
+        await conn.call(*due_command(store.keys, "unreadable-1", now))
         (answer,) = (await collect_replies(conn, reply_to, 1, timeout_s=30)).values()
         letters = [e for e in await dead_letters(conn) if e["id"] == b"unreadable-1"]
     assert answer.stage is Stage.DEAD and "could not resolve it" in (answer.error or "")

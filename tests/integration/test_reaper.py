@@ -29,7 +29,8 @@ from broker.keyspace import SIDECAR_GROUP
 from broker.records import InstanceCard
 from broker.registry import Registry
 from broker.stages import Stage
-from broker.store import MessageStore, Move, now_ms
+from broker.store import MessageStore, Move
+from broker.timekeeping import now_ms
 from tests.support.agents import http_agent
 from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
 from workers.reaper import Reaper
@@ -458,7 +459,7 @@ async def test_reapers_working_at_once_handle_each_due_message_once(fast: Connec
         ids = await client.submit_many([request(reply_to, timeout_s=0.3) for _ in range(n)])
 
         async def all_waiting() -> bool:
-            return await MessageStore(conn).waiting_depth("text.echo") == n
+            return await MessageStore(conn).waiting.depth("text.echo") == n
 
         await eventually(all_waiting)
 

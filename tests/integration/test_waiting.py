@@ -61,14 +61,14 @@ async def test_saturated_work_waits_bounded_and_completes_in_priority_order(
         )
 
         async def all_waiting() -> bool:
-            return await store.waiting_depth("text.echo") == n - 4
+            return await store.waiting.depth("text.echo") == n - 4
 
         await eventually(all_waiting, timeout_s=60)
         per_message = (await used_memory(conn) - baseline) / n
         (urgent,) = await client.submit_many([request("text.echo", reply_to, priority=9)])
 
         async def urgent_waits() -> bool:
-            return await store.waiting_depth("text.echo") == n - 3
+            return await store.waiting.depth("text.echo") == n - 3
 
         await eventually(urgent_waits)
         held.open()
@@ -151,11 +151,11 @@ async def test_a_flooded_capability_does_not_starve_another_on_the_same_instance
         bulk = await submit_in_chunks(client, flood)
 
         async def flooded() -> bool:
-            return await store.waiting_depth("bulk.summarize") > 500
+            return await store.waiting.depth("bulk.summarize") > 500
 
         await eventually(flooded)
         chats = await chat_requests(30)
-        still_flooded = await store.waiting_depth("bulk.summarize")
+        still_flooded = await store.waiting.depth("bulk.summarize")
     assert still_flooded > 0  # the flood lasted the whole measurement
     bulk_routed = sorted(await first_routed_ms(store, bulk))
     for chat in chats:
@@ -196,7 +196,7 @@ async def test_three_dispatchers_draining_one_waiting_set_assign_each_message_on
         ids = await submit_in_chunks(client, [request("text.echo", reply_to) for _ in range(n)])
 
         async def saturated() -> bool:
-            return await store.waiting_depth("text.echo") == n - 4
+            return await store.waiting.depth("text.echo") == n - 4
 
         await eventually(saturated)
         held.open()  # credits free in a rush: every dispatcher is told, all drain at once
@@ -263,12 +263,12 @@ async def test_arrivals_do_not_queue_behind_waiting_work_no_instance_can_take(
         )
 
         async def all_waiting() -> bool:
-            return await store.waiting_depth("text.echo") == 300
+            return await store.waiting.depth("text.echo") == 300
 
         await eventually(all_waiting)
         served = await client.submit_many([request("text.echo", reply_to) for _ in range(20)])
         results = await collect_replies(conn, reply_to, 20, timeout_s=20)
-        still_waiting = await store.waiting_depth("text.echo")
+        still_waiting = await store.waiting.depth("text.echo")
         set_aside = int(await conn.call("ZCARD", conn.keys.unmatched("text.echo")))
         async with running_sidecar(conn, "ghost-1", ("text.echo",), url=ghost.url):
             everything = await collect_replies(conn, reply_to, 320, timeout_s=60)

@@ -20,9 +20,11 @@ from starlette.responses import Response
 from broker.client import Client
 from broker.connection import Connection
 from broker.deadletters import Letter
+from broker.due_clock import due_command
 from broker.envelope import Envelope, complete, encode_envelope
 from broker.stages import Stage
-from broker.store import Acceptance, MessageStore, now_ms
+from broker.store import Acceptance, MessageStore
+from broker.timekeeping import now_ms
 
 from .agents import Behaviour, Gate, RunningAgent, http_agent
 from .harness import eventually, running_dispatcher, running_sidecar
@@ -64,7 +66,7 @@ async def record_in(
             instance=instance,
         )
     )
-    await conn.call(*store.due_command(envelope.message_id, deadline))
+    await conn.call(*due_command(store.keys, envelope.message_id, deadline))
     if stage in (Stage.EXPIRED, Stage.CANCELLED):  # ended before any agent was asked
         walk: tuple[Stage, ...] = (stage,)
     elif stage in _WALK:
@@ -81,7 +83,7 @@ async def record_in(
         )
         assert moved.ok, (step, moved)
     if stage is Stage.DEAD:
-        await store.dead_letter(
+        await store.delivery.dead_letter(
             Letter(
                 id=envelope.message_id,
                 stage=Stage.DEAD.value,

@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from broker.deadletters import Letter, letter_fields, parse_letter
+from broker.record_codec import timeline_entry
 from broker.records import TimelineEntry
 from broker.stages import Stage
-from broker.store import timeline_entry
 from broker.streams import field_name
 from broker.wire import (
     OutboxEntry,

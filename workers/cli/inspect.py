@@ -22,7 +22,8 @@ from broker.records import InstanceView
 from broker.registry import Registry
 from broker.routing import factors
 from broker.stats import BacklogStats, backlog_stats
-from broker.store import MessageStore, now_ms
+from broker.store import MessageStore
+from broker.timekeeping import now_ms
 
 from ..routing_table import routing_policy
 from ..runtime import connected

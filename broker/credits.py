@@ -1,0 +1,53 @@
+"""Credits and instance streams: an attempt is appended to an instance's stream only against
+a free credit (``lua/assign.lua``), and the credit comes back with the entry's ack
+(``lua/release.lua``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .connection import Connection
+from .record_codec import raised
+from .records import AssignResult
+from .scripts import ScriptName
+from .timekeeping import now_ms
+
+
+def assign_command(
+    conn: Connection, instance_id: str, message_id: str, attempt: int
+) -> tuple[Any, ...]:
+    keys = (
+        conn.keys.card(instance_id),
+        conn.keys.inflight(instance_id),
+        conn.keys.queue(instance_id),
+    )
+    down_after_ms = int(conn.settings.down_after_s * 1000)
+    return conn.script_command(
+        ScriptName.ASSIGN, keys, (message_id, attempt, now_ms(), down_after_ms)
+    )
+
+
+def release_command(
+    conn: Connection, instance_id: str, group: str, finished: list[tuple[str, str]]
+) -> tuple[Any, ...]:
+    """Free the credits of ``(member, entry_id)`` pairs, ack the entries, announce it."""
+    keys = (conn.keys.inflight(instance_id), conn.keys.queue(instance_id))
+    args: list[str] = [group, conn.keys.credit_channel, instance_id]
+    for member, entry_id in finished:
+        args += [member, entry_id]
+    return conn.script_command(ScriptName.RELEASE, keys, args)
+
+
+class Credits:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    async def assign(self, instance_id: str, message_id: str, attempt: int) -> AssignResult:
+        """Append the attempt to the instance's stream, only against a free credit."""
+        command = assign_command(self.conn, instance_id, message_id, attempt)
+        return AssignResult(await self.conn.call(*command))
+
+    async def assign_many(self, assignments: list[tuple[str, str, int]]) -> list[AssignResult]:
+        """``(instance_id, message_id, attempt)`` triples, in one round trip."""
+        replies = await self.conn.call_many([assign_command(self.conn, *a) for a in assignments])
+        return [AssignResult(raised(r)) for r in replies]

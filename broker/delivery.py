@@ -1,0 +1,154 @@
+"""Telling producers: replies, webhooks (via the outbox), a broadcast parent's children's
+outcomes — and the dead letters that take what cannot be told."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .connection import Connection
+from .deadletters import Letter, dead_letter_command
+from .envelope import Envelope, load_envelope
+from .errors import RedisUnavailable
+from .record_codec import pairs, raised, readable_record, timeline_entry
+from .results import Command, delivery_commands
+from .scripts import ScriptName
+from .stages import Stage
+from .timekeeping import now_ms
+from .wire import ReplyEntry, reply_fields
+
+
+def capped_dead_letter_command(conn: Connection, letter: Letter) -> Command:
+    """The capped ``XADD`` of ``letter`` to ``P:dlq`` (:mod:`broker.deadletters`)."""
+    s = conn.settings
+    return dead_letter_command(
+        conn.keys, letter, max_entries=s.dlq_max_entries, max_bytes=s.dlq_entry_max_bytes
+    )
+
+
+def producer_commands(
+    conn: Connection,
+    envelope: Envelope,
+    stage: Stage,
+    result: bytes | None,
+    error: str | None,
+    *,
+    attempt: int,
+) -> list[Command]:
+    """:func:`broker.results.delivery_commands` with this broker's reply TTL."""
+    return delivery_commands(
+        conn.keys,
+        envelope,
+        stage,
+        result,
+        error,
+        attempt=attempt,
+        reply_ttl_s=conn.settings.reply_ttl_s,
+    )
+
+
+class Delivery:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.keys = conn.keys
+
+    async def send_reply(self, reply_to: str, entry: ReplyEntry) -> None:
+        """One entry on a reply stream (a notice, say), which then expires ``reply_ttl_s``
+        after it; a stream Redis refuses to write is dead-lettered, as for any reply."""
+        commands: list[Command] = [
+            ("XADD", reply_to, "*", *reply_fields(entry)),
+            ("EXPIRE", reply_to, self.conn.settings.reply_ttl_s),
+        ]
+        await self.after_delivery([entry.id] * 2, commands, await self.conn.call_many(commands))
+
+    async def dead_letter_message(self, message_id: str, reason: str) -> None:
+        """Dead-letter a record: its envelope, the final reason, and the chain of reasons on
+        its timeline (JSON ``[[stage, instance, attempt, reason], ...]``)."""
+        flat, items = await self.conn.call_many(
+            [
+                ("HGETALL", self.keys.record(message_id)),
+                ("LRANGE", self.keys.timeline(message_id), 0, -1),
+            ]
+        )
+        record = readable_record(message_id, pairs(raised(flat))) if flat else None
+        timeline = [timeline_entry(raw) for raw in raised(items)]
+        chain = [[e.stage, e.instance, e.attempt, e.reason] for e in timeline if e.reason]
+        await self.dead_letter(
+            Letter(
+                id=message_id,
+                stage=record.stage.value if record else "DEAD",
+                reason=reason,
+                raw=record.envelope if record else b"",
+                chain=msgspec.json.encode(chain),
+                ts_ms=now_ms(),
+            )
+        )
+
+    async def dead_letter(self, letter: Letter) -> None:
+        await self.conn.call(*capped_dead_letter_command(self.conn, letter))
+
+    async def deliver(
+        self,
+        envelope: Envelope | bytes,
+        stage: Stage,
+        result: bytes | None = None,
+        error: str | None = None,
+        *,
+        attempt: int,
+    ) -> None:
+        """Tell the producer how ``attempt`` of the message ended (:mod:`broker.results`), in
+        one round trip."""
+        if isinstance(envelope, bytes):
+            envelope = load_envelope(envelope)
+        commands = producer_commands(self.conn, envelope, stage, result, error, attempt=attempt)
+        if commands:
+            owners = [envelope.message_id] * len(commands)
+            await self.after_delivery(owners, commands, await self.conn.call_many(commands))
+
+    async def after_delivery(
+        self, owners: list[str], commands: list[Command], replies: list[Any]
+    ) -> None:
+        """Read the replies of :func:`~broker.results.delivery_commands` (``owners``: the
+        message each command is for).
+
+        A delivery Redis refused for good (``reply_to`` names a key that is not a stream, say)
+        is dead-lettered with its reason: one producer's bad ``reply_to`` must not stop the
+        process that ended the message. A lost connection is raised: it is sent again.
+
+        A broadcast child's outcome that ended its parent (``lua/child_done.lua``) makes this
+        the parent's ender: its own producer is told, then its ``reply_pending`` mark and
+        deadline entry go. A stop in between leaves ``reply_pending`` to the reaper, or to
+        the re-sent child outcome (the script answers a repeat with the untold parent)."""
+        ended: list[tuple[bytes, bytes]] = []
+        child_done = self.conn.sha(ScriptName.CHILD_DONE)
+        for message_id, command, reply in zip(owners, commands, replies, strict=True):
+            if isinstance(reply, RedisUnavailable):
+                raise reply
+            if isinstance(reply, Exception):
+                await self.dead_letter(
+                    Letter(
+                        id=message_id,
+                        reason=f"{self._delivery_kind(command)}_undeliverable: {reply}",
+                        ts_ms=now_ms(),
+                    )
+                )
+            elif command[:2] == ("EVALSHA", child_done) and reply[0] in (1, 2):
+                ended.append((reply[2], reply[1]))
+        for envelope, result in ended:
+            await self._tell_parent(load_envelope(envelope), result)
+
+    async def _tell_parent(self, parent: Envelope, result: bytes) -> None:
+        await self.deliver(parent, Stage.SUCCEEDED, result, attempt=0)  # a parent: attempt 0
+        parent_id = parent.message_id
+        await self.conn.run_all(
+            [
+                ("HDEL", self.keys.record(parent_id), "reply_pending"),
+                ("ZREM", self.keys.due, parent_id),
+            ]
+        )
+
+    def _delivery_kind(self, command: Command) -> str:
+        if command[0] in ("EVALSHA", "ZADD"):  # a broadcast child's, for its parent
+            return "broadcast_outcome"
+        return "webhook" if command[1] == self.keys.outbox else "reply"  # XADD or EXPIRE

@@ -1,0 +1,103 @@
+"""Reading back what the Lua scripts write: the record hash and its timeline items. Pure.
+
+Every reader of a record goes through :func:`record_from_hash`; a hash that does not read as
+a record (written by hand, say) is logged and left alone by :func:`readable_record`, never
+raised into a worker's loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from .records import Accepted, MessageRecord, Moved, TimelineEntry
+from .stages import Stage
+from .wire import parse_timeline_item
+
+log = logging.getLogger("agent_reach.store")
+
+UNREADABLE = "UNREADABLE"
+STAGE_OF: dict[bytes, Stage] = {stage.value.encode(): stage for stage in Stage}
+
+
+def pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+    """A flat RESP ``[k1, v1, k2, v2, ...]`` reply as a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def raised(reply: Any) -> Any:
+    """A pipelined reply, or the error reply in its place raised."""
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
+
+
+def text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _int(value: Any) -> int:
+    return int(value) if value not in (None, b"") else 0
+
+
+def accepted(reply: list[Any]) -> Accepted:
+    """The reply of ``lua/accept.lua``."""
+    return Accepted(bool(reply[0]), STAGE_OF[reply[1]], int(reply[2]))
+
+
+def moved(reply: list[Any]) -> Moved:
+    """The reply of ``lua/transition.lua``."""
+    if reply[0] == -1:
+        return Moved(False, None, 0, "")
+    value = reply[4] if reply[0] == 1 and len(reply) > 4 and reply[4] else None
+    return Moved(reply[0] == 1, STAGE_OF[reply[1]], int(reply[2]), reply[3].decode(), value)
+
+
+def readable_record(message_id: str, raw: Mapping[bytes, bytes]) -> MessageRecord | None:
+    """:func:`record_from_hash`, or ``None`` (logged) where the hash does not read as one."""
+    try:
+        return record_from_hash(message_id, raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        log.error("record of %r does not read as one, left alone: %s", message_id, exc)
+        return None
+
+
+def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageRecord:
+    def get(name: str) -> bytes:
+        return raw.get(name.encode(), b"")
+
+    result = raw.get(b"result")
+    error = raw.get(b"error")
+    return MessageRecord(
+        id=message_id,
+        stage=Stage(text(get("stage"))),
+        attempt=_int(get("attempt")),
+        instance=text(get("instance")),
+        capability=text(get("capability")),
+        envelope=get("envelope"),
+        accepted_ms=_int(get("accepted_ms")),
+        deadline_ms=_int(get("deadline_ms")),
+        updated_ms=_int(get("updated_ms")),
+        reply_to=text(get("reply_to")),
+        priority=_int(get("priority")),
+        result=result,
+        error=text(error) if error is not None else None,
+        route_reason=text(raw[b"route_reason"]) if b"route_reason" in raw else None,
+        route_from=raw.get(b"route_from"),
+        avoid=text(get("avoid")),
+        retry_at_ms=_int(get("retry_at_ms")),
+        extensions=_int(get("extensions")),
+        reply_pending=bool(get("reply_pending")),
+        awaiting_callback=bool(get("awaiting_callback")),
+        agent_task=text(get("agent_task")),
+    )
+
+
+def timeline_entry(raw: bytes) -> TimelineEntry:
+    """One timeline item (:func:`broker.wire.parse_timeline_item`); one that is unreadable
+    shows as an ``UNREADABLE`` event saying why, so the rest of the timeline still reads."""
+    entry = parse_timeline_item(raw)
+    if isinstance(entry, str):
+        return TimelineEntry(ts_ms=0, stage=UNREADABLE, instance="", attempt=0, reason=entry)
+    return entry

@@ -1,0 +1,199 @@
+"""Waiting sets: per capability, the messages waiting for a credit (``P:w:{cap}``), those no
+instance can take at all (``P:u:{cap}``), the index of capabilities with work
+(``P:waiting``), and the per-capability assignment counters that pace the drain."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .connection import Connection
+from .fairness import PRIORITY_SPAN, split_score, waiting_score
+from .keyspace import Keyspace
+from .record_codec import raised, text
+from .records import MessageRecord
+
+Command = tuple[Any, ...]
+RATE_WINDOW_MS = 10_000
+RATE_SPAN_WINDOWS = 6  # the assignment rate is averaged over the last minute
+
+
+def park_commands(keys: Keyspace, items: list[tuple[str, str, int, int]]) -> list[Command]:
+    """``(capability, message_id, priority, accepted_ms)``: the waiting-set entries, then the
+    capability index — in that order, so that a prune of the index
+    (:meth:`WaitingSets.prune_index`) never drops a capability that has just been given work.
+    The deadline index (``P:due``) is written at acceptance."""
+    commands: list[Command] = [
+        ("ZADD", keys.waiting(capability), waiting_score(priority, accepted), message_id)
+        for capability, message_id, priority, accepted in items
+    ]
+    commands += [("SADD", keys.waiting_index, capability) for capability in {i[0] for i in items}]
+    return commands
+
+
+def unpark_commands(keys: Keyspace, removals: Mapping[str, list[str]]) -> list[Command]:
+    """Remove waiting entries, wherever they are: the waiting set or the unmatched one."""
+    commands: list[Command] = []
+    for capability, ids in removals.items():
+        if ids:
+            commands += [
+                ("ZREM", keys.waiting(capability), *ids),
+                ("ZREM", keys.unmatched(capability), *ids),
+            ]
+    return commands
+
+
+def set_aside_commands(
+    keys: Keyspace, capability: str, records: list[MessageRecord]
+) -> list[Command]:
+    """Move waiting messages no instance can take at all out of the waiting set, so they
+    do not stand in front of work that could be served (same score, other set)."""
+    return _move_between(keys.waiting(capability), keys.unmatched(capability), records)
+
+
+def restore_commands(
+    keys: Keyspace, capability: str, records: list[MessageRecord]
+) -> list[Command]:
+    """Put set-aside messages back in the waiting set, in their place by priority and age."""
+    return _move_between(keys.unmatched(capability), keys.waiting(capability), records)
+
+
+def _move_between(source: str, target: str, records: list[MessageRecord]) -> list[Command]:
+    if not records:
+        return []
+    scored: list[Any] = []
+    for r in records:
+        scored += [waiting_score(r.priority, r.accepted_ms), r.id]
+    return [("ZADD", target, *scored), ("ZREM", source, *(r.id for r in records))]
+
+
+def count_assigned_commands(keys: Keyspace, counts: Mapping[str, int], now: int) -> list[Command]:
+    """Add to each capability's assignment counter for the current window."""
+    window = now // RATE_WINDOW_MS
+    keep_s = (RATE_SPAN_WINDOWS + 2) * RATE_WINDOW_MS // 1000
+    commands: list[Command] = []
+    for capability, n in counts.items():
+        key = keys.assigned(capability, window)
+        commands += [("INCRBY", key, n), ("EXPIRE", key, keep_s)]
+    return commands
+
+
+class WaitingSets:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.keys = conn.keys
+
+    async def park(self, capability: str, message_id: str, priority: int, accepted_ms: int) -> None:
+        """Index a WAITING message in its capability's waiting set (idempotent)."""
+        await self.park_many([(capability, message_id, priority, accepted_ms)])
+
+    async def park_many(self, items: list[tuple[str, str, int, int]]) -> None:
+        """``(capability, message_id, priority, accepted_ms)`` tuples, in one round trip."""
+        await self.conn.run_all(park_commands(self.keys, items))
+
+    async def unpark_many(self, capability: str, message_ids: list[str]) -> None:
+        await self.conn.run_all(unpark_commands(self.keys, {capability: message_ids}))
+
+    async def prune_index(self, capabilities: list[str]) -> list[str]:
+        """Drop from ``P:waiting`` the capabilities with nothing waiting, so the index — and
+        every sweep's work — does not grow with each capability name a producer ever sent.
+        Removed, then checked again and put back if work arrived meanwhile: work is parked
+        before its capability is indexed (:func:`park_commands`), so whichever order the two
+        run in, a capability with waiting work ends up indexed. Returns those dropped."""
+        empty = await self._empty(capabilities)
+        if not empty:
+            return []
+        await self.conn.call("SREM", self.keys.waiting_index, *empty)
+        still = set(await self._empty(empty))
+        back = [c for c in empty if c not in still]
+        if back:
+            await self.conn.call("SADD", self.keys.waiting_index, *back)
+        return [c for c in empty if c in still]
+
+    async def _empty(self, capabilities: list[str]) -> list[str]:
+        keys = [(self.keys.waiting(c), self.keys.unmatched(c)) for c in capabilities]
+        replies = await self.conn.call_many([("ZCARD", k) for pair in keys for k in pair])
+        return [
+            c
+            for i, c in enumerate(capabilities)
+            if not raised(replies[2 * i]) and not raised(replies[2 * i + 1])
+        ]
+
+    async def heads(self, windows: Mapping[str, int]) -> dict[str, list[tuple[str, int]]]:
+        """The first ``count`` ``(message_id, priority)`` of each capability's waiting set, in
+        waiting order: one round trip."""
+        capabilities = list(windows)
+        replies = await self.conn.call_many(
+            [
+                ("ZRANGE", self.keys.waiting(c), 0, windows[c] - 1, "WITHSCORES")
+                for c in capabilities
+            ]
+        )
+        heads: dict[str, list[tuple[str, int]]] = {}
+        for capability, flat in zip(capabilities, replies, strict=True):
+            raised(flat)
+            heads[capability] = [
+                (text(flat[i]), split_score(float(flat[i + 1]))[0]) for i in range(0, len(flat), 2)
+            ]
+        return heads
+
+    async def unmatched_heads(self, windows: Mapping[str, tuple[int, int]]) -> dict[str, list[str]]:
+        """Ids in each capability's unmatched set from ``(start, count)``: one round trip."""
+        capabilities = list(windows)
+        replies = await self.conn.call_many(
+            [
+                ("ZRANGE", self.keys.unmatched(c), windows[c][0], sum(windows[c]) - 1)
+                for c in capabilities
+            ]
+        )
+        for reply in replies:
+            raised(reply)
+        return {c: [text(i) for i in ids] for c, ids in zip(capabilities, replies, strict=True)}
+
+    async def oldest(self, capability: str) -> tuple[int, int, int | None]:
+        """``(depth, unmatched, accepted_ms of the oldest waiting message or None)``. The
+        oldest is the first of some priority band in one of the two sets: a look per band."""
+        keys = (self.keys.waiting(capability), self.keys.unmatched(capability))
+        commands: list[Command] = [("ZCARD", key) for key in keys] + [
+            (
+                "ZRANGEBYSCORE",
+                key,
+                band * PRIORITY_SPAN,
+                f"({(band + 1) * PRIORITY_SPAN}",
+                "WITHSCORES",
+                "LIMIT",
+                0,
+                1,
+            )
+            for key in keys
+            for band in range(10)
+        ]
+        waiting, unmatched, *firsts = await self.conn.call_many(commands)
+        ages = [split_score(float(f[1]))[1] for f in firsts if f]
+        return int(waiting) + int(unmatched), int(unmatched), min(ages) if ages else None
+
+    async def capabilities(self) -> list[str]:
+        members = await self.conn.call("SMEMBERS", self.keys.waiting_index)
+        return sorted(text(m) for m in members)
+
+    async def depth(self, capability: str) -> int:
+        """Messages waiting for ``capability``: for a credit, and for any instance at all."""
+        keys = (self.keys.waiting(capability), self.keys.unmatched(capability))
+        return sum(int(n) for n in await self.conn.call_many([("ZCARD", k) for k in keys]))
+
+    async def assignment_rates(self, capabilities: list[str], now: int) -> dict[str, float]:
+        """Assignments per second over the last minute (the current window counts for the
+        part of it that has passed)."""
+        window = now // RATE_WINDOW_MS
+        first = window - RATE_SPAN_WINDOWS
+        elapsed_s = (now - first * RATE_WINDOW_MS) / 1000
+        replies = await self.conn.call_many(
+            [
+                ("MGET", *(self.keys.assigned(c, w) for w in range(first, window + 1)))
+                for c in capabilities
+            ]
+        )
+        return {
+            c: sum(int(v) for v in counts if v) / elapsed_s
+            for c, counts in zip(capabilities, replies, strict=True)
+        }
