@@ -60,12 +60,10 @@ class Sidecar:
         self.stopped = anyio.Event()
         store = MessageStore(conn)
         wants_callbacks = bool(getattr(transport, "wants_callbacks", False))
+        # an async agent's latency is its callback's: minutes, not a congestion signal
+        adaptive = adaptive_credits and not wants_callbacks
         self.vitals = Vitals(
-            conn.settings,
-            credits=card.max_inflight,
-            now_ms=now_ms(),
-            # an async agent's latency is its callback's: minutes, not a congestion signal
-            adaptive=adaptive_credits and not wants_callbacks,
+            conn.settings, credits=card.max_inflight, now_ms=now_ms(), adaptive=adaptive
         )
         holdings = Holdings()
         self.finisher = Finisher(conn, store, card.instance_id, holdings)
@@ -82,6 +80,11 @@ class Sidecar:
             if wants_callbacks
             else None
         )
+        self._wire_work(store, holdings, grace_s)
+
+    def _wire_work(self, store: MessageStore, holdings: Holdings, grace_s: float) -> None:
+        """The parts that run the agent's work, read it in, and keep the instance alive."""
+        conn, card, transport = self.conn, self.card, self.transport
         self.runner = Runner(
             conn,
             store,

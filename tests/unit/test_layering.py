@@ -37,6 +37,8 @@ PURE = [
     "jsondepth",
     "wire",
     "recovery",
+    "record_codec",
+    "timekeeping",
 ]
 IO_LIBRARIES = {"redis", "httpx", "anyio"}
 PACKAGES = ["broker", "workers", "adapters"]
