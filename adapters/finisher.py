@@ -17,12 +17,14 @@ from typing import Any
 
 import anyio
 
+from broker import process_metrics
 from broker.connection import Connection
 from broker.credits import release_command
 from broker.delivery import producer_commands
 from broker.envelope import Envelope
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
+from broker.process_metrics import since_ms
 from broker.records import Moved
 from broker.results import Command
 from broker.retry import retry_delay_ms
@@ -74,19 +76,27 @@ class Finisher:
         source: Stage = Stage.PROCESSING,
         result: bytes | None = None,
         error: str | None = None,
+        counts: tuple[str, ...] = (),
     ) -> None:
-        """Queue ``stage`` (with its result or error) for the next finishing round trip."""
+        """Queue ``stage`` (with its result or error, and ``counts`` counted with it) for the
+        next finishing round trip."""
         fields: dict[str, str | bytes] = {}
         if result is not None:
             fields["result"] = result
         if error is not None:
             fields["error"] = error
-        move = self.fenced(taken, stage, source, reason=reason, fields=fields)
+        move = self.fenced(taken, stage, source, reason=reason, fields=fields, counts=counts)
         replies = self.replies(taken, envelope, stage, result, error) if stage in TERMINAL else []
-        self.queue(Finished(taken, replies, move))
+        self.queue(Finished(taken, replies, move, envelope.capability))
 
     async def requeue(
-        self, taken: Taken, envelope: Envelope, reason: str, *, back_off: bool
+        self,
+        taken: Taken,
+        envelope: Envelope,
+        reason: str,
+        *,
+        back_off: bool,
+        counts: tuple[str, ...] = (),
     ) -> None:
         """Back to WAITING for another attempt, with the same idempotency key — elsewhere if
         another instance can take it, and after a back-off for a failure."""
@@ -109,6 +119,7 @@ class Finisher:
                 reason=reason,
                 fields=fields,
                 return_field="accepted_ms",
+                counts=counts,
             )
         )
         if moved.ok:
@@ -119,10 +130,15 @@ class Finisher:
             )
         self.done(taken)
 
-    async def dead(self, taken: Taken, envelope: Envelope, error: str) -> None:
+    async def dead(
+        self, taken: Taken, envelope: Envelope, error: str, counts: tuple[str, ...] = ()
+    ) -> None:
         """Out of attempts: DEAD, dead-lettered with the envelope and every reason on the way."""
+        fields = {"error": error}
         moved = await self.store.apply(
-            self.fenced(taken, Stage.DEAD, Stage.PROCESSING, reason=error, fields={"error": error})
+            self.fenced(
+                taken, Stage.DEAD, Stage.PROCESSING, reason=error, fields=fields, counts=counts
+            )
         )
         if moved.ok:
             await self.store.delivery.dead_letter_message(envelope.message_id, error)
@@ -197,6 +213,10 @@ class Finisher:
         """Write the outcomes; the ids of the items whose outcome is on the record."""
         settles = [item for item in batch if item.settle is not None]
         moved = await self.store.move_many([item.settle for item in settles if item.settle])
+        now = now_ms()
+        for item, m in zip(settles, moved, strict=True):
+            if m.ok and m.stage in TERMINAL:
+                process_metrics.end_to_end(item.capability, since_ms(m.accepted_ms, now))
         return {id(item) for item, m in zip(settles, moved, strict=True) if self._recorded(item, m)}
 
     async def _tell(self, batch: list[Finished], recorded: set[int]) -> None:

@@ -25,6 +25,7 @@ class Finished:
     taken: Taken
     replies: list[Command]
     settle: Move | None = None
+    capability: str = ""  # for the end-to-end time, once the outcome is on the record
 
 
 @dataclass(slots=True)

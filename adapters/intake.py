@@ -18,7 +18,7 @@ import anyio
 from broker import failpoints
 from broker.connection import Connection
 from broker.deadletters import Letter
-from broker.delivery import capped_dead_letter_command
+from broker.delivery import dead_letter_commands
 from broker.entries import fields_as_bytes, parse_assignment
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
@@ -122,7 +122,7 @@ class SidecarIntake:
                 pool.submit(partial(self.runner.guarded, t, partial(self.runner.resume, t, m)))
             elif ready[t.entry_id][1]:
                 stored = ready[t.entry_id][0]
-                step = partial(self.runner.run_stored, t, stored)
+                step = partial(self.runner.run_stored, t, stored, m.accepted_ms)
                 pool.submit(partial(self.runner.guarded, t, step))
             else:
                 self.finisher.done(t)  # lost the PROCESSING race: someone else owns it now
@@ -134,7 +134,9 @@ class SidecarIntake:
         if not malformed:
             return
         letters = [
-            capped_dead_letter_command(
+            command
+            for entry_id, fields, why in malformed
+            for command in dead_letter_commands(
                 self.store.conn,
                 Letter(
                     id="",
@@ -144,7 +146,6 @@ class SidecarIntake:
                     ts_ms=now_ms(),
                 ),
             )
-            for entry_id, fields, why in malformed
         ]
         ack = ("XACK", self.queue, SIDECAR_GROUP, *(entry_id for entry_id, _, _ in malformed))
         await self.store.conn.run_all([*letters, ack])

@@ -21,6 +21,7 @@ from broker.credits import release_command
 from broker.entries import parse_assignment
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
+from broker.metric_fields import retry
 from broker.records import InstanceCard, InstanceState
 from broker.registry import Registry
 from broker.stages import Stage
@@ -164,7 +165,13 @@ class Lifecycle:
                 continue  # not an assignment: no credit to return; left for the trim
             record = await self.store.get_record(taken.message_id)
             moved = await self.store.apply(
-                self.finisher.fenced(taken, Stage.WAITING, Stage.ROUTED, reason="instance draining")
+                self.finisher.fenced(
+                    taken,
+                    Stage.WAITING,
+                    Stage.ROUTED,
+                    reason="instance draining",
+                    counts=(retry(record.capability, "drained"),) if record else (),
+                )
             )
             if moved.ok and record is not None:
                 await self.store.waiting.park(

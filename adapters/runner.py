@@ -16,11 +16,13 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
+from broker import metric_fields, process_metrics
 from broker.connection import Connection
 from broker.deadletters import Letter
-from broker.delivery import capped_dead_letter_command
+from broker.delivery import count_commands, dead_letter_commands
 from broker.envelope import Envelope, load_envelope
 from broker.errors import RedisUnavailable
+from broker.process_metrics import since_ms
 from broker.records import InstanceCard, MessageRecord, Moved
 from broker.recovery import STATUS_SIGNALS, Action, Facts, Signal, decide
 from broker.stages import TERMINAL, Stage
@@ -49,6 +51,14 @@ RESTARTED = "sidecar restarted while the agent was processing"
 # callback until its own agent answers 202.
 NOT_AWAITING: dict[str, str | bytes | int] = {"awaiting_callback": "", "agent_task": ""}
 
+_CALL: dict[type, str] = {  # the outcome label of agent_reach_agent_calls_total
+    Succeeded: "succeeded",
+    Failed: "failed",
+    NotReached: "not_reached",
+    Ambiguous: "ambiguous",
+    Backoff: "back_pressure",
+    Accepted: "accepted",
+}
 _SIGNALS: dict[type, Signal] = {
     Succeeded: Signal.SUCCEEDED,
     Failed: Signal.FAILED,
@@ -137,7 +147,7 @@ class Runner:
                     note_command(
                         self.conn, taken.message_id, SIDECAR_ERROR, error, now_ms=now_ms()
                     ),
-                    capped_dead_letter_command(self.store.conn, letter),
+                    *dead_letter_commands(self.store.conn, letter),
                 ]
             )
         except Exception:  # the entry is let go of whatever: the reaper still sees the record
@@ -148,9 +158,11 @@ class Runner:
 
     # -- fresh and resumed work --------------------------------------------------------------
 
-    async def run_stored(self, taken: Taken, stored: bytes) -> None:
+    async def run_stored(self, taken: Taken, stored: bytes, accepted_ms: int) -> None:
         """A fresh entry whose PROCESSING is written: call the agent."""
-        await self.call_agent(taken, load_envelope(stored))
+        envelope = load_envelope(stored)
+        process_metrics.queue_wait(envelope.capability, since_ms(accepted_ms, now_ms()))
+        await self.call_agent(taken, envelope)
 
     async def resume(self, taken: Taken, moved: Moved) -> None:
         """The entry did not find its record ROUTED here: a restart, or a stale delivery."""
@@ -224,9 +236,13 @@ class Runner:
             del self.calls[taken.entry_id]
             self.overdue_counted.discard(taken.entry_id)
         latency_ms = (anyio.current_time() - started) * 1000
+        process_metrics.agent_call(self.card.agent_id, envelope.capability, latency_ms / 1000)
         if self.vitals.record(outcome, latency_ms=latency_ms, now_ms=now_ms()):
             self.on_health_change()  # the circuit or cooldown changed: tell the dispatchers
-        await self.record(taken, envelope, outcome)
+        call = metric_fields.agent_call(
+            self.card.agent_id, envelope.capability, _CALL[type(outcome)]
+        )
+        await self.record(taken, envelope, outcome, counts=(call,))
 
     async def _deliver(self, taken: Taken, envelope: Envelope) -> Outcome:
         """The transport's outcome; a transport that raises instead of answering is a
@@ -266,35 +282,47 @@ class Runner:
         envelope: Envelope,
         outcome: Outcome,
         signal: Signal | None = None,
+        counts: tuple[str, ...] = (),
     ) -> None:
         """Carry out what the recovery policy says ``outcome`` means (``signal``: what it
-        stands for, when it came from a status answer)."""
+        stands for, when it came from a status answer), counting ``counts`` with the move
+        that records it."""
         asked = signal is not None
         signal = signal or _SIGNALS[type(outcome)]
         action = decide(signal, self.facts(taken, envelope, status_asked=asked))
         reason = getattr(outcome, "reason", "")
+        retry = (*counts, metric_fields.retry(envelope.capability, signal.name.lower()))
         match action:
             case Action.ASK_STATUS:
-                await self._ask_status(taken, envelope, reason)
+                await self._ask_status(taken, envelope, reason, counts)
             case Action.AWAIT_CALLBACK if isinstance(outcome, Accepted) and self.desk:
                 await self.desk.await_callback(taken, outcome.task_id)
+                await self.conn.run_all(count_commands(self.conn, *counts))
             case Action.SUCCEED if isinstance(outcome, Succeeded):
-                self.finisher.settle(taken, envelope, Stage.SUCCEEDED, "", result=outcome.result)
+                self.finisher.settle(
+                    taken, envelope, Stage.SUCCEEDED, "", result=outcome.result, counts=counts
+                )
             case Action.FAIL:
-                self.finisher.settle(taken, envelope, Stage.FAILED, reason, error=reason)
+                self.finisher.settle(
+                    taken, envelope, Stage.FAILED, reason, error=reason, counts=counts
+                )
             case Action.REQUEUE:  # it did not take the work: no failure, no back-off
-                await self.finisher.requeue(taken, envelope, reason, back_off=False)
+                await self.finisher.requeue(taken, envelope, reason, back_off=False, counts=retry)
             case Action.RETRY:
-                await self.finisher.requeue(taken, envelope, reason, back_off=True)
+                await self.finisher.requeue(taken, envelope, reason, back_off=True, counts=retry)
             case Action.PARK:
-                self.finisher.settle(taken, envelope, Stage.NEEDS_CONFIRMATION, reason)
+                self.finisher.settle(
+                    taken, envelope, Stage.NEEDS_CONFIRMATION, reason, counts=counts
+                )
             case Action.GIVE_UP:  # out of attempts
                 error = f"gave up after {taken.attempt} attempts: {reason}"
-                await self.finisher.dead(taken, envelope, error)
+                await self.finisher.dead(taken, envelope, error, counts)
             case _:  # a defect: counted against the entry like any other (guarded)
                 raise RuntimeError(f"{action} for {type(outcome).__name__}: not for a sidecar")
 
-    async def _ask_status(self, taken: Taken, envelope: Envelope, reason: str) -> None:
+    async def _ask_status(
+        self, taken: Taken, envelope: Envelope, reason: str, counts: tuple[str, ...]
+    ) -> None:
         """No answer in time: before guessing, ask the agent what became of the message."""
         status = await self.status.query(self.card.status_url, taken.message_id)
         why = f"{reason}; {status.why}"
@@ -308,4 +336,4 @@ class Runner:
             outcome = Failed(status.error or why)
         else:
             outcome = Ambiguous(why)
-        await self.record(taken, envelope, outcome, signal)
+        await self.record(taken, envelope, outcome, signal, counts)

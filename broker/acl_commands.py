@@ -30,6 +30,9 @@ RECORD_COMMANDS = (
     "lrange",
     "expire",
     "persist",
+    # the counters, in the same scripts (lua/count.lua)
+    "hexists",
+    "hincrby",
 )
 # a sidecar's own card, work stream, in-flight set and callback key (heartbeat.lua,
 # release.lua, registering, draining, trimming its stream)
@@ -65,11 +68,13 @@ BROKER_COMMANDS = (
     "xdel",
     "xgroup|create",
     "xinfo|groups",
+    "xlen",
     "xpending",
     "xrange",
     "xreadgroup",
     "xtrim",
     "hdel",
+    "hexists",
     "hget",
     "hgetall",
     "hincrby",
@@ -130,6 +135,8 @@ OPERATOR_READS = (
 # webhooks, a broadcast parent: child_done.lua); weight and drain change a card
 OPERATOR_WRITES = (
     "evalsha",
+    "hexists",
+    "hincrby",
     "hset",
     "hsetnx",
     "hdel",

@@ -96,6 +96,11 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     # caps: nothing grows without bound (README, "Caps")
     dlq_max_entries: Annotated[int, msgspec.Meta(ge=100, le=100_000_000)] = 10_000
     dlq_entry_max_bytes: Annotated[int, msgspec.Meta(ge=256, le=64 * 1024 * 1024)] = 16 * 1024
+    # the cluster-wide counters behind /metrics (P:counters), written by the scripts that end
+    # a message; off, those scripts count nothing (a benchmark's baseline)
+    metrics_counters: bool = True
+    # distinct counter series (capability x stage, ...) before new ones count as "_other"
+    metrics_max_series: Annotated[int, msgspec.Meta(ge=10, le=1_000_000)] = 5_000
     route_from_max_listed: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 20
     reply_ttl_s: Annotated[int, msgspec.Meta(ge=60, le=365 * 86400)] = 86400
     instance_gone_after_s: Annotated[float, msgspec.Meta(gt=0, le=365 * 86400)] = 86400.0

@@ -24,6 +24,7 @@ import anyio
 from .config import Settings
 from .errors import RedisReplyError, RedisUnavailable
 from .keyspace import Keyspace
+from .metric_fields import Counting
 from .pipeliner import Pipeliner
 from .resp import RespConnection, describe, parse_redis_url
 from .scripts import Script, ScriptName, load_scripts
@@ -64,6 +65,11 @@ class Connection:
         for reply in await self.pipeliner.call_many(commands):
             if isinstance(reply, Exception):
                 raise reply
+
+    def counting(self) -> Counting:
+        """Where the scripts count (``lua/count.lua``), by this connection's settings."""
+        s = self.settings
+        return Counting(self.keys.counters if s.metrics_counters else None, s.metrics_max_series)
 
     def sha(self, name: ScriptName) -> str:
         return self.scripts[name].sha

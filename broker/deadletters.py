@@ -14,6 +14,7 @@ letter stream the largest thing in Redis:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -45,6 +46,22 @@ class Letter(msgspec.Struct, frozen=True, kw_only=True):
     body: bytes | None = None
     body_size: int | None = None
     source: str | None = None
+
+
+_KIND = re.compile(r"^([a-z][a-z_]{0,39})(?::|$)")
+
+
+def letter_kind(letter: Letter) -> str:
+    """A bounded label for why ``letter`` was written (the ``reason`` label of
+    ``agent_reach_dead_letters_total``): its reason is free text."""
+    if letter.stage == "REJECTED":
+        return "rejected"
+    if letter.stage == "DEAD":
+        return "dead"
+    found = _KIND.match(letter.reason)  # ours: "callback_undeliverable", "sidecar_error: ..."
+    if found:
+        return found.group(1)
+    return "malformed_entry" if letter.source else "other"
 
 
 def cap_bytes(value: bytes, max_bytes: int) -> tuple[bytes, int | None]:

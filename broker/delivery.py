@@ -8,9 +8,10 @@ from typing import Any
 import msgspec
 
 from .connection import Connection
-from .deadletters import Letter, dead_letter_command
+from .deadletters import Letter, dead_letter_command, letter_kind
 from .envelope import Envelope, load_envelope
 from .errors import RedisUnavailable
+from .metric_fields import field
 from .record_codec import pairs, raised, readable_record, timeline_entry
 from .results import Command, delivery_commands
 from .scripts import ScriptName
@@ -19,12 +20,23 @@ from .timekeeping import now_ms
 from .wire import ReplyEntry, reply_fields
 
 
-def capped_dead_letter_command(conn: Connection, letter: Letter) -> Command:
-    """The capped ``XADD`` of ``letter`` to ``P:dlq`` (:mod:`broker.deadletters`)."""
+def dead_letter_commands(conn: Connection, letter: Letter) -> list[Command]:
+    """The capped ``XADD`` of ``letter`` to ``P:dlq`` (:mod:`broker.deadletters`), and its
+    count (``agent_reach_dead_letters_total``)."""
     s = conn.settings
-    return dead_letter_command(
-        conn.keys, letter, max_entries=s.dlq_max_entries, max_bytes=s.dlq_entry_max_bytes
-    )
+    commands = [
+        dead_letter_command(
+            conn.keys, letter, max_entries=s.dlq_max_entries, max_bytes=s.dlq_entry_max_bytes
+        )
+    ]
+    return commands + count_commands(conn, field("dead_letters", letter_kind(letter)))
+
+
+def count_commands(conn: Connection, *fields: str) -> list[Command]:
+    """Counts not made inside a script (a dead letter, a webhook attempt, an agent's
+    acceptance): each ``HINCRBY`` sent with what it counts."""
+    key = conn.counting().key
+    return [("HINCRBY", key, f, 1) for f in fields] if key else []
 
 
 def producer_commands(
@@ -45,6 +57,7 @@ def producer_commands(
         error,
         attempt=attempt,
         reply_ttl_s=conn.settings.reply_ttl_s,
+        counting=conn.counting(),
     )
 
 
@@ -86,7 +99,7 @@ class Delivery:
         )
 
     async def dead_letter(self, letter: Letter) -> None:
-        await self.conn.call(*capped_dead_letter_command(self.conn, letter))
+        await self.conn.run_all(dead_letter_commands(self.conn, letter))
 
     async def deliver(
         self,

@@ -22,6 +22,7 @@ key                       type    holds
 ``P:s:{<session>}``        string  session -> instance (affinity), with a TTL
 ``P:n:{<capability>}:<w>``  string  assignments in 10-second window ``w`` (expires)
 ``P:dlq``                 stream  dead letters with their reason
+``P:counters``            hash    cluster-wide counters: "kind, labels" (tab-separated) -> count
 ``P:outbox``              stream  webhook deliveries; consumer group ``notify``
 ``P:reply:<name>``        stream  results for one producer
 ``P:credit``              pubsub  instance ids whose credits were just released
@@ -48,6 +49,11 @@ class Keyspace:
     @property
     def ingress(self) -> str:
         return f"{self.prefix}:in"
+
+    @property
+    def counters(self) -> str:
+        """The cluster-wide counters (``lua/count.lua``, :mod:`broker.metric_fields`)."""
+        return f"{self.prefix}:counters"
 
     @property
     def id_key(self) -> str:

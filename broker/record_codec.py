@@ -51,7 +51,10 @@ def moved(reply: list[Any]) -> Moved:
     if reply[0] == -1:
         return Moved(False, None, 0, "")
     value = reply[4] if reply[0] == 1 and len(reply) > 4 and reply[4] else None
-    return Moved(reply[0] == 1, STAGE_OF[reply[1]], int(reply[2]), reply[3].decode(), value)
+    accepted_ms = _int(reply[5]) if len(reply) > 5 else 0
+    return Moved(
+        reply[0] == 1, STAGE_OF[reply[1]], int(reply[2]), reply[3].decode(), value, accepted_ms
+    )
 
 
 def readable_record(message_id: str, raw: Mapping[bytes, bytes]) -> MessageRecord | None:

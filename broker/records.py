@@ -143,6 +143,7 @@ class Moved(msgspec.Struct, frozen=True):
     attempt: int
     instance: str
     value: bytes | None = None
+    accepted_ms: int = 0  # on success: when the broker accepted the message (for timings)
 
     @property
     def missing(self) -> bool:

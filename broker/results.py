@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from .envelope import Envelope
 from .keyspace import Keyspace
+from .metric_fields import Counting
+from .scripts import ScriptName, script_source
 from .stages import TERMINAL, Stage
 from .wire import OutboxEntry, ReplyEntry, outbox_fields, reply_fields
 
@@ -36,9 +37,8 @@ Command = tuple[Any, ...]
 PARENT_LOOK_MS = 30_000
 # The sha ``broker.scripts`` loads ``lua/child_done.lua`` under (computed alike here, so this
 # module stays pure; tests/unit/test_broadcast.py checks they agree).
-CHILD_DONE_SHA = hashlib.sha1(
-    (Path(__file__).parent / "lua" / "child_done.lua").read_text().encode()
-).hexdigest()
+CHILD_DONE_SHA = hashlib.sha1(script_source(ScriptName.CHILD_DONE).encode()).hexdigest()
+NOT_COUNTING = Counting(None, 0)
 
 
 class ChildOutcome(msgspec.Struct, omit_defaults=True):
@@ -113,20 +113,26 @@ def child_done_command(
     result: bytes | None,
     error: str | None,
     now_ms: int,
+    counting: Counting = NOT_COUNTING,
 ) -> Command:
     """Record a child's outcome on its parent (``lua/child_done.lua``, the parent's slot)."""
-    return (
-        "EVALSHA",
-        CHILD_DONE_SHA,
-        3,
+    keyed = (
         keys.record(parent_id),
         keys.timeline(parent_id),
         keys.outcomes(parent_id),
+        *counting.keys(),
+    )
+    return (
+        "EVALSHA",
+        CHILD_DONE_SHA,
+        len(keyed),
+        *keyed,
         child_id,
         child_outcome(child_id, stage, result, error),
         now_ms,
         Stage.FANNED_OUT.value,
         Stage.SUCCEEDED.value,
+        counting.max_series,
     )
 
 
@@ -140,6 +146,7 @@ def delivery_commands(
     attempt: int,
     reply_ttl_s: int | None = None,
     now_ms: int | None = None,
+    counting: Counting = NOT_COUNTING,
 ) -> list[Command]:
     """Every command that tells the producer of ``envelope`` how attempt ``attempt`` ended —
     for a broadcast child, its parent. With ``reply_ttl_s`` the reply stream expires that
@@ -153,7 +160,9 @@ def delivery_commands(
         # ends, the reaper sees it soon, even if its ender stops before telling the producer
         commands.append(("ZADD", keys.due, "LT", now + PARENT_LOOK_MS, envelope.parent))
         commands.append(
-            child_done_command(keys, envelope.parent, message_id, stage, result, error, now)
+            child_done_command(
+                keys, envelope.parent, message_id, stage, result, error, now, counting
+            )
         )
     if envelope.reply_to:
         entry = reply_entry(message_id, stage, result, error, attempt=attempt)

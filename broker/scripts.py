@@ -33,7 +33,16 @@ def _script(name: ScriptName, source: str) -> Script:
     return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
 
 
+_ROOT = Path(__file__).parent / "lua"  # package data, shipped beside this module
+# These count what they do (lua/count.lua, prepended): the scripts that end or retry a message.
+COUNTING = frozenset({ScriptName.ACCEPT, ScriptName.TRANSITION, ScriptName.CHILD_DONE})
+
+
+def script_source(name: ScriptName) -> str:
+    source = (_ROOT / f"{name}.lua").read_text()
+    return (_ROOT / "count.lua").read_text() + source if name in COUNTING else source
+
+
 def load_scripts() -> dict[ScriptName, Script]:
     """Every script shipped in ``broker/lua``, by name."""
-    root = Path(__file__).parent / "lua"  # package data, shipped beside this module
-    return {name: _script(name, (root / f"{name}.lua").read_text()) for name in ScriptName}
+    return {name: _script(name, script_source(name)) for name in ScriptName}

@@ -30,6 +30,9 @@ from .waiting_sets import WaitingSets
 
 __all__ = ["Acceptance", "MessageStore", "Move", "accept_command", "move_command", "now_ms"]
 
+# kept as a level in the counters (agent_reach_needs_confirmation_messages)
+LEVEL_STAGE = Stage.NEEDS_CONFIRMATION.value
+
 
 @dataclass(frozen=True, slots=True)
 class Acceptance:
@@ -66,11 +69,14 @@ class Move(msgspec.Struct):
     # Explicit allowed sources, for an operator's repair outside the automatic lifecycle
     # (replaying a dead-lettered message); replaces the table's sources when given.
     any_of: frozenset[Stage] | None = None
+    # counter fields counted if the move is made (broker/metric_fields.py: a retry, a call)
+    counts: tuple[str, ...] = ()
 
 
 def accept_command(conn: Connection, a: Acceptance) -> tuple[Any, ...]:
     assert a.next_stage in (Stage.ROUTED, Stage.WAITING, Stage.REJECTED, Stage.FANNED_OUT)
     ttl = conn.settings.record_ttl_s if a.next_stage in TERMINAL else ""
+    counting = conn.counting()
     args = (
         a.envelope_json,
         a.capability,
@@ -83,9 +89,10 @@ def accept_command(conn: Connection, a: Acceptance) -> tuple[Any, ...]:
         a.instance,
         a.reason,
         ttl,
+        counting.max_series,
         *(item for pair in (a.fields or {}).items() for item in pair),
     )
-    keys = (conn.keys.record(a.message_id), conn.keys.timeline(a.message_id))
+    keys = (conn.keys.record(a.message_id), conn.keys.timeline(a.message_id), *counting.keys())
     return conn.script_command(ScriptName.ACCEPT, keys, args)
 
 
@@ -101,6 +108,7 @@ def move_command(conn: Connection, m: Move) -> tuple[Any, ...]:
         ",".join(sorted(m.any_of)) if m.any_of is not None else _SOURCES[m.target, m.only_from]
     )
     ttl = conn.settings.record_ttl_s if m.target in TERMINAL else ""
+    counting = conn.counting()
     args: list[Any] = [
         sources,
         "" if m.expect_attempt is None else m.expect_attempt,
@@ -113,10 +121,14 @@ def move_command(conn: Connection, m: Move) -> tuple[Any, ...]:
         conn.settings.timeline_max,
         ttl,
         m.return_field,
+        LEVEL_STAGE,
+        counting.max_series,
+        len(m.counts),
+        *m.counts,
     ]
     for key, value in (m.fields or {}).items():
         args += [key, value]
-    keys = (conn.keys.record(m.message_id), conn.keys.timeline(m.message_id))
+    keys = (conn.keys.record(m.message_id), conn.keys.timeline(m.message_id), *counting.keys())
     return conn.script_command(ScriptName.TRANSITION, keys, args)
 
 

@@ -35,7 +35,7 @@ import msgspec
 from broker.broadcast import id_problem
 from broker.connection import Connection
 from broker.deadletters import Letter, cap_bytes
-from broker.delivery import capped_dead_letter_command
+from broker.delivery import dead_letter_commands
 from broker.entries import IngressEntry, MalformedEntry, parse_ingress
 from broker.envelope import (
     Envelope,
@@ -236,8 +236,9 @@ class Intake:
             foreign = not a.created and not _ours(records.get(r.message_id), r.raw, max_bytes)
             if foreign:
                 reason = f"{reason}; id {r.message_id} already names another message"
-            commands.append(capped_dead_letter_command(self.store.conn, self._letter(r, reason)))
-            owners.append(r.message_id)
+            lettered = dead_letter_commands(self.store.conn, self._letter(r, reason))
+            commands += lettered
+            owners += [r.message_id] * len(lettered)
             if r.reply_to:
                 notice = REJECTED_NOTICE if foreign else None
                 for command in self._answer(r.reply_to, r.message_id, reason, notice=notice):
@@ -314,7 +315,7 @@ class Intake:
             raw=encode_envelope(planned),
             ts_ms=now_ms(),
         )
-        commands = [capped_dead_letter_command(self.store.conn, letter)]
+        commands = dead_letter_commands(self.store.conn, letter)
         if planned.reply_to:
             # a notice naming the refused request: only its own producer takes it as its
             # answer, never one waiting for the message that holds the id

@@ -49,10 +49,12 @@ import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
 from broker.connection import Connection, ensure_group
-from broker.deadletters import Letter, dead_letter_command
+from broker.deadletters import Letter
+from broker.delivery import count_commands, dead_letter_commands
 from broker.entries import fields_as_bytes
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import NOTIFY_GROUP
+from broker.metric_fields import field
 from broker.retry import retry_delay_ms
 from broker.streams import GroupReader, StreamEntry, field_bytes, parse_entries
 from broker.timekeeping import now_ms
@@ -315,7 +317,7 @@ class Notifier:
         note = note_command(
             self.conn, delivery.message_id, CALLBACK_DELIVERED, reason, now_ms=now_ms()
         )
-        await self._run([note, *self._done(delivery.entry_id)])
+        await self._run([note, *self._done(delivery.entry_id, "delivered")])
         self._count("delivered")
         log.info("message %s: %s", delivery.message_id, reason)
 
@@ -339,7 +341,7 @@ class Notifier:
             last_error=attempt.detail,
         )
         added = ("XADD", self.keys.outbox, "*", *outbox_fields(retry))
-        await self._run(self._done(delivery.entry_id, also=[added]))
+        await self._run(self._done(delivery.entry_id, "retried", also=[added]))
         self._count("retried")
         log.warning(
             "message %s: webhook %s %s (attempt %d of %d), next in %d ms",
@@ -363,7 +365,7 @@ class Notifier:
             body=delivery.body,
             ts_ms=now_ms(),
         )
-        await self._run([self._dead_letter_command(letter), *self._done(delivery.entry_id)])
+        await self._run([*self._letter_commands(letter), *self._done(delivery.entry_id, "dead")])
         self._count("dead-lettered")
         log.warning(
             "message %s: webhook %s undeliverable after %d attempt(s), dead-lettered: %s",
@@ -387,23 +389,23 @@ class Notifier:
             ts_ms=now_ms(),
             source=f"{self.keys.outbox} {entry_id}",
         )
-        await self._run([self._dead_letter_command(letter), *self._done(entry_id)])
+        await self._run([*self._letter_commands(letter), *self._done(entry_id, "malformed")])
         self._count("dead-lettered")
         log.warning("%s: dead-lettered", problem)
 
-    def _dead_letter_command(self, letter: Letter) -> tuple[Any, ...]:
-        s = self.settings
-        return dead_letter_command(
-            self.keys, letter, max_entries=s.dlq_max_entries, max_bytes=s.dlq_entry_max_bytes
-        )
+    def _letter_commands(self, letter: Letter) -> list[tuple[Any, ...]]:
+        return dead_letter_commands(self.conn, letter)
 
     def _done(
-        self, entry_id: str, *, also: Sequence[tuple[Any, ...]] = ()
+        self, entry_id: str, outcome: str, *, also: Sequence[tuple[Any, ...]] = ()
     ) -> list[tuple[Any, ...]]:
-        """Acknowledge and delete an entry, together with ``also`` (commands on the outbox
-        itself: one key, one slot), atomically."""
+        """Count the attempt's ``outcome`` (``agent_reach_webhook_deliveries_total``), then
+        acknowledge and delete the entry together with ``also`` (commands on the outbox
+        itself: one key, one slot), atomically. A stop between the two counts the attempt
+        again when the entry is handled again: it is made again."""
         outbox = self.keys.outbox
         return [
+            *count_commands(self.conn, field("webhooks", outcome)),
             ("MULTI",),
             *also,
             ("XACK", outbox, NOTIFY_GROUP, entry_id),

@@ -35,6 +35,7 @@ from broker.broadcast import decode_children
 from broker.connection import Connection
 from broker.deadletters import Letter
 from broker.envelope import Envelope, load_envelope
+from broker.metric_fields import retry
 from broker.records import MessageRecord
 from broker.recovery import MAX_EXTENSIONS, STATUS_SIGNALS, Action, Facts, Signal, decide
 from broker.retry import retry_delay_ms
@@ -156,8 +157,15 @@ class Resolver:
             else f"delivery timeout: {record.instance} did not take it within "
             f"{self.settings.delivery_timeout_s:g} s: rerouted"
         )
+        label = "instance_down" if down else "delivery_timeout"
         moved = await self.store.apply(
-            self.fenced(record, Stage.WAITING, reason=why, fields={"avoid": record.instance})
+            self.fenced(
+                record,
+                Stage.WAITING,
+                reason=why,
+                fields={"avoid": record.instance},
+                counts=(retry(record.capability, label),),
+            )
         )
         if moved.ok:
             await self.release(record)
@@ -274,6 +282,7 @@ class Resolver:
                 Stage.WAITING,
                 reason=f"{reason}; retry in {delay} ms (idempotent agent)",
                 fields={"avoid": record.instance, "retry_at_ms": now + delay},
+                counts=(retry(record.capability, "processing_timeout"),),
             )
         )
         if not moved.ok:

@@ -8,7 +8,9 @@ stays the real check; this only keeps the dispatcher from offering work it knows
 from __future__ import annotations
 
 import random
+import time
 
+from broker import process_metrics
 from broker.config import Settings
 from broker.health import observed_state
 from broker.records import InstanceState, InstanceView
@@ -56,9 +58,12 @@ class RoutingTable:
 
     def evaluate(self, request: RouteRequest, *, now_ms: int) -> Decision:
         """Run the funnel without taking a credit: what would happen to this request now."""
-        return route(
+        started = time.perf_counter()
+        decision = route(
             request, self.index, self.inflight, now_ms=now_ms, rng=self.rng, policy=self.policy
         )
+        process_metrics.routing_decision(time.perf_counter() - started)
+        return decision
 
     def unreserve(self, instance_id: str) -> None:
         """Give back a credit counted by :meth:`decide` that was not used."""

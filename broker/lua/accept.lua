@@ -2,6 +2,7 @@
 --
 -- KEYS[1]  record    P:m:{id}   (hash)
 -- KEYS[2]  timeline  P:t:{id}   (list of JSON [ts, stage, instance, attempt, reason])
+-- KEYS[3]  counters  P:counters (hash, lua/count.lua), or absent: nothing counted
 -- ARGV[1]  envelope JSON (completed: id, idempotency_key, created_at filled)
 -- ARGV[2]  capability
 -- ARGV[3]  now (ms)
@@ -14,7 +15,11 @@
 -- ARGV[9]  instance, when next is ROUTED
 -- ARGV[10] reason for the next step (for REJECTED also stored as the record's error)
 -- ARGV[11] seconds to keep record and timeline when next is terminal, or ""
--- ARGV[12..] more field, value pairs for the record (the route decision, the wait reason)
+-- ARGV[12] the counters' cap (distinct fields)
+-- ARGV[13..] more field, value pairs for the record (the route decision, the wait reason)
+--
+-- A new record counts "accepted\t<capability>" (a broadcast's children too), or, REJECTED,
+-- "finished\t<capability>\tREJECTED".
 --
 -- Returns {1, stage, attempt} for a new record, {0, stage, attempt} when the id exists
 -- (a producer retry: the first acceptance wins and nothing else is written). The one
@@ -33,10 +38,15 @@ local error = ARGV[8] == 'REJECTED' and ARGV[10] or ''
 redis.call('HSET', rec, 'envelope', ARGV[1], 'capability', ARGV[2], 'accepted_ms', ARGV[3],
            'deadline_ms', ARGV[4], 'reply_to', ARGV[5], 'priority', ARGV[6],
            'stage', ARGV[8], 'attempt', attempt, 'instance', ARGV[9], 'updated_ms', ARGV[3],
-           'error', error, unpack(ARGV, 12))
+           'error', error, unpack(ARGV, 13))
 redis.call('RPUSH', KEYS[2], cjson.encode({ARGV[3], 'ACCEPTED', '', '0', ''}),
            cjson.encode({ARGV[3], ARGV[8], ARGV[9], attempt, ARGV[10]}))
 redis.call('LTRIM', KEYS[2], -tonumber(ARGV[7]), -1)
+if ARGV[8] == 'REJECTED' then
+  count_in(KEYS[3], ARGV[12], 'finished\t' .. ARGV[2] .. '\tREJECTED')
+else
+  count_in(KEYS[3], ARGV[12], 'accepted\t' .. ARGV[2])
+end
 if ARGV[11] ~= '' then
   redis.call('EXPIRE', rec, ARGV[11])
   redis.call('EXPIRE', KEYS[2], ARGV[11])

@@ -4,11 +4,14 @@
 -- KEYS[1]  record    P:m:{parent}  (hash; `children`, `timeline_max`, `ttl_s` written at fan-out)
 -- KEYS[2]  timeline  P:t:{parent}  (list of JSON [ts, stage, instance, attempt, reason])
 -- KEYS[3]  outcomes  P:b:{parent}  (hash: child id -> outcome JSON)
+-- KEYS[4]  counters  P:counters (hash, lua/count.lua), or absent: nothing counted
 -- ARGV[1]  child id
 -- ARGV[2]  outcome JSON, starting {"stage":"<STAGE>", ... (broker/results.py ChildOutcome)
 -- ARGV[3]  now (ms)
 -- ARGV[4]  the stage a parent waits for its children in (from broker/stages.py)
 -- ARGV[5]  the stage it ends in once every child has an outcome
+-- ARGV[6]  the counters' cap (distinct fields); the parent's end counts
+--          "finished\t<capability>\t<stage>"
 --
 -- A child's first outcome wins: a re-sent one changes nothing. The parent ends with `result`
 -- = JSON {instance id: outcome, ...} in child order, a timeline entry, the terminal expiry on
@@ -20,7 +23,7 @@
 --         {-1}                   no parent record;  {-2} not a child of this parent.
 local rec = KEYS[1]
 local cur = redis.call('HMGET', rec, 'stage', 'children', 'reply_pending', 'timeline_max',
-                       'ttl_s', 'attempt')
+                       'ttl_s', 'attempt', 'capability')
 if not cur[1] then
   return {-1}
 end
@@ -75,6 +78,7 @@ redis.call('HSET', rec, 'stage', ARGV[5], 'updated_ms', ARGV[3], 'result', resul
            'reply_pending', '1')
 redis.call('RPUSH', KEYS[2], cjson.encode({ARGV[3], ARGV[5], '', cur[6] or '0', reason}))
 redis.call('LTRIM', KEYS[2], -tonumber(cur[4] or '200'), -1)
+count_in(KEYS[4], ARGV[6], 'finished\t' .. (cur[7] or '') .. '\t' .. ARGV[5])
 if cur[5] then
   redis.call('EXPIRE', rec, cur[5])
   redis.call('EXPIRE', KEYS[2], cur[5])

@@ -2,6 +2,7 @@
 --
 -- KEYS[1]  record    P:m:{id}   (hash)
 -- KEYS[2]  timeline  P:t:{id}   (list of JSON [ts, stage, instance, attempt, reason])
+-- KEYS[3]  counters  P:counters (hash, lua/count.lua), or absent: nothing counted
 -- ARGV[1]  allowed source stages, comma-separated (from broker/stages.py)
 -- ARGV[2]  expected attempt, or "" for any
 -- ARGV[3]  expected instance, or "" for any
@@ -14,13 +15,19 @@
 -- ARGV[10] seconds to keep record and timeline (set when the new stage is terminal), or ""
 --          (then any expiry is removed: a replayed record lives until it ends anew)
 -- ARGV[11] a record field to return on success, or ""
--- ARGV[12..] field, value pairs to write on success
+-- ARGV[12] the stage kept as a level in the counters ("level\t<stage>": +1 in, -1 out)
+-- ARGV[13] the counters' cap (distinct fields)
+-- ARGV[14] n: how many counter fields follow, counted on success
+-- ARGV[15..14+n] those fields (a retry, an agent call: broker/metric_fields.py)
+-- ARGV[15+n..] field, value pairs to write on success; moving to a terminal stage also counts
+--          "finished\t<capability>\t<stage>"
 --
--- Returns {1, stage, attempt, instance, returned_field} on success,
+-- Returns {1, stage, attempt, instance, returned_field, accepted_ms} on success,
 --         {0, stage, attempt, instance} when the record is not in an allowed state,
 --         {-1} when there is no record.
 local rec = KEYS[1]
-local cur = redis.call('HMGET', rec, 'stage', 'attempt', 'instance', ARGV[11])
+local cur = redis.call('HMGET', rec, 'stage', 'attempt', 'instance', ARGV[11], 'capability',
+                       'accepted_ms')
 if not cur[1] then
   return {-1}
 end
@@ -38,15 +45,23 @@ elseif ARGV[5] ~= '' then
 end
 local new_instance = ARGV[6] ~= '' and ARGV[6] or instance
 redis.call('HSET', rec, 'stage', ARGV[4], 'attempt', new_attempt, 'instance', new_instance,
-           'updated_ms', ARGV[7], unpack(ARGV, 12))
+           'updated_ms', ARGV[7], unpack(ARGV, 15 + tonumber(ARGV[14])))
 -- A list, not a stream: a stream preallocates a whole node (4 KB) for its first entry.
 redis.call('RPUSH', KEYS[2], cjson.encode({ARGV[7], ARGV[4], new_instance, new_attempt, ARGV[8]}))
 redis.call('LTRIM', KEYS[2], -tonumber(ARGV[9]), -1)
+-- a level, not a count: e.g. the messages now waiting for an operator
+if KEYS[3] and (stage == ARGV[12]) ~= (ARGV[4] == ARGV[12]) then
+  redis.call('HINCRBY', KEYS[3], 'level\t' .. ARGV[12], ARGV[4] == ARGV[12] and 1 or -1)
+end
+for i = 15, 14 + tonumber(ARGV[14]) do
+  count_in(KEYS[3], ARGV[13], ARGV[i])
+end
 if ARGV[10] ~= '' then
+  count_in(KEYS[3], ARGV[13], 'finished\t' .. (cur[5] or '') .. '\t' .. ARGV[4])
   redis.call('EXPIRE', rec, ARGV[10])
   redis.call('EXPIRE', KEYS[2], ARGV[10])
 elseif redis.call('PERSIST', rec) == 1 then
   -- out of a terminal stage again (an operator's replay): keep it until it ends anew
   redis.call('PERSIST', KEYS[2])
 end
-return {1, ARGV[4], new_attempt, new_instance, ARGV[11] ~= '' and cur[4] or false}
+return {1, ARGV[4], new_attempt, new_instance, ARGV[11] ~= '' and cur[4] or false, cur[6] or '0'}

@@ -223,3 +223,24 @@ def test_sidecar_calls_a_service_it_waits_for(
     host = urlsplit(ctx.params["http_url"]).hostname
     assert host in compose["services"]
     assert sidecar["depends_on"][host]["condition"] == "service_started"
+
+
+def test_the_observe_profile_scrapes_what_the_broker_serves(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert services["prometheus"]["profiles"] == ["observe"]
+    assert services["grafana"]["profiles"] == ["observe"]
+    for name, port in (("dispatcher", "9464"), ("demo-sidecar", "9465")):
+        words = command_words(services[name]["command"])
+        assert words[words.index("--metrics-port") + 1] == port, name
+        assert words[words.index("--metrics-host") + 1] == "0.0.0.0", name
+    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in scrape["scrape_configs"]}
+    assert jobs["agent-reach"]["dns_sd_configs"][0] == {
+        "names": ["dispatcher"],
+        "type": "A",
+        "port": 9464,
+    }
+    assert jobs["agent-reach-sidecars"]["static_configs"][0]["targets"] == ["demo-sidecar:9465"]
+    mounted = [v.split(":")[0] for v in services["grafana"]["volumes"]]
+    for source in mounted:
+        assert (ROOT / source).exists(), source

@@ -38,6 +38,8 @@ PURE = [
     "wire",
     "recovery",
     "record_codec",
+    "metric_fields",
+    "scripts",
     "timekeeping",
 ]
 IO_LIBRARIES = {"redis", "httpx", "anyio"}

@@ -12,6 +12,7 @@ from .notify import notifier
 from .processes import demo, demo_agent, dispatcher, reaper, sidecar, up
 from .repair import cancel, dlq, replay, resolve, stuck
 from .send import request, send
+from .top import top
 
 __all__ = ["main"]
 
@@ -37,6 +38,7 @@ for command in (
     trace,
     agents,
     stats,
+    top,
     weight,
     drain,
     config,

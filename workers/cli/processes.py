@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -13,6 +14,7 @@ import msgspec
 
 from adapters.factory import (
     ADAPTERS,
+    AgentAddress,
     SidecarOptionError,
     agent_address,
     callback_warning,
@@ -22,22 +24,65 @@ from adapters.factory import (
 from adapters.sidecar import Sidecar
 from adapters.transport import Transport
 from broker.config import Settings
+from broker.connection import Connection
 from broker.records import InstanceCard
 
 from ..dispatcher import Dispatcher
+from ..metrics_page import metrics_endpoint
 from ..notifier import Notifier
 from ..reaper import Reaper
 from ..runtime import connected, stop_on_signals
 from .common import FiniteRange, parse_tags, redis_options, run
 
+METRICS_OPTIONS = (
+    click.option(
+        "--metrics-port",
+        type=click.IntRange(0, 65535),
+        default=None,
+        help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off; 0: any port).",
+    ),
+    click.option(
+        "--metrics-host",
+        default="127.0.0.1",
+        show_default=True,
+        help="The address the metrics endpoint listens on.",
+    ),
+)
+
+
+def metrics_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(METRICS_OPTIONS):
+        command = option(command)
+    return command
+
+
+async def open_metrics(
+    stack: AsyncExitStack, conn: Connection | None, host: str, port: int | None, who: str
+) -> None:
+    """Serve ``/metrics`` for the life of ``stack`` when a port is asked for."""
+    if port is not None:
+        url = await stack.enter_async_context(metrics_endpoint(conn, host, port))
+        click.echo(f"{who}: metrics at {url}", err=True)
+
 
 def serve_roles(
-    settings: Settings, consumer: str | None, *, dispatch: bool, reap: bool, notify: bool = False
+    settings: Settings,
+    consumer: str | None,
+    *,
+    dispatch: bool,
+    reap: bool,
+    notify: bool = False,
+    metrics: tuple[str, int | None] = ("127.0.0.1", None),
 ) -> None:
     """Run broker roles in one process until SIGINT / SIGTERM."""
 
     async def serve() -> None:
-        async with connected(settings) as conn, anyio.create_task_group() as tg:
+        async with connected(settings) as conn, AsyncExitStack() as stack:
+            await open_metrics(stack, conn, *metrics, "agent-reach")
+            await serve_in(conn)
+
+    async def serve_in(conn: Connection) -> None:
+        async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope.cancel, tg.cancel_scope)
             if dispatch:
                 await tg.start(Dispatcher(conn, consumer=consumer).run)
@@ -55,9 +100,13 @@ def serve_roles(
 @click.command()
 @redis_options
 @click.option("--consumer", default=None, help="Consumer name (default: host-pid).")
-def up(settings: Settings, consumer: str | None) -> None:
+@metrics_options
+def up(
+    settings: Settings, consumer: str | None, metrics_port: int | None, metrics_host: str
+) -> None:
     """Run the broker: dispatcher, reaper and notifier in one process."""
-    serve_roles(settings, consumer, dispatch=True, reap=True, notify=True)
+    metrics = (metrics_host, metrics_port)
+    serve_roles(settings, consumer, dispatch=True, reap=True, notify=True, metrics=metrics)
 
 
 @click.command()
@@ -179,6 +228,7 @@ def sidecar_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.command()
 @redis_options
 @sidecar_options
+@metrics_options
 def sidecar(
     settings: Settings,
     agent_id: str,
@@ -199,6 +249,8 @@ def sidecar(
     callback_port: int,
     callback_public_url: str | None,
     grace_s: float | None,
+    metrics_port: int | None,
+    metrics_host: str,
 ) -> None:
     """Run a sidecar for one agent instance: register, heartbeat, consume, deliver."""
     try:
@@ -216,11 +268,7 @@ def sidecar(
             cost=cost,
             status_url=status_url,
         )
-        warning = callback_warning(address, instance_id=instance_id, callback_port=callback_port)
-        if warning:
-            click.echo(f"agent-reach: warning: {warning}", err=True)
-        timeout_s = settings.sync_call_timeout_s
-        transport = make_transport(address, timeout_s=timeout_s, max_connections=max_inflight)
+        transport = _transport(settings, address, max_inflight, instance_id, callback_port)
     except SidecarOptionError as exc:
         raise usage_error(exc) from exc
     run(
@@ -233,6 +281,23 @@ def sidecar(
         callback_host=callback_host,
         callback_port=callback_port,
         callback_public_url=callback_public_url,
+        metrics=(metrics_host, metrics_port),
+    )
+
+
+def _transport(
+    settings: Settings,
+    address: AgentAddress,
+    max_inflight: int,
+    instance_id: str | None,
+    callback_port: int,
+) -> Transport:
+    """The agent's transport, after a warning about how its callbacks are set up, if any."""
+    warning = callback_warning(address, instance_id=instance_id, callback_port=callback_port)
+    if warning:
+        click.echo(f"agent-reach: warning: {warning}", err=True)
+    return make_transport(
+        address, timeout_s=settings.sync_call_timeout_s, max_connections=max_inflight
     )
 
 
@@ -254,32 +319,35 @@ async def serve_sidecar(
     callback_host: str,
     callback_port: int,
     callback_public_url: str | None,
+    metrics: tuple[str, int | None] = ("127.0.0.1", None),
 ) -> None:
     """Run the sidecar until it stops (SIGTERM, SIGINT, or DRAINING seen on a heartbeat); its
-    transport is closed however the run ends."""
+    transport is closed however the run ends. Its metrics page holds its own histograms."""
     try:
-        async with connected(settings) as conn, anyio.create_task_group() as tg:
-            runner = Sidecar(
-                conn,
-                card,
-                transport,
-                grace_s=grace_s,
-                adaptive_credits=adaptive_credits,
-                callback_host=callback_host,
-                callback_port=callback_port,
-                callback_public_url=callback_public_url,
-            )
-            tg.start_soon(stop_on_signals, runner.stop, tg.cancel_scope)
-            await tg.start(runner.run)
-            click.echo(
-                f"sidecar {card.instance_id} serving {', '.join(card.capabilities)}", err=True
-            )
-            if runner.callback_url:
-                click.echo(
-                    f"sidecar {card.instance_id} callbacks at {runner.callback_url}", err=True
+        async with AsyncExitStack() as stack:
+            await open_metrics(stack, None, *metrics, f"sidecar {card.instance_id}")
+            async with connected(settings) as conn, anyio.create_task_group() as tg:
+                runner = Sidecar(
+                    conn,
+                    card,
+                    transport,
+                    grace_s=grace_s,
+                    adaptive_credits=adaptive_credits,
+                    callback_host=callback_host,
+                    callback_port=callback_port,
+                    callback_public_url=callback_public_url,
                 )
-            await runner.stopped.wait()
-            tg.cancel_scope.cancel()
+                tg.start_soon(stop_on_signals, runner.stop, tg.cancel_scope)
+                await tg.start(runner.run)
+                click.echo(
+                    f"sidecar {card.instance_id} serving {', '.join(card.capabilities)}", err=True
+                )
+                if runner.callback_url:
+                    click.echo(
+                        f"sidecar {card.instance_id} callbacks at {runner.callback_url}", err=True
+                    )
+                await runner.stopped.wait()
+                tg.cancel_scope.cancel()
     finally:
         await transport.aclose()
 

@@ -1,0 +1,16 @@
+-- count.lua: prepended to the scripts that end or retry a message (broker/scripts.py), so a
+-- count is written in the same script as the move it counts: exact under retries and crashes.
+--
+-- The counters are one hash (P:counters), field "<kind>\t<label>\t<label>..." -> count. Past
+-- `max` distinct fields a new one counts under "<kind>\t~other": a producer naming a million
+-- capabilities cannot grow it. No key given (metrics_counters off): nothing is counted.
+local function count_in(key, max, field)
+  if not key then
+    return
+  end
+  if redis.call('HEXISTS', key, field) == 0 and redis.call('HLEN', key) >= tonumber(max) then
+    field = string.match(field, '^[^\t]*') .. '\t~other'
+  end
+  redis.call('HINCRBY', key, field, 1)
+end
+

@@ -1,0 +1,90 @@
+"""The cluster-wide counters: their fields in ``P:counters``, and what each becomes. Pure.
+
+The scripts that end or retry a message count in the same call (``lua/count.lua``): a field
+is ``"<kind>\\t<label>\\t..."``. :data:`COUNTERS` names each kind's Prometheus counter and
+labels; :func:`read_counters` turns the hash back into samples. A field that does not read
+(written by hand, or cut by the cap: ``"<kind>\\t~other"``) still counts, under ``_other``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+SEP = "\t"
+OTHER = "_other"
+NEEDS_CONFIRMATION_LEVEL = b"level\tNEEDS_CONFIRMATION"  # lua/transition.lua, a level
+CAPPED = "~other"  # lua/count.lua: a new field past the cap
+
+
+@dataclass(frozen=True, slots=True)
+class Counter:
+    name: str
+    help: str
+    labels: tuple[str, ...]
+
+
+COUNTERS: dict[str, Counter] = {
+    "accepted": Counter(
+        "agent_reach_messages_accepted", "Messages accepted (a record created)", ("capability",)
+    ),
+    "finished": Counter(
+        "agent_reach_messages_finished",
+        "Messages that reached a terminal stage",
+        ("capability", "stage"),
+    ),
+    "retries": Counter(
+        "agent_reach_retries", "Attempts sent back to be run again", ("capability", "reason")
+    ),
+    "dead_letters": Counter("agent_reach_dead_letters", "Entries dead-lettered", ("reason",)),
+    "agent_calls": Counter(
+        "agent_reach_agent_calls",
+        "Calls of an agent, by how they ended",
+        ("agent", "capability", "outcome"),
+    ),
+    "webhooks": Counter(
+        "agent_reach_webhook_deliveries", "Webhook delivery attempts, by outcome", ("outcome",)
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Counting:
+    """Where the scripts count (``None``: not at all) and the cap on distinct fields."""
+
+    key: str | None
+    max_series: int
+
+    def keys(self) -> tuple[str, ...]:
+        return (self.key,) if self.key else ()
+
+
+def field(kind: str, *labels: str) -> str:
+    assert kind in COUNTERS and len(labels) == len(COUNTERS[kind].labels), (kind, labels)
+    return SEP.join((kind, *(label.replace(SEP, " ") for label in labels)))
+
+
+def retry(capability: str, reason: str) -> str:
+    return field("retries", capability, reason)
+
+
+def agent_call(agent: str, capability: str, outcome: str) -> str:
+    return field("agent_calls", agent, capability, outcome)
+
+
+def read_counters(
+    raw: Mapping[bytes, bytes],
+) -> dict[str, dict[tuple[str, ...], int]]:
+    """``P:counters`` as kind -> label values -> count."""
+    out: dict[str, dict[tuple[str, ...], int]] = {kind: {} for kind in COUNTERS}
+    for name, value in raw.items():
+        kind, *labels = name.decode(errors="replace").split(SEP)
+        counter = COUNTERS.get(kind)
+        if counter is None or not value.lstrip(b"-").isdigit():
+            continue
+        if len(labels) != len(counter.labels) or labels == [CAPPED]:
+            labels = [OTHER] * len(counter.labels)
+        samples = out[kind]
+        key = tuple(labels)
+        samples[key] = samples.get(key, 0) + int(value)
+    return out

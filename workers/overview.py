@@ -1,0 +1,103 @@
+"""The broker at a glance, as data: what ``agent-reach top`` (and later the console) shows.
+
+:func:`read_overview` reads it from Redis; :func:`rates` turns two readings into per-second
+rates. The counters are the cluster-wide ones behind ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from broker.connection import Connection
+from broker.health import observed_state
+from broker.metric_fields import NEEDS_CONFIRMATION_LEVEL, read_counters
+from broker.record_codec import pairs
+from broker.records import InstanceView
+from broker.registry import Registry
+from broker.routing import factors
+from broker.stats import CapabilityStats, backlog_stats
+from broker.timekeeping import now_ms
+
+from .routing_table import routing_policy
+
+TOTALS = ("accepted", "SUCCEEDED", "FAILED")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRow:
+    instance: str
+    agent: str
+    state: str
+    reach: float
+    in_use: int
+    effective: int
+    declared: int
+    error_rate: float
+    p95_ms: float
+    circuit: str
+    heartbeat_age_s: float
+    version: str
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class Overview:
+    at_ms: int
+    totals: dict[str, int]  # accepted, and finished by stage
+    capabilities: list[CapabilityStats]
+    agents: list[AgentRow]
+    dlq_entries: int
+    needs_confirmation: int
+    rates: dict[str, float] = field(default_factory=dict)  # per second, since the last reading
+
+
+async def read_overview(conn: Connection) -> Overview:
+    raw, dlq = await conn.call_many([("HGETALL", conn.keys.counters), ("XLEN", conn.keys.dlq)])
+    flat = pairs(raw) if isinstance(raw, list) else {}
+    counted = read_counters(flat)
+    totals = {"accepted": sum(counted["accepted"].values())}
+    for (_, stage), n in counted["finished"].items():
+        totals[stage] = totals.get(stage, 0) + n
+    level = flat.get(NEEDS_CONFIRMATION_LEVEL, b"0")
+    stats = await backlog_stats(conn)
+    views = await Registry(conn).snapshot()
+    return Overview(
+        at_ms=stats.at_ms,
+        totals=totals,
+        capabilities=stats.capabilities,
+        agents=[agent_row(conn, v) for v in views],
+        dlq_entries=dlq if isinstance(dlq, int) else 0,
+        needs_confirmation=max(0, int(level)) if level.lstrip(b"-").isdigit() else 0,
+    )
+
+
+def agent_row(conn: Connection, view: InstanceView) -> AgentRow:
+    policy = routing_policy(conn.settings)
+    now = now_ms()
+    state = observed_state(view, now_ms=now, down_after_ms=policy.down_after_ms)
+    return AgentRow(
+        instance=view.instance_id,
+        agent=view.card.agent_id,
+        state=state.value,
+        reach=factors(view, state, view.inflight, policy).reach,
+        in_use=view.inflight,
+        effective=view.credits,
+        declared=view.card.max_inflight,
+        error_rate=view.stats.error_rate,
+        p95_ms=view.stats.p95_ms,
+        circuit=view.stats.circuit.value,
+        heartbeat_age_s=max(0.0, (now - view.heartbeat_ms) / 1000),
+        version=view.card.version,
+        weight=view.card.weight,
+    )
+
+
+def rates(before: Overview | None, now: Overview) -> dict[str, float]:
+    """Per-second rates of the totals between two readings (none for the first)."""
+    if before is None or now.at_ms <= before.at_ms:
+        return {}
+    seconds = (now.at_ms - before.at_ms) / 1000
+    return {
+        name: max(0, now.totals.get(name, 0) - before.totals.get(name, 0)) / seconds
+        for name in TOTALS
+    }
