@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from broker import metric_fields, process_metrics
+from broker import metric_fields, process_metrics, tracing
 from broker.connection import Connection
 from broker.deadletters import Letter
 from broker.delivery import count_commands, dead_letter_commands
@@ -58,6 +58,14 @@ _CALL: dict[type, str] = {  # the outcome label of agent_reach_agent_calls_total
     Ambiguous: "ambiguous",
     Backoff: "back_pressure",
     Accepted: "accepted",
+}
+_STAGE_AFTER: dict[Action, Stage] = {  # what an attempt's trace span says it ended as
+    Action.SUCCEED: Stage.SUCCEEDED,
+    Action.FAIL: Stage.FAILED,
+    Action.REQUEUE: Stage.WAITING,
+    Action.RETRY: Stage.WAITING,
+    Action.PARK: Stage.NEEDS_CONFIRMATION,
+    Action.GIVE_UP: Stage.DEAD,
 }
 _SIGNALS: dict[type, Signal] = {
     Succeeded: Signal.SUCCEEDED,
@@ -229,12 +237,22 @@ class Runner:
     # -- the call ------------------------------------------------------------------------------
 
     async def call_agent(self, taken: Taken, envelope: Envelope) -> None:
-        started = self.calls[taken.entry_id] = anyio.current_time()
-        try:
-            outcome = await self._deliver(taken, envelope)
-        finally:
-            del self.calls[taken.entry_id]
-            self.overdue_counted.discard(taken.entry_id)
+        with tracing.processing(envelope, self.card.instance_id, taken.attempt) as span:
+            started = self.calls[taken.entry_id] = anyio.current_time()
+            try:
+                with span.calling(envelope, self.card.agent_id) as carrying_the_call:
+                    outcome = await self._deliver(taken, carrying_the_call)
+            finally:
+                del self.calls[taken.entry_id]
+                self.overdue_counted.discard(taken.entry_id)
+            action = await self._after_call(taken, envelope, outcome, started)
+            span.ended(
+                _STAGE_AFTER.get(action, Stage.PROCESSING).value, getattr(outcome, "reason", None)
+            )
+
+    async def _after_call(
+        self, taken: Taken, envelope: Envelope, outcome: Outcome, started: float
+    ) -> Action:
         latency_ms = (anyio.current_time() - started) * 1000
         process_metrics.agent_call(self.card.agent_id, envelope.capability, latency_ms / 1000)
         if self.vitals.record(outcome, latency_ms=latency_ms, now_ms=now_ms()):
@@ -242,7 +260,7 @@ class Runner:
         call = metric_fields.agent_call(
             self.card.agent_id, envelope.capability, _CALL[type(outcome)]
         )
-        await self.record(taken, envelope, outcome, counts=(call,))
+        return await self.record(taken, envelope, outcome, counts=(call,))
 
     async def _deliver(self, taken: Taken, envelope: Envelope) -> Outcome:
         """The transport's outcome; a transport that raises instead of answering is a
@@ -283,10 +301,10 @@ class Runner:
         outcome: Outcome,
         signal: Signal | None = None,
         counts: tuple[str, ...] = (),
-    ) -> None:
+    ) -> Action:
         """Carry out what the recovery policy says ``outcome`` means (``signal``: what it
         stands for, when it came from a status answer), counting ``counts`` with the move
-        that records it."""
+        that records it; the action carried out."""
         asked = signal is not None
         signal = signal or _SIGNALS[type(outcome)]
         action = decide(signal, self.facts(taken, envelope, status_asked=asked))
@@ -294,7 +312,7 @@ class Runner:
         retry = (*counts, metric_fields.retry(envelope.capability, signal.name.lower()))
         match action:
             case Action.ASK_STATUS:
-                await self._ask_status(taken, envelope, reason, counts)
+                return await self._ask_status(taken, envelope, reason, counts)
             case Action.AWAIT_CALLBACK if isinstance(outcome, Accepted) and self.desk:
                 await self.desk.await_callback(taken, outcome.task_id)
                 await self.conn.run_all(count_commands(self.conn, *counts))
@@ -319,10 +337,11 @@ class Runner:
                 await self.finisher.dead(taken, envelope, error, counts)
             case _:  # a defect: counted against the entry like any other (guarded)
                 raise RuntimeError(f"{action} for {type(outcome).__name__}: not for a sidecar")
+        return action
 
     async def _ask_status(
         self, taken: Taken, envelope: Envelope, reason: str, counts: tuple[str, ...]
-    ) -> None:
+    ) -> Action:
         """No answer in time: before guessing, ask the agent what became of the message."""
         status = await self.status.query(self.card.status_url, taken.message_id)
         why = f"{reason}; {status.why}"
@@ -336,4 +355,4 @@ class Runner:
             outcome = Failed(status.error or why)
         else:
             outcome = Ambiguous(why)
-        await self.record(taken, envelope, outcome, signal, counts)
+        return await self.record(taken, envelope, outcome, signal, counts)

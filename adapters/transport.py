@@ -29,4 +29,6 @@ def reach_headers(envelope: Envelope, attempt: int) -> dict[str, str]:
     }
     if envelope.traceparent:
         ours["traceparent"] = envelope.traceparent
+        if envelope.tracestate:
+            ours["tracestate"] = envelope.tracestate
     return agent_headers(envelope.headers, ours)

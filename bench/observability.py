@@ -6,10 +6,11 @@ key prefix, dispatcher and in-process sidecar (no-op handler):
 * ``off``: no counters in the scripts (``metrics_counters = false``), no histograms;
 * ``on``: the scripts count (``P:counters``), every process measures its histograms;
 * ``on + scraped``: as ``on``, with ``/metrics`` rendered every second meanwhile (what a
-  Prometheus scrape of ``agent-reach up`` costs the process serving it).
+  Prometheus scrape of ``agent-reach up`` costs the process serving it);
+* ``on + traced``: as ``on``, with every span (send, dispatch, process, call) exported over
+  OTLP/HTTP to a receiver on loopback that reads and drops them (needs the ``otel`` extra).
 
 Prints each round and, per configuration, the median throughput and its ratio to ``off``.
-Tracing is not part of it yet: there is no tracing to measure.
 
 Usage: ``python -m bench.observability [--messages 10000] [--rounds 3]``.
 No threshold: it prints figures, CI never fails on a time.
@@ -20,13 +21,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
+from adapters.asgi import serve_app
 from adapters.sidecar import Sidecar
 from bench.pipeline import noop_agent, pipeline_throughput
-from broker import process_metrics
+from broker import process_metrics, tracing
 from broker.config import build_settings
 from broker.connection import open_connection
 from broker.embedded import RedisServer
@@ -34,7 +42,7 @@ from broker.records import InstanceCard
 from workers.dispatcher import Dispatcher
 from workers.metrics_page import render
 
-CONFIGURATIONS = ("off", "on", "on + scraped")
+CONFIGURATIONS = ("off", "on", "on + scraped", "on + traced")
 
 
 async def scrape_every_second(conn_url: str, prefix: str) -> None:
@@ -45,7 +53,37 @@ async def scrape_every_second(conn_url: str, prefix: str) -> None:
             await anyio.sleep(1.0)
 
 
+@asynccontextmanager
+async def traced() -> AsyncIterator[None]:
+    """Spans exported over OTLP/HTTP to a receiver on loopback that drops them."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    async def receive(request: Request) -> Response:
+        await request.body()
+        return Response(b"")
+
+    app = Starlette(routes=[Route("/v1/traces", receive, methods=["POST"])])
+    async with serve_app(app) as url:
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(f"{url}v1/traces")))
+        tracing.use_provider(provider)
+        try:
+            yield
+        finally:
+            tracing.off()
+            await anyio.to_thread.run_sync(provider.shutdown)
+
+
 async def one_run(url: str, configuration: str, run_no: int, messages: int) -> float:
+    if configuration == "on + traced":
+        async with traced():
+            return await measured_run(url, configuration, run_no, messages)
+    return await measured_run(url, configuration, run_no, messages)
+
+
+async def measured_run(url: str, configuration: str, run_no: int, messages: int) -> float:
     prefix = f"obs{run_no}"
     metrics_on = configuration != "off"
     process_metrics.enable(metrics_on)

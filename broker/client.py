@@ -34,6 +34,7 @@ import msgspec
 from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from . import tracing
 from .acl import PRODUCER_NAME
 from .config import Settings, answer_grace_s, load_settings
 from .connection import Connection, open_connection
@@ -88,6 +89,7 @@ class Client:
         self.conn = conn
         self.keys = conn.keys
         self.store = MessageStore(conn)
+        tracing.use_installed_provider()
         self._tg: TaskGroup | None = None
         self._inbox: ReplyInbox | None = None
 
@@ -211,7 +213,8 @@ class Client:
         """``XADD`` one envelope to the ingress stream; returns its id (assigned here if absent)."""
         envelope = complete(envelope)
         check_envelope(envelope)  # what the dispatcher would reject, refused here already
-        await self.conn.call("XADD", self.keys.ingress, "*", "envelope", encode_envelope(envelope))
+        with tracing.sending(envelope, self.keys.ingress) as sent:
+            await self.conn.call("XADD", self.keys.ingress, "*", "envelope", encode_envelope(sent))
         return envelope.message_id
 
     async def submit_many(self, envelopes: list[Envelope]) -> list[str]:
@@ -219,9 +222,11 @@ class Client:
         done = [complete(e) for e in envelopes]
         for envelope in done:
             check_envelope(envelope)
-        replies = await self.conn.call_many(
-            [("XADD", self.keys.ingress, "*", "envelope", encode_envelope(e)) for e in done]
-        )
+        with ExitStack() as spans:  # one send span each, when tracing is on
+            sent = [spans.enter_context(tracing.sending(e, self.keys.ingress)) for e in done]
+            replies = await self.conn.call_many(
+                [("XADD", self.keys.ingress, "*", "envelope", encode_envelope(e)) for e in sent]
+            )
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply

@@ -15,7 +15,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from .errors import InvalidEnvelope
-from .headers import headers_problem, idempotency_key_problem, traceparent_problem
+from .headers import (
+    headers_problem,
+    idempotency_key_problem,
+    traceparent_problem,
+    tracestate_problem,
+)
 from .ids import new_message_id
 from .jsondepth import MAX_JSON_DEPTH, depth_problem
 
@@ -65,6 +70,7 @@ class Envelope(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     max_attempts: MaxAttempts = 3
     budget: Annotated[float, msgspec.Meta(ge=0)] | None = None
     traceparent: str | None = None
+    tracestate: str | None = None  # W3C Trace Context, with traceparent
     headers: dict[str, str] = msgspec.field(default_factory=dict)
     created_at: float | None = None
     # Set by the broker on the children of a broadcast; a producer's envelope never has it.
@@ -145,6 +151,8 @@ def envelope_problem(envelope: Envelope) -> str | None:
         return f"invalid envelope: {problem}"
     if envelope.traceparent is not None and (problem := traceparent_problem(envelope.traceparent)):
         return f"invalid envelope: {problem}"
+    if envelope.tracestate is not None and (problem := tracestate_problem(envelope.tracestate)):
+        return f"invalid envelope: {problem}"
     key = envelope.idempotency_key
     if key is not None and (problem := idempotency_key_problem(key)):
         return f"invalid envelope: {problem}"
@@ -194,6 +202,7 @@ def request_fingerprint(envelope: Envelope) -> bytes:
             reply_to=None,
             callback_url=None,
             traceparent=None,
+            tracestate=None,
             created_at=None,
             payload=_canonical(envelope.payload),
         )

@@ -24,6 +24,7 @@ MAX_HEADERS = 64
 MAX_NAME_CHARS = 128
 MAX_VALUE_CHARS = 4096
 MAX_IDEMPOTENCY_KEY_CHARS = 256
+MAX_TRACESTATE_CHARS = 512
 
 REACH_PREFIX = "x-reach-"
 # Lower-case names a producer may not set: hop-by-hop, framing, and fields we own.
@@ -110,6 +111,14 @@ def traceparent_problem(value: str) -> str | None:
         return f"traceparent {value[:80]!r}: an all-zero trace id or parent id is invalid"
     if rest is not None and not _VALUE.match(rest):
         return f"traceparent {value[:80]!r} holds characters an HTTP header cannot carry"
+    return None
+
+
+def tracestate_problem(value: str) -> str | None:
+    """Why ``value`` is not a ``tracestate`` we pass on (W3C Trace Context §3.3: at most 512
+    characters in practice, visible ASCII and spaces), or ``None``."""
+    if len(value) > MAX_TRACESTATE_CHARS or not _VALUE.match(value) or "\t" in value:
+        return f"tracestate must be at most {MAX_TRACESTATE_CHARS} characters of printable ASCII"
     return None
 
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterable, Sequence
 
 import anyio
 from anyio.abc import TaskStatus
 
+from broker import tracing
 from broker.acks import ack, trim_acknowledged
 from broker.connection import Connection, ensure_group
 from broker.entries import IngressEntry, parse_ingress
@@ -202,6 +204,7 @@ class Dispatcher:
     async def handle_batch(self, entries: Sequence[RawEntry], *, recovering: bool = False) -> None:
         """Take in, accept, route, assign or park, then acknowledge: a few round trips per
         batch, whatever the entries hold (:mod:`workers.intake`)."""
+        started_ns = time.time_ns()
         intaken = await self.intake.take(entries, recovering=recovering)
         routed = await self.admission.admit(intaken.envelopes)
         assigned = await self.assigner.assign(routed)
@@ -209,6 +212,7 @@ class Dispatcher:
             taken = {r.message_id for r in assigned}
             self.waiting.note_waiting({r.capability for r in routed if r.message_id not in taken})
         await self.intake.acknowledge([entry_id for entry_id, _ in entries], intaken.minted)
+        tracing.dispatched(intaken.envelopes, self.keys.ingress, started_ns, time.time_ns())
 
     # -- waiting -----------------------------------------------------------------------------
 

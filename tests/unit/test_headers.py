@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from broker.envelope import Envelope, envelope_problem
 from broker.headers import (
     MAX_HEADERS,
     agent_headers,
@@ -15,6 +16,7 @@ from broker.headers import (
     idempotency_key_problem,
     is_reserved,
     traceparent_problem,
+    tracestate_problem,
 )
 
 
@@ -141,3 +143,20 @@ def test_whatever_passes_the_check_can_be_sent_by_an_http_client(name: str, valu
         request = httpx.Request("POST", "http://127.0.0.1/", headers={name: value})
         assert request.headers[name] == value
         assert not is_reserved(name)
+
+
+@pytest.mark.parametrize("value", ["congo=t61rcWkgMzE", "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"])
+def test_w3c_tracestates_pass(value: str) -> None:
+    assert tracestate_problem(value) is None
+    assert check_envelope_problem(value) is None
+
+
+@pytest.mark.parametrize("value", ["a=" + "x" * 600, "a=b\r\nHost: evil", "a=\tb", "é=1"])
+def test_a_tracestate_an_http_header_cannot_carry_is_refused(value: str) -> None:
+    assert tracestate_problem(value) is not None
+    problem = check_envelope_problem(value)
+    assert problem is not None and "tracestate" in problem
+
+
+def check_envelope_problem(tracestate: str) -> str | None:
+    return envelope_problem(Envelope(capability="a.b", payload=b"1", tracestate=tracestate))

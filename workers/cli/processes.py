@@ -23,6 +23,7 @@ from adapters.factory import (
 )
 from adapters.sidecar import Sidecar
 from adapters.transport import Transport
+from broker import tracing
 from broker.config import Settings
 from broker.connection import Connection
 from broker.records import InstanceCard
@@ -75,6 +76,7 @@ def serve_roles(
     metrics: tuple[str, int | None] = ("127.0.0.1", None),
 ) -> None:
     """Run broker roles in one process until SIGINT / SIGTERM."""
+    tracing.setup("agent-reach")
 
     async def serve() -> None:
         async with connected(settings) as conn, AsyncExitStack() as stack:
@@ -323,6 +325,7 @@ async def serve_sidecar(
 ) -> None:
     """Run the sidecar until it stops (SIGTERM, SIGINT, or DRAINING seen on a heartbeat); its
     transport is closed however the run ends. Its metrics page holds its own histograms."""
+    tracing.setup("agent-reach-sidecar")
     try:
         async with AsyncExitStack() as stack:
             await open_metrics(stack, None, *metrics, f"sidecar {card.instance_id}")

@@ -12,6 +12,7 @@ from typing import Any
 import click
 import msgspec
 
+from broker import tracing
 from broker.client import Client, Result
 from broker.config import Settings, answer_grace_s
 from broker.envelope import Envelope, capability_problem, envelope_problem
@@ -126,6 +127,7 @@ def send(
         "mode": "broadcast" if broadcast else None,
         "callback_url": callback_url,
     }
+    tracing.setup("agent-reach-client")
     sys.exit(run(submit, settings, fields, payload, wait=wait, timeout_s=timeout_s))
 
 
@@ -184,6 +186,7 @@ def request(settings: Settings, capability: str, payload: str, timeout_s: float)
                 return echo_pending(exc.message_id, exc.timeout_s, timeout_s)
         return echo_result(result)
 
+    tracing.setup("agent-reach-client")
     sys.exit(run(ask))
 
 
