@@ -7,22 +7,28 @@ parsed from raw RESP into ``(entry_id, fields)`` pairs with ``str`` keys and ``b
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import anyio
 
-from .errors import RedisUnavailable
+from .errors import RedisReplyError, RedisUnavailable
 from .resp import RespConnection
 
 StreamEntry = tuple[str, dict[str, bytes]]
 RawEntry = tuple[str, list[bytes]]
 
+log = logging.getLogger("agent_reach.streams")
+
 
 class GroupReader:
     """Reads of one consuming loop, on a connection of its own (opened on first use, and
     again after a failure). A lost connection raises :class:`RedisUnavailable`; an error
-    reply — ``NOGROUP`` when the stream or its group was deleted — is raised as the
-    :class:`~broker.errors.RedisReplyError` it is."""
+    reply is raised as the :class:`~broker.errors.RedisReplyError` it is — except
+    ``NOGROUP``: the stream or its group is gone (deleted, or lost by a Redis that restarted
+    without its last writes), so the group is created again at id 0 and the read repeated
+    once. Every consuming loop rests on this one rule: none stops, or spins, on a lost
+    group."""
 
     def __init__(self, url: str) -> None:
         self._url = url
@@ -60,8 +66,22 @@ class GroupReader:
         if block_ms is not None:
             command += ["BLOCK", block_ms]
         command += ["STREAMS", stream, "0" if pending else ">"]
-        reply = await self._execute(tuple(command))
+        try:
+            reply = await self._execute(tuple(command))
+        except RedisReplyError as exc:
+            if exc.code != "NOGROUP":
+                raise
+            log.warning("group %s on %s is gone: creating it again", group, stream)
+            await self._create_group(stream, group)
+            reply = await self._execute(tuple(command))
         return raw_entries(reply[0][1]) if reply else []
+
+    async def _create_group(self, stream: str, group: str) -> None:
+        try:
+            await self._execute(("XGROUP", "CREATE", stream, group, "0", "MKSTREAM"))
+        except RedisReplyError as exc:
+            if exc.code != "BUSYGROUP":  # another consumer got there first: as good
+                raise
 
     async def read_stream(
         self, stream: str, after: str, *, count: int = 1000, block_ms: int | None = None

@@ -170,9 +170,6 @@ class Notifier:
                 backoff = min(backoff * 2, 5.0)
                 log.warning("outbox read failed, retrying in %.1fs: %s", backoff, exc)
                 await anyio.sleep(backoff)
-                if isinstance(exc, RedisReplyError) and exc.code == "NOGROUP":
-                    # the stream was deleted, or Redis lost its data
-                    await ensure_group(self.conn, self.keys.outbox, NOTIFY_GROUP)
                 continue
             backoff = 0.1
             self._hold(entries)

@@ -102,9 +102,10 @@ async def test_a_blocking_reader_raises_error_replies_and_survives_a_lost_connec
 ) -> None:
     stream = conn.keys.queue("reader")
     async with conn.reader() as reader:
+        await conn.call("SET", conn.keys.queue("not-a-stream"), "x")
         with pytest.raises(RedisReplyError) as caught:
-            await reader.read(stream, "no-group", "c", count=1, block_ms=None)
-        assert caught.value.code == "NOGROUP"
+            await reader.read(conn.keys.queue("not-a-stream"), "g", "c", count=1, block_ms=None)
+        assert caught.value.code == "WRONGTYPE"
 
         await ensure_group(conn, stream, "g")
         await conn.call("XADD", stream, "*", "id", "m-1", "attempt", "1")
@@ -116,3 +117,20 @@ async def test_a_blocking_reader_raises_error_replies_and_survives_a_lost_connec
             await reader.read(stream, "g", "c", count=1, block_ms=None, pending=True)
         pending = await reader.read(stream, "g", "c", count=1, block_ms=None, pending=True)
         assert [f["id"] for _, f in pending] == [b"m-1"]  # reconnected
+
+
+async def test_a_reader_whose_group_is_lost_creates_it_again_and_reads_from_the_start(
+    conn: Connection,
+) -> None:
+    """A Redis that restarts without its last second of writes (``appendfsync everysec``)
+    can come back with a work stream but not its group, or neither: the reader carries on."""
+    stream = conn.keys.queue("lost-group")
+    async with conn.reader() as reader:
+        assert await reader.read(stream, "g", "c", count=1, block_ms=None, pending=True) == []
+        await conn.call("XADD", stream, "*", "id", "m-1", "attempt", "1")
+        await conn.call("XGROUP", "DESTROY", stream, "g")
+
+        entries = await reader.read(stream, "g", "c", count=10, block_ms=None)
+
+        assert [f["id"] for _, f in entries] == [b"m-1"]  # written before the loss: not skipped
+        assert (await conn.call("XINFO", "GROUPS", stream))[0][1] == b"g"
