@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from itertools import accumulate
 
+import msgspec
+
 MAX_JSON_DEPTH = 64
 """The deepest nesting of arrays and objects accepted from outside: ``[]`` is 1 deep,
 ``{"a": [1]}`` 2. Real results nest a handful of levels; 64 leaves room for any of them."""
@@ -45,4 +47,16 @@ def depth_problem(text: bytes | str, *, limit: int = MAX_JSON_DEPTH) -> str | No
     depth = json_depth(text)
     if depth > limit:
         return f"JSON nested {depth} levels deep; at most {limit} levels of arrays and objects"
+    return None
+
+
+def json_problem(text: bytes | str) -> str | None:
+    """Why ``text`` is not JSON the broker keeps (too deep, or not JSON), or ``None``."""
+    too_deep = depth_problem(text)
+    if too_deep is not None:  # before decoding: the decoder recurses
+        return too_deep
+    try:
+        msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        return f"not JSON: {exc}"
     return None

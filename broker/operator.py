@@ -220,11 +220,16 @@ class Operator:
         records = await self._records(_unique(message_ids))
         return await self._plan(records, [], include_ended=include_ended)
 
-    async def plan_dlq_replay(self) -> ReplayPlan:
-        """Replay every message the dead-letter stream lists as DEAD and that still is."""
+    async def plan_dlq_replay(
+        self, matching: Callable[[DeadLetter], bool] | None = None
+    ) -> ReplayPlan:
+        """Replay every message the dead-letter stream lists as DEAD and that still is (of
+        the letters ``matching`` accepts, when given)."""
         refused: list[Action] = []
         dead: list[str] = []
         for letter in await self._all_letters():
+            if matching is not None and not matching(letter):
+                continue
             if letter.stage == Stage.DEAD:
                 dead.append(letter.id)
             else:

@@ -1,4 +1,4 @@
-"""The broker at a glance, as data: what ``agent-reach top`` (and later the console) shows.
+"""The broker at a glance, as data: what ``agent-reach top`` and the console show.
 
 :func:`read_overview` reads it from Redis; :func:`rates` turns two readings into per-second
 rates. The counters are the cluster-wide ones behind ``/metrics``.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from broker.broadcast import decode_children
 from broker.connection import Connection
 from broker.health import observed_state
 from broker.metric_fields import NEEDS_CONFIRMATION_LEVEL, read_counters
@@ -16,6 +17,7 @@ from broker.records import InstanceView
 from broker.registry import Registry
 from broker.routing import factors
 from broker.stats import CapabilityStats, backlog_stats
+from broker.store import MessageStore
 from broker.timekeeping import now_ms
 
 from .routing_table import routing_policy
@@ -38,6 +40,8 @@ class AgentRow:
     heartbeat_age_s: float
     version: str
     weight: float
+    factors: dict[str, float] = field(default_factory=dict)  # the reach, factor by factor
+    tags: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +79,12 @@ def agent_row(conn: Connection, view: InstanceView) -> AgentRow:
     policy = routing_policy(conn.settings)
     now = now_ms()
     state = observed_state(view, now_ms=now, down_after_ms=policy.down_after_ms)
+    reach = factors(view, state, view.inflight, policy)
     return AgentRow(
         instance=view.instance_id,
         agent=view.card.agent_id,
         state=state.value,
-        reach=factors(view, state, view.inflight, policy).reach,
+        reach=reach.reach,
         in_use=view.inflight,
         effective=view.credits,
         declared=view.card.max_inflight,
@@ -89,6 +94,8 @@ def agent_row(conn: Connection, view: InstanceView) -> AgentRow:
         heartbeat_age_s=max(0.0, (now - view.heartbeat_ms) / 1000),
         version=view.card.version,
         weight=view.card.weight,
+        factors=reach.to_builtins(),
+        tags=dict(view.card.tags),
     )
 
 
@@ -101,3 +108,16 @@ def rates(before: Overview | None, now: Overview) -> dict[str, float]:
         name: max(0, now.totals.get(name, 0) - before.totals.get(name, 0)) / seconds
         for name in TOTALS
     }
+
+
+async def broadcast_children(conn: Connection, message_id: str) -> list[dict[str, str]]:
+    """A broadcast parent's children (id, instance, stage now); none for any other message."""
+    raw = await conn.call("HGET", conn.keys.record(message_id), "children")
+    if not raw:
+        return []
+    children = decode_children(raw)
+    stages = await MessageStore(conn).stages([child for child, _ in children])
+    return [
+        {"id": child, "instance": inst, "stage": stage.value if stage else "MISSING"}
+        for (child, inst), stage in zip(children, stages, strict=True)
+    ]

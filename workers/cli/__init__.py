@@ -7,6 +7,7 @@ import click
 
 from ..runtime import configure_logging
 from .acl import acl
+from .console import console
 from .inspect import agents, config, drain, redis_url_command, schema, stats, trace, weight
 from .notify import notifier
 from .processes import demo, demo_agent, dispatcher, reaper, sidecar, up
@@ -39,6 +40,7 @@ for command in (
     agents,
     stats,
     top,
+    console,
     weight,
     drain,
     config,

@@ -10,10 +10,8 @@ import anyio
 import click
 import msgspec
 
-from broker.broadcast import decode_children
 from broker.client import Client, Trace
 from broker.config import Settings
-from broker.connection import Connection
 from broker.embedded import running_embedded_url
 from broker.envelope import envelope_schema
 from broker.errors import UnknownMessage
@@ -22,9 +20,9 @@ from broker.records import InstanceView
 from broker.registry import Registry
 from broker.routing import factors
 from broker.stats import BacklogStats, backlog_stats
-from broker.store import MessageStore
 from broker.timekeeping import now_ms
 
+from ..overview import broadcast_children
 from ..routing_table import routing_policy
 from ..runtime import connected
 from .common import FiniteRange, redis_options, run
@@ -106,19 +104,6 @@ def trace(settings: Settings, message_id: str, as_json: bool) -> None:
                 click.echo(f"  child {child['id']:<32} {child['instance']:<24} {child['stage']}")
 
     run(show)
-
-
-async def broadcast_children(conn: Connection, message_id: str) -> list[dict[str, str]]:
-    """A broadcast parent's children (id, instance, stage now); none for any other message."""
-    raw = await conn.call("HGET", conn.keys.record(message_id), "children")
-    if not raw:
-        return []
-    children = decode_children(raw)
-    stages = await MessageStore(conn).stages([child for child, _ in children])
-    return [
-        {"id": child, "instance": inst, "stage": stage.value if stage else "MISSING"}
-        for (child, inst), stage in zip(children, stages, strict=True)
-    ]
 
 
 def print_trace(found: Trace) -> None:

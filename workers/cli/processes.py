@@ -34,6 +34,7 @@ from ..notifier import Notifier
 from ..reaper import Reaper
 from ..runtime import connected, stop_on_signals
 from .common import FiniteRange, parse_tags, redis_options, run
+from .console import ConsoleAt, console_at, open_console, up_console_options
 
 METRICS_OPTIONS = (
     click.option(
@@ -74,6 +75,7 @@ def serve_roles(
     reap: bool,
     notify: bool = False,
     metrics: tuple[str, int | None] = ("127.0.0.1", None),
+    console: ConsoleAt | None = None,
 ) -> None:
     """Run broker roles in one process until SIGINT / SIGTERM."""
     tracing.setup("agent-reach")
@@ -81,6 +83,7 @@ def serve_roles(
     async def serve() -> None:
         async with connected(settings) as conn, AsyncExitStack() as stack:
             await open_metrics(stack, conn, *metrics, "agent-reach")
+            await open_console(stack, conn, console)
             await serve_in(conn)
 
     async def serve_in(conn: Connection) -> None:
@@ -103,12 +106,28 @@ def serve_roles(
 @redis_options
 @click.option("--consumer", default=None, help="Consumer name (default: host-pid).")
 @metrics_options
+@up_console_options
 def up(
-    settings: Settings, consumer: str | None, metrics_port: int | None, metrics_host: str
+    settings: Settings,
+    consumer: str | None,
+    metrics_port: int | None,
+    metrics_host: str,
+    console: bool,
+    console_host: str,
+    console_port: int,
+    console_token: str | None,
 ) -> None:
     """Run the broker: dispatcher, reaper and notifier in one process."""
-    metrics = (metrics_host, metrics_port)
-    serve_roles(settings, consumer, dispatch=True, reap=True, notify=True, metrics=metrics)
+    at = console_at(console_host, console_port, console_token, "--console-token")
+    serve_roles(
+        settings,
+        consumer,
+        dispatch=True,
+        reap=True,
+        notify=True,
+        metrics=(metrics_host, metrics_port),
+        console=at if console else None,
+    )
 
 
 @click.command()

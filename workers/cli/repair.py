@@ -21,7 +21,7 @@ import msgspec
 from broker.config import Settings
 from broker.durations import format_age, parse_duration
 from broker.errors import ReachError
-from broker.jsondepth import depth_problem
+from broker.jsondepth import json_problem
 from broker.operator import Action, Operator, ReplayPlan, StuckMessage
 from broker.stages import TERMINAL, Stage
 
@@ -251,13 +251,9 @@ def resolve(
 def check_result_json(result: str) -> None:
     """A usage error unless ``--succeeded`` is JSON the broker can keep: decodable, and
     nested no deeper than any result taken from an agent."""
-    too_deep = depth_problem(result)
-    if too_deep is not None:  # before decoding: the decoder recurses
-        raise click.BadParameter(too_deep, param_hint="--succeeded")
-    try:
-        msgspec.json.decode(result)
-    except msgspec.DecodeError as exc:
-        raise click.BadParameter(f"not JSON: {exc}", param_hint="--succeeded") from exc
+    problem = json_problem(result)
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint="--succeeded")
 
 
 @click.command()

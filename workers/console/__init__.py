@@ -1,0 +1,1 @@
+"""The web console: ``agent-reach console`` and ``up --console`` (:mod:`.app`)."""
