@@ -1,7 +1,8 @@
 """What observing costs: ``bench.pipeline``'s throughput with metrics off and on, in one run.
 
-Three configurations, interleaved round by round on one fresh redis-server, each with its own
-key prefix, dispatcher and in-process sidecar (no-op handler):
+Four configurations, interleaved round by round on one fresh redis-server (emptied after
+every run; the order turns each round, so no configuration always follows the same one), each
+with its own key prefix, dispatcher and in-process sidecar (no-op handler):
 
 * ``off``: no counters in the scripts (``metrics_counters = false``), no histograms;
 * ``on``: the scripts count (``P:counters``), every process measures its histograms;
@@ -105,6 +106,7 @@ async def measured_run(url: str, configuration: str, run_no: int, messages: int)
                 tg.start_soon(scrape_every_second, url, prefix)
             throughput = await pipeline_throughput(conn, messages)
             tg.cancel_scope.cancel()
+        await conn.call("FLUSHALL")  # every run starts on an empty Redis
     return throughput
 
 
@@ -112,10 +114,12 @@ async def main(messages: int, rounds: int) -> None:
     server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-bench-")))
     results: dict[str, list[float]] = {c: [] for c in CONFIGURATIONS}
     try:
+        await one_run(server.url, "off", 0, messages // 5)  # warm-up, not counted
         run_no = 0
         for round_no in range(1, rounds + 1):
             shown = []
-            for configuration in CONFIGURATIONS:
+            turn = (round_no - 1) % len(CONFIGURATIONS)  # each configuration takes every place
+            for configuration in CONFIGURATIONS[turn:] + CONFIGURATIONS[:turn]:
                 run_no += 1
                 throughput = await one_run(server.url, configuration, run_no, messages)
                 results[configuration].append(throughput)

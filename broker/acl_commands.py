@@ -30,8 +30,7 @@ RECORD_COMMANDS = (
     "lrange",
     "expire",
     "persist",
-    # the counters, in the same scripts (lua/count.lua)
-    "hexists",
+    # the counters, in the same scripts (lua/count.lua: HINCRBY; HLEN and HDEL past the cap)
     "hincrby",
 )
 # a sidecar's own card, work stream, in-flight set and callback key (heartbeat.lua,

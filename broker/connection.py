@@ -15,7 +15,7 @@ import logging
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -47,6 +47,13 @@ class Connection:
     keys: Keyspace
     settings: Settings
     url: str
+    _counting: Counting = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self._counting = Counting(
+            self.keys.counters if s.metrics_counters else None, s.metrics_max_series
+        )
 
     async def call(self, *command: Any) -> Any:
         """One command through the pipeliner (raw RESP reply); failures raise
@@ -68,8 +75,7 @@ class Connection:
 
     def counting(self) -> Counting:
         """Where the scripts count (``lua/count.lua``), by this connection's settings."""
-        s = self.settings
-        return Counting(self.keys.counters if s.metrics_counters else None, s.metrics_max_series)
+        return self._counting
 
     def sha(self, name: ScriptName) -> str:
         return self.scripts[name].sha

@@ -8,9 +8,11 @@ local function count_in(key, max, field)
   if not key then
     return
   end
-  if redis.call('HEXISTS', key, field) == 0 and redis.call('HLEN', key) >= tonumber(max) then
-    field = string.match(field, '^[^\t]*') .. '\t~other'
+  -- one command for a series that exists; a new one (its count is 1) is checked against
+  -- the cap and, past it, moved under "~other"
+  if redis.call('HINCRBY', key, field, 1) == 1 and redis.call('HLEN', key) > tonumber(max) then
+    redis.call('HDEL', key, field)
+    redis.call('HINCRBY', key, string.match(field, '^[^\t]*') .. '\t~other', 1)
   end
-  redis.call('HINCRBY', key, field, 1)
 end
 
