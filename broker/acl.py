@@ -197,7 +197,7 @@ def sidecar(keys: Keyspace, version: str, agent: str) -> User:
     own = [keys.card(instances), keys.queue(instances), keys.inflight(instances)]
     own.append(keys.callback_key(instances))
     channels = (keys.credit_channel, keys.registry_channel)
-    records = [keys.record("*"), keys.timeline("*"), keys.outcomes("*"), keys.counters]
+    records = [keys.record("*"), keys.timeline("*"), keys.outcomes("*"), f"{keys.counters}*"]
     root = Grant((*CONNECT, "script|load", *RECORD_COMMANDS), _rw(records))
     selectors = (
         Grant(INSTANCE_COMMANDS, _rw(own), channels),
@@ -258,7 +258,7 @@ def operator(keys: Keyspace, version: str) -> User:
     channels = (keys.registry_channel,)
     if version == "7":
         moved = [keys.record("*"), keys.timeline("*"), keys.outcomes("*"), keys.card("*")]
-        moved.append(keys.counters)
+        moved.append(f"{keys.counters}*")  # and, on a cluster, every slot's
         told = [keys.reply("*"), keys.outbox, keys.dlq]
         indexed = [keys.due, keys.waiting("*"), keys.unmatched("*"), keys.waiting_index]
         root = Grant(

@@ -8,8 +8,9 @@ script is granted what the script runs.
 
 from __future__ import annotations
 
-# Every process PINGs at start-up; SELECT serves a URL naming a database other than 0.
-CONNECT = ("ping", "select")
+# Every process PINGs at start-up; SELECT serves a URL naming a database other than 0;
+# CLUSTER SLOTS tells a cluster node (and its slot map), ASKING follows a slot in migration.
+CONNECT = ("ping", "select", "cluster|slots", "asking")
 # Scripts are called by sha; whoever meets NOSCRIPT (a restarted Redis) loads them again.
 SCRIPTS = ("evalsha", "script|load")
 

@@ -21,10 +21,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 
+from .cluster_map import SlotMap
+from .cluster_pipeliner import ClusterPipeliner
+from .cluster_setup import detect, preload, without_db
 from .config import Settings
 from .errors import RedisReplyError, RedisUnavailable
 from .keyspace import Keyspace
-from .metric_fields import Counting
+from .metric_fields import Counting, capped, counter_keys
 from .pipeliner import Pipeliner
 from .resp import RespConnection, describe, parse_redis_url
 from .scripts import Script, ScriptName, load_scripts
@@ -42,7 +45,7 @@ _LOADING_POLL_S = 0.1
 class Connection:
     """What every store shares: the coalescing pipeliner, scripts and key names."""
 
-    pipeliner: Pipeliner
+    pipeliner: Pipeliner | ClusterPipeliner
     scripts: dict[ScriptName, Script]
     keys: Keyspace
     settings: Settings
@@ -52,8 +55,42 @@ class Connection:
     def __post_init__(self) -> None:
         s = self.settings
         self._counting = Counting(
-            self.keys.counters if s.metrics_counters else None, s.metrics_max_series
+            self.keys.counters if s.metrics_counters else None,
+            s.metrics_max_series,
+            per_slot=self.cluster,
         )
+
+    @property
+    def cluster(self) -> bool:
+        """Whether this is a Redis Cluster (each command sent to its slot's master)."""
+        return isinstance(self.pipeliner, ClusterPipeliner)
+
+    @property
+    def nodes(self) -> list[str]:
+        """The URL of every server holding keys: this one, or every master of a cluster."""
+        if isinstance(self.pipeliner, ClusterPipeliner):
+            return self.pipeliner.map.nodes
+        return [self.url]
+
+    async def call_on(self, node: str, *command: Any) -> Any:
+        """One command on one of :attr:`nodes` (``SCAN``, say, which walks one server)."""
+        if isinstance(self.pipeliner, ClusterPipeliner):
+            return await self.pipeliner.call_on(node, *command)
+        return await self.pipeliner.call(*command)
+
+    async def read_counters(self) -> dict[bytes, bytes]:
+        """The counters hash (on a cluster: the sum of every slot's), as field -> count."""
+        keys = counter_keys(self.keys.counters, self.cluster)
+        total: dict[bytes, int] = {}
+        for raw in await self.call_many([("HGETALL", key) for key in keys]):
+            if not isinstance(raw, list):
+                continue
+            for i in range(0, len(raw) - 1, 2):
+                value = raw[i + 1]
+                if value.lstrip(b"-").isdigit():
+                    total[raw[i]] = total.get(raw[i], 0) + int(value)
+        total = capped(total, self.settings.metrics_max_series)
+        return {name: str(n).encode() for name, n in total.items()}
 
     async def call(self, *command: Any) -> Any:
         """One command through the pipeliner (raw RESP reply); failures raise
@@ -86,7 +123,8 @@ class Connection:
     @asynccontextmanager
     async def reader(self) -> AsyncIterator[GroupReader]:
         """A dedicated connection for one blocking consumer loop."""
-        reader = GroupReader(self.url)
+        route = self.pipeliner if isinstance(self.pipeliner, ClusterPipeliner) else None
+        reader = GroupReader(self.url, route)
         try:
             yield reader
         finally:
@@ -109,8 +147,14 @@ async def open_connection(
     """Check the server (waiting while it loads its data, see :func:`wait_until_ready`), then
     run the pipeliner for the block's life."""
     scripts = load_scripts()
-    await wait_until_ready(url, loading_wait_s=loading_wait_s, scripts=list(scripts.values()))
-    pipeliner = Pipeliner(url, list(scripts.values()))
+    slot_map = await wait_until_ready(
+        url, loading_wait_s=loading_wait_s, scripts=list(scripts.values())
+    )
+    pipeliner: Pipeliner | ClusterPipeliner
+    if slot_map is None:
+        pipeliner = Pipeliner(url, list(scripts.values()))
+    else:
+        pipeliner = ClusterPipeliner(url, list(scripts.values()), slot_map)
     async with anyio.create_task_group() as tg:
         await tg.start(pipeliner.run)
         yield Connection(pipeliner, scripts, Keyspace(settings.prefix), settings, url)
@@ -119,23 +163,31 @@ async def open_connection(
 
 async def wait_until_ready(
     url: str, *, loading_wait_s: float = LOADING_WAIT_S, scripts: Sequence[Script] = ()
-) -> None:
+) -> SlotMap | None:
     """Connect and ``PING``. A Redis that answers ``LOADING`` is reading its data after a
     start: not ready yet, not an error. It is asked again until it has loaded, for at most
     ``loading_wait_s`` (said once in the log); then :class:`RedisUnavailable`. A server that
     cannot be reached, or refuses ``PING``, is :class:`RedisUnavailable` at once. Then
-    ``scripts`` are loaded, unless the user may not (``NOPERM``: loaded on first use)."""
+    ``scripts`` are loaded, unless the user may not (``NOPERM``: loaded on first use).
+
+    A node of a Redis Cluster is recognised here (:func:`broker.cluster_setup.detect`): its
+    slot map is returned, and said in the log; ``None`` for a single server."""
     where = redact(url)
+    db = parse_redis_url(url).db
     try:
-        conn = await RespConnection.open(url)
+        # SELECT is refused by a cluster node: connect without it, to say so clearly
+        conn = await RespConnection.open(without_db(url) if db else url)
     except RedisUnavailable as exc:
         reason = describe(exc.__cause__) if exc.__cause__ is not None else str(exc)
         raise RedisUnavailable(f"cannot connect to redis at {where}: {reason}") from exc
     try:
         with anyio.move_on_after(loading_wait_s):
             await _ping_until_loaded(conn, url, loading_wait_s)
-            await _preload(conn, scripts)
-            return
+            slot_map = await detect(conn, url)
+            if slot_map is None and db:
+                await _select(conn, url, db)
+            await preload(conn, url, slot_map, scripts)
+            return slot_map
         raise RedisUnavailable(
             f"redis at {where} is still loading its data after {loading_wait_s:g} s"
         )
@@ -166,15 +218,10 @@ async def _ping_until_loaded(conn: RespConnection, url: str, wait_s: float) -> N
         raise RedisUnavailable(f"redis at {where} refused PING: {reply}") from reply
 
 
-async def _preload(conn: RespConnection, scripts: Sequence[Script]) -> None:
-    if not scripts:
-        return
-    replies = await conn.execute([("SCRIPT", "LOAD", script.source) for script in scripts])
-    for reply in replies:
-        if isinstance(reply, RedisReplyError) and reply.code == "NOPERM":
-            continue  # this user may not: the pipeliner loads them on first use, if it may
-        if isinstance(reply, Exception):
-            raise RedisUnavailable(f"redis refused SCRIPT LOAD: {reply}") from reply
+async def _select(conn: RespConnection, url: str, db: int) -> None:
+    (reply,) = await conn.execute([("SELECT", db)])
+    if isinstance(reply, Exception):
+        raise RedisUnavailable(f"redis at {redact(url)} refused SELECT {db}: {reply}")
 
 
 def _dropped(url: str, exc: OSError) -> str:

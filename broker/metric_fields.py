@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .slots import SLOTS, key_slot, slot_tag
+
 SEP = "\t"
 OTHER = "_other"
 NEEDS_CONFIRMATION_LEVEL = b"level\tNEEDS_CONFIRMATION"  # lua/transition.lua, a level
@@ -50,13 +52,29 @@ COUNTERS: dict[str, Counter] = {
 
 @dataclass(frozen=True, slots=True)
 class Counting:
-    """Where the scripts count (``None``: not at all) and the cap on distinct fields."""
+    """Where the scripts count (``None``: not at all) and the cap on distinct fields.
+
+    On a Redis Cluster a script's keys must share a slot, so a script counts into the
+    counters hash *of its record's slot*, ``<key>:{<tag of that slot>}``
+    (:func:`counter_keys` lists them all for a reader); on a single server into ``key``."""
 
     key: str | None
     max_series: int
+    per_slot: bool = False
 
-    def keys(self) -> tuple[str, ...]:
-        return (self.key,) if self.key else ()
+    def keys(self, near: str) -> tuple[str, ...]:
+        """The counters key a script with key ``near`` counts into (none, or one)."""
+        if not self.key:
+            return ()
+        if not self.per_slot:
+            return (self.key,)
+        return (f"{self.key}:{{{slot_tag(key_slot(near))}}}",)
+
+
+def counter_keys(key: str, per_slot: bool) -> list[str]:
+    """Every hash that holds counts: ``key`` (counts sent beside a write, not in a script)
+    and, on a cluster, the one of each slot."""
+    return [key, *(f"{key}:{{{slot_tag(s)}}}" for s in range(SLOTS))] if per_slot else [key]
 
 
 def field(kind: str, *labels: str) -> str:
@@ -70,6 +88,23 @@ def retry(capability: str, reason: str) -> str:
 
 def agent_call(agent: str, capability: str, outcome: str) -> str:
     return field("agent_calls", agent, capability, outcome)
+
+
+def capped(total: dict[bytes, int], max_series: int) -> dict[bytes, int]:
+    """At most ``max_series`` fields (the largest counts), the rest folded into their kind's
+    ``~other``, as ``lua/count.lua`` does in one hash: on a cluster each slot's hash is capped
+    on its own, so the sum of them is capped again here."""
+    folded = f"{SEP}{CAPPED}".encode()
+    series = {name: n for name, n in total.items() if not name.endswith(folded)}
+    if len(series) <= max_series:
+        return total
+    ranked = sorted(series.items(), key=lambda item: (-item[1], item[0]))
+    kept = {name: n for name, n in total.items() if name.endswith(folded)}
+    kept.update(ranked[:max_series])
+    for name, count in ranked[max_series:]:
+        other = name.split(SEP.encode(), 1)[0] + folded
+        kept[other] = kept.get(other, 0) + count
+    return kept
 
 
 def read_counters(

@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 
+from .cluster_map import ORDER_BARRIER
 from .errors import RedisReplyError, RedisUnavailable
 from .resp import Command, RespConnection
 from .scripts import Script
@@ -34,13 +35,15 @@ class Pipeliner:
 
     async def call(self, *command: Any) -> Any:
         """Queue one command and await its reply; an error reply is raised."""
-        reply = (await self.call_many([command]))[0]
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
+        return raised((await self.call_many([command]))[0])
 
     async def call_many(self, commands: list[Command]) -> list[Any]:
-        """Queue commands that leave together, in order; error replies are returned in place."""
+        """Queue commands that leave together, in order; error replies are returned in place.
+        An :data:`~broker.cluster_map.ORDER_BARRIER` is dropped (one pipeline keeps order)
+        and answered ``None``."""
+        if ORDER_BARRIER in commands:
+            replies = iter(await self.call_many([c for c in commands if c is not ORDER_BARRIER]))
+            return [None if c is ORDER_BARRIER else next(replies) for c in commands]
         if not self._running:
             raise RuntimeError("Pipeliner.run() is not running")
         if not commands:
@@ -124,3 +127,10 @@ class Pipeliner:
 def _no_script(reply: Any) -> bool:
     """Whether ``reply`` is Redis saying it has no script under that sha (``NOSCRIPT``)."""
     return isinstance(reply, RedisReplyError) and reply.code == "NOSCRIPT"
+
+
+def raised(reply: Any) -> Any:
+    """``reply``, or raised when it is an error."""
+    if isinstance(reply, Exception):
+        raise reply
+    return reply

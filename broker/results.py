@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from .cluster_map import ORDER_BARRIER
 from .envelope import Envelope
 from .keyspace import Keyspace
 from .metric_fields import Counting
@@ -120,7 +121,7 @@ def child_done_command(
         keys.record(parent_id),
         keys.timeline(parent_id),
         keys.outcomes(parent_id),
-        *counting.keys(),
+        *counting.keys(keys.record(parent_id)),
     )
     return (
         "EVALSHA",
@@ -159,6 +160,7 @@ def delivery_commands(
         # first the reaper's next look at the parent, then the outcome: whatever this one
         # ends, the reaper sees it soon, even if its ender stops before telling the producer
         commands.append(("ZADD", keys.due, "LT", now + PARENT_LOOK_MS, envelope.parent))
+        commands.append(ORDER_BARRIER)  # on a cluster: two slots, the look written first
         commands.append(
             child_done_command(
                 keys, envelope.parent, message_id, stage, result, error, now, counting

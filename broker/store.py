@@ -92,7 +92,8 @@ def accept_command(conn: Connection, a: Acceptance) -> tuple[Any, ...]:
         counting.max_series,
         *(item for pair in (a.fields or {}).items() for item in pair),
     )
-    keys = (conn.keys.record(a.message_id), conn.keys.timeline(a.message_id), *counting.keys())
+    record = conn.keys.record(a.message_id)
+    keys = (record, conn.keys.timeline(a.message_id), *counting.keys(record))
     return conn.script_command(ScriptName.ACCEPT, keys, args)
 
 
@@ -128,7 +129,8 @@ def move_command(conn: Connection, m: Move) -> tuple[Any, ...]:
     ]
     for key, value in (m.fields or {}).items():
         args += [key, value]
-    keys = (conn.keys.record(m.message_id), conn.keys.timeline(m.message_id), *counting.keys())
+    record = conn.keys.record(m.message_id)
+    keys = (record, conn.keys.timeline(m.message_id), *counting.keys(record))
     return conn.script_command(ScriptName.TRANSITION, keys, args)
 
 

@@ -8,12 +8,23 @@ parsed from raw RESP into ``(entry_id, fields)`` pairs with ``str`` keys and ``b
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 
 from .errors import RedisReplyError, RedisUnavailable
 from .resp import RespConnection
+
+
+class Router(Protocol):
+    """Where a key lives, on a cluster (:class:`~broker.cluster_pipeliner.ClusterPipeliner`)."""
+
+    def url_for_key(self, key: str) -> str: ...
+
+    def mark_stale(self) -> None: ...
+
+    async def refresh_soon(self) -> None: ...
+
 
 StreamEntry = tuple[str, dict[str, bytes]]
 RawEntry = tuple[str, list[bytes]]
@@ -30,9 +41,11 @@ class GroupReader:
     once. Every consuming loop rests on this one rule: none stops, or spins, on a lost
     group."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, route: Router | None = None) -> None:
         self._url = url
+        self._route = route
         self._conn: RespConnection | None = None
+        self._conn_url = url
 
     async def read(
         self,
@@ -67,18 +80,18 @@ class GroupReader:
             command += ["BLOCK", block_ms]
         command += ["STREAMS", stream, "0" if pending else ">"]
         try:
-            reply = await self._execute(tuple(command))
+            reply = await self._execute(tuple(command), stream)
         except RedisReplyError as exc:
             if exc.code != "NOGROUP":
                 raise
             log.warning("group %s on %s is gone: creating it again", group, stream)
             await self._create_group(stream, group)
-            reply = await self._execute(tuple(command))
+            reply = await self._execute(tuple(command), stream)
         return raw_entries(reply[0][1]) if reply else []
 
     async def _create_group(self, stream: str, group: str) -> None:
         try:
-            await self._execute(("XGROUP", "CREATE", stream, group, "0", "MKSTREAM"))
+            await self._execute(("XGROUP", "CREATE", stream, group, "0", "MKSTREAM"), stream)
         except RedisReplyError as exc:
             if exc.code != "BUSYGROUP":  # another consumer got there first: as good
                 raise
@@ -91,12 +104,34 @@ class GroupReader:
         if block_ms is not None:
             command += ["BLOCK", block_ms]
         command += ["STREAMS", stream, after]
-        return parse_read_reply(await self._execute(tuple(command)))
+        return parse_read_reply(await self._execute(tuple(command), stream))
 
-    async def _execute(self, command: tuple[Any, ...]) -> Any:
+    async def _execute(self, command: tuple[Any, ...], stream: str) -> Any:
+        """On a cluster: on the connection to the master of ``stream``; a ``MOVED`` reply
+        has the slot map read again and the command sent once more, there."""
+        try:
+            reply = await self._execute_at(command, self._url_for(stream))
+        except RedisUnavailable:
+            if self._route is not None:
+                self._route.mark_stale()  # a failover, perhaps: the map is read again
+            raise
+        except RedisReplyError as exc:
+            if self._route is None or exc.code != "MOVED":
+                raise
+            await self._route.refresh_soon()
+            reply = await self._execute_at(command, self._url_for(stream))
+        return reply
+
+    def _url_for(self, stream: str) -> str:
+        return self._route.url_for_key(stream) if self._route is not None else self._url
+
+    async def _execute_at(self, command: tuple[Any, ...], url: str) -> Any:
+        if self._conn is not None and self._conn_url != url:
+            await self.close()
         try:
             if self._conn is None:
-                self._conn = await RespConnection.open(self._url)
+                self._conn = await RespConnection.open(url)
+                self._conn_url = url
             # a blocking read may take its block time; only silence beyond that is a failure
             (reply,) = await self._conn.execute([command], timeout_s=self._timeout_for(command))
         except BaseException:  # RedisUnavailable, or cancelled mid-read: out of step either way

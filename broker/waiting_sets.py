@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .cluster_map import ORDER_BARRIER
 from .connection import Connection
 from .fairness import PRIORITY_SPAN, split_score, waiting_score
 from .keyspace import Keyspace
@@ -27,6 +28,9 @@ def park_commands(keys: Keyspace, items: list[tuple[str, str, int, int]]) -> lis
         ("ZADD", keys.waiting(capability), waiting_score(priority, accepted), message_id)
         for capability, message_id, priority, accepted in items
     ]
+    if not items:
+        return commands
+    commands.append(ORDER_BARRIER)  # on a cluster: other slots, so the entries land first
     commands += [("SADD", keys.waiting_index, capability) for capability in {i[0] for i in items}]
     return commands
 

@@ -20,6 +20,7 @@ import pytest
 from broker.config import Settings, build_settings
 from broker.connection import Connection, open_connection
 from broker.embedded import RedisServer, bundled_redis_server, find_redis_server, server_version
+from tests.support.cluster import LocalCluster, start_cluster
 
 _prefixes = itertools.count()
 
@@ -64,13 +65,47 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server.stop()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--redis-cluster",
+        action="store_true",
+        help="run the tests that take `settings` on a local 3-master Redis Cluster",
+    )
+
+
+# Run on the single server and again on the local cluster in every suite run; with
+# --redis-cluster, every test that takes `settings` runs on the cluster only.
+ON_BOTH = {"test_pipeline", "test_reaper", "test_broadcast", "test_notifier", "test_operator"}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    module = metafunc.module.__name__.rpartition(".")[2]
+    if (
+        "redis_url" in metafunc.fixturenames
+        and module in ON_BOTH
+        and not metafunc.config.getoption("--redis-cluster")
+    ):
+        metafunc.parametrize("redis_url", ["server", "cluster"], indirect=True)
+
+
 @pytest.fixture
-def settings(redis_server: RedisServer) -> Settings:
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """The suite's Redis: the single server, or the local cluster (see :data:`ON_BOTH`)."""
+    on_cluster = getattr(request, "param", "server") == "cluster"
+    if on_cluster or request.config.getoption("--redis-cluster"):
+        cluster: LocalCluster = request.getfixturevalue("local_cluster")
+        return cluster.url
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return server.url
+
+
+@pytest.fixture
+def settings(redis_url: str) -> Settings:
     """Fast clocks and a fresh key prefix, so tests share one server without seeing each other."""
     return build_settings(
         [
             {
-                "redis_url": redis_server.url,
+                "redis_url": redis_url,
                 "prefix": f"t{next(_prefixes)}",
                 "heartbeat_s": 0.5,
                 "down_after_s": 5.0,
@@ -94,3 +129,19 @@ async def conn(settings: Settings) -> AsyncIterator[Connection]:
 @pytest.fixture
 def data_dir() -> Path:
     return Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Three masters of a real Redis Cluster on loopback (tests/support/cluster.py)."""
+    cluster = start_cluster(tmp_path_factory.mktemp("cluster"), suite_redis_binary())
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster_settings(local_cluster: LocalCluster) -> Settings:
+    """As ``settings``, on the local cluster."""
+    return build_settings(
+        [{"redis_url": local_cluster.url, "prefix": f"c{next(_prefixes)}", "heartbeat_s": 0.5}]
+    )

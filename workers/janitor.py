@@ -40,7 +40,7 @@ class Janitor:
         self.keys = conn.keys
         self.interval_ms = int(conn.settings.orphan_sweep_s * 1000)
         self.gone_after_ms = int(conn.settings.instance_gone_after_s * 1000)
-        self._cursor: str | None = None  # a pass under way
+        self._pass: list[tuple[str, str]] | None = None  # a pass under way: (node, cursor)
         self._next_pass_ms = 0
         self.reindexed = 0  # records put back in P:due, over this janitor's life
         self.forgotten = 0  # instances forgotten
@@ -49,16 +49,20 @@ class Janitor:
         """One page of the current pass (starting a pass when one is due)."""
         if self.interval_ms <= 0:
             return
-        if self._cursor is None:
+        if not self._pass:
             if now < self._next_pass_ms:
                 return
             self._next_pass_ms = now + self.interval_ms
-            self._cursor = "0"
+            self._pass = [(node, "0") for node in self.conn.nodes]  # each master of a cluster
             await self._forget(await self._silent_registered(now), now)
-        reply = await self.conn.call(
-            "SCAN", self._cursor, "MATCH", f"{self.keys.prefix}:*", "COUNT", PAGE
+        node, cursor = self._pass[0]
+        reply = await self.conn.call_on(
+            node, "SCAN", cursor, "MATCH", f"{self.keys.prefix}:*", "COUNT", PAGE
         )
-        self._cursor = None if reply[0] == b"0" else reply[0].decode()
+        if reply[0] == b"0":
+            self._pass.pop(0)
+        else:
+            self._pass[0] = (node, reply[0].decode())
         keys = [key.decode(errors="replace") for key in reply[1]]
         await self._reindex(_tagged(keys, self.keys.record("")), now)
         await self._forget(_tagged(keys, self.keys.queue("")), now)

@@ -27,7 +27,6 @@ from broker.connection import Connection
 from broker.health import observed_state
 from broker.metric_fields import COUNTERS, NEEDS_CONFIRMATION_LEVEL, read_counters
 from broker.process_metrics import REGISTRY
-from broker.record_codec import pairs
 from broker.records import CircuitState, InstanceState, InstanceView
 from broker.registry import Registry
 from broker.routing import factors
@@ -58,8 +57,7 @@ class _Families(Collector):
 
 async def cluster_families(conn: Connection) -> list[Metric]:
     """Every cluster-wide family, read from Redis now."""
-    raw, dlq = await conn.call_many([("HGETALL", conn.keys.counters), ("XLEN", conn.keys.dlq)])
-    counters = pairs(raw) if isinstance(raw, list) else {}
+    counters, dlq = await conn.read_counters(), await conn.call("XLEN", conn.keys.dlq)
     stats = await backlog_stats(conn)
     views = await Registry(conn).snapshot()
     families = list(_counter_families(counters))

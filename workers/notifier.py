@@ -48,6 +48,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
+from broker.cluster_map import ORDER_BARRIER
 from broker.connection import Connection, ensure_group
 from broker.deadletters import Letter
 from broker.delivery import count_commands, dead_letter_commands
@@ -362,7 +363,7 @@ class Notifier:
             body=delivery.body,
             ts_ms=now_ms(),
         )
-        await self._run([*self._letter_commands(letter), *self._done(delivery.entry_id, "dead")])
+        await self._run(self._dead_lettered(letter, delivery.entry_id, "dead"))
         self._count("dead-lettered")
         log.warning(
             "message %s: webhook %s undeliverable after %d attempt(s), dead-lettered: %s",
@@ -386,12 +387,17 @@ class Notifier:
             ts_ms=now_ms(),
             source=f"{self.keys.outbox} {entry_id}",
         )
-        await self._run([*self._letter_commands(letter), *self._done(entry_id, "malformed")])
+        await self._run(self._dead_lettered(letter, entry_id, "malformed"))
         self._count("dead-lettered")
         log.warning("%s: dead-lettered", problem)
 
-    def _letter_commands(self, letter: Letter) -> list[tuple[Any, ...]]:
-        return dead_letter_commands(self.conn, letter)
+    def _dead_lettered(self, letter: Letter, entry_id: str, outcome: str) -> list[tuple[Any, ...]]:
+        """The dead letter, then (on a cluster: once it is written) the entry settled."""
+        return [
+            *dead_letter_commands(self.conn, letter),
+            ORDER_BARRIER,
+            *self._done(entry_id, outcome),
+        ]
 
     def _done(
         self, entry_id: str, outcome: str, *, also: Sequence[tuple[Any, ...]] = ()

@@ -12,7 +12,6 @@ from broker.broadcast import decode_children
 from broker.connection import Connection
 from broker.health import observed_state
 from broker.metric_fields import NEEDS_CONFIRMATION_LEVEL, read_counters
-from broker.record_codec import pairs
 from broker.records import InstanceView
 from broker.registry import Registry
 from broker.routing import factors
@@ -56,8 +55,7 @@ class Overview:
 
 
 async def read_overview(conn: Connection) -> Overview:
-    raw, dlq = await conn.call_many([("HGETALL", conn.keys.counters), ("XLEN", conn.keys.dlq)])
-    flat = pairs(raw) if isinstance(raw, list) else {}
+    flat, dlq = await conn.read_counters(), await conn.call("XLEN", conn.keys.dlq)
     counted = read_counters(flat)
     totals = {"accepted": sum(counted["accepted"].values())}
     for (_, stage), n in counted["finished"].items():

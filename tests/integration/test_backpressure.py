@@ -12,7 +12,13 @@ from broker.envelope import Envelope
 from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.agents import http_agent
-from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
+from tests.support.harness import (
+    collect_replies,
+    eventually,
+    keys_matching,
+    running_dispatcher,
+    running_sidecar,
+)
 from workers.dispatcher import Dispatcher
 
 
@@ -131,7 +137,7 @@ async def test_a_raw_entry_handled_twice_is_one_message(conn: Connection) -> Non
             results = await collect_replies(conn, reply_to, 1)
             await client_trace_settles(conn)
     assert len(results) == 1 and agent.log.total == 1
-    records = await conn.call("KEYS", conn.keys.record("*"))
+    records = await keys_matching(conn, conn.keys.record("*"))
     assert len(records) == 1  # one message, not two
 
 

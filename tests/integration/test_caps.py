@@ -20,6 +20,7 @@ from tests.support.harness import (
     collect_replies,
     dead_letters,
     eventually,
+    keys_matching,
     running_dispatcher,
     running_sidecar,
 )
@@ -125,7 +126,7 @@ async def test_the_capability_index_forgets_capabilities_with_nothing_waiting(
             return int(await conn.call("SCARD", conn.keys.waiting_index)) == 0
 
         await eventually(pruned, timeout_s=60)
-        left = await conn.call("KEYS", f"{conn.keys.prefix}:[wx]:*")
+        left = await keys_matching(conn, f"{conn.keys.prefix}:[wx]:*")
     assert left == []  # and no waiting set of them is left either
 
 

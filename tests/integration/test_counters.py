@@ -1,4 +1,5 @@
-"""The counters the scripts keep in ``P:counters``, on a real Redis."""
+"""The counters the scripts keep in ``P:counters`` (on a cluster, one per slot), on a real
+Redis."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import msgspec
 from broker.config import Settings
 from broker.connection import Connection, open_connection
 from broker.metric_fields import read_counters, retry
-from broker.record_codec import pairs
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore, Move
 from broker.timekeeping import now_ms
@@ -27,7 +27,7 @@ def acceptance(message_id: str, capability: str, stage: Stage = Stage.WAITING) -
 
 
 async def counters(conn: Connection) -> dict[str, dict[tuple[str, ...], int]]:
-    return read_counters(pairs(await conn.call("HGETALL", conn.keys.counters)))
+    return read_counters(await conn.read_counters())
 
 
 async def test_a_move_counts_once_and_a_repeat_counts_nothing(conn: Connection) -> None:
@@ -53,7 +53,7 @@ async def test_needs_confirmation_is_a_level(conn: Connection) -> None:
         await store.move(f"n{i}", Stage.PROCESSING)
         await store.move(f"n{i}", Stage.NEEDS_CONFIRMATION)
     await store.move("n0", Stage.SUCCEEDED)  # an operator resolved one
-    level = await conn.call("HGET", conn.keys.counters, "level\tNEEDS_CONFIRMATION")
+    level = (await conn.read_counters())[b"level\tNEEDS_CONFIRMATION"]
     assert int(level) == 2
 
 
@@ -64,7 +64,7 @@ async def test_new_series_past_the_cap_count_as_other(settings: Settings) -> Non
         store = MessageStore(conn)
         for i in range(25):  # a producer naming a new capability each time
             await store.accept(acceptance(f"c{i}", f"cap.n{i}"))
-        assert await conn.call("HLEN", conn.keys.counters) == 11  # the cap, and "~other"
+        assert len(await conn.read_counters()) == 11  # the cap, and "~other"
         accepted = (await counters(conn))["accepted"]
         assert sum(accepted.values()) == 25
         assert accepted[("_other",)] == 15
@@ -77,4 +77,4 @@ async def test_nothing_is_counted_with_the_counters_off(settings: Settings) -> N
         store = MessageStore(conn)
         await store.accept(acceptance("q1", "text.echo", Stage.ROUTED))
         assert (await store.move("q1", Stage.CANCELLED)).ok  # terminal: would count
-        assert await conn.call("EXISTS", conn.keys.counters) == 0
+        assert await conn.read_counters() == {}

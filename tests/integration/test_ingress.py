@@ -9,7 +9,7 @@ import msgspec
 
 from broker.client import Client
 from broker.connection import Connection
-from broker.embedded import RedisServer, find_redis_server
+from broker.embedded import find_redis_server
 from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.agents import http_agent
@@ -17,16 +17,18 @@ from tests.support.harness import (
     collect_replies,
     dead_letters,
     eventually,
+    keys_matching,
     running_dispatcher,
     running_sidecar,
 )
 from workers.intake import Intake
 
 
-def redis_cli(server: RedisServer, *args: str) -> str:
+def redis_cli(conn: Connection, *args: str) -> str:
+    """redis-cli against the test's Redis (``-c``: on a cluster it follows ``MOVED``)."""
     cli = find_redis_server().with_name("redis-cli")
     done = subprocess.run(
-        [str(cli), "-p", str(server.port), *args],
+        [str(cli), "-c", "-u", conn.url, *args],
         capture_output=True,
         text=True,
         check=True,
@@ -36,7 +38,7 @@ def redis_cli(server: RedisServer, *args: str) -> str:
 
 
 async def test_raw_redis_cli_xadd_without_id_is_processed(
-    conn: Connection, redis_server: RedisServer
+    conn: Connection,
 ) -> None:
     reply_to = conn.keys.reply("cli")
     envelope = {"capability": "text.echo", "payload": {"x": 1}, "reply_to": reply_to}
@@ -46,7 +48,7 @@ async def test_raw_redis_cli_xadd_without_id_is_processed(
         running_dispatcher(conn),
     ):
         redis_cli(
-            redis_server,
+            conn,
             "XADD",
             conn.keys.ingress,
             "*",
@@ -71,7 +73,7 @@ BAD = [
 
 
 async def test_invalid_envelopes_are_rejected_with_a_reason_and_the_next_one_runs(
-    conn: Connection, redis_server: RedisServer
+    conn: Connection,
 ) -> None:
     reply_to = conn.keys.reply("after")
     async with (
@@ -189,7 +191,7 @@ async def test_an_entry_id_far_ahead_of_the_clock_poisons_no_message_id(conn: Co
         assert abs(decode_ulid_time(message_id) / 1000 - now) < 120
 
     async def names_forgotten() -> bool:  # kept only until the entries were acknowledged
-        return not await conn.call("KEYS", f"{conn.keys.prefix}:e:*")
+        return not await keys_matching(conn, f"{conn.keys.prefix}:e:*")
 
     await eventually(names_forgotten)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from broker.cluster_map import ORDER_BARRIER
 from broker.connection import Connection, ensure_group
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.resp import RespConnection
@@ -14,11 +15,14 @@ from broker.scripts import ScriptName
 from broker.timeline import note_event
 
 
-async def client_id(conn: Connection, says: str) -> int:
-    """The id of the one client whose ``CLIENT LIST`` line says ``says``."""
-    lines = (await conn.call("CLIENT", "LIST", "TYPE", "normal")).decode().splitlines()
-    (line,) = [line for line in lines if f" {says} " in f" {line} "]
-    return int(line.split()[0].removeprefix("id="))
+async def client_id(conn: Connection, says: str) -> tuple[str, int]:
+    """The server and id of the one client whose ``CLIENT LIST`` line says ``says``."""
+    found = []
+    for node in conn.nodes:
+        lines = (await conn.call_on(node, "CLIENT", "LIST", "TYPE", "normal")).decode()
+        found += [(node, line) for line in lines.splitlines() if f" {says} " in f" {line} "]
+    ((node, line),) = found
+    return node, int(line.split()[0].removeprefix("id="))
 
 
 async def error_of(conn: Connection, *command: object) -> RedisReplyError:
@@ -61,12 +65,15 @@ async def test_a_group_that_exists_is_busygroup_handled_by_its_code(conn: Connec
 
 
 async def test_scripts_redis_forgot_are_loaded_again_on_noscript(conn: Connection) -> None:
-    assert await conn.call("SCRIPT", "FLUSH") == b"OK"
-    assert (await conn.call("SCRIPT", "EXISTS", conn.scripts[ScriptName.NOTE].sha)) == [0]
+    sha = conn.scripts[ScriptName.NOTE].sha
+    for node in conn.nodes:  # every master of a cluster
+        assert await conn.call_on(node, "SCRIPT", "FLUSH") == b"OK"
+        assert await conn.call_on(node, "SCRIPT", "EXISTS", sha) == [0]
 
     # the pipeliner sees NOSCRIPT, loads every script and runs the call again
     assert await note_event(conn, "no-such-message", "EVENT", "why", now_ms=1) is False
-    assert (await conn.call("SCRIPT", "EXISTS", conn.scripts[ScriptName.NOTE].sha)) == [1]
+    loaded = [await conn.call_on(node, "SCRIPT", "EXISTS", sha) for node in conn.nodes]
+    assert [1] in loaded  # where the call ran
 
 
 async def test_a_connection_redis_drops_is_unavailable_and_the_pipeliner_reconnects(
@@ -112,7 +119,8 @@ async def test_a_blocking_reader_raises_error_replies_and_survives_a_lost_connec
         assert [f for _, f in await reader.read(stream, "g", "c", count=1, block_ms=None)] == [
             {"id": b"m-1", "attempt": b"1"}
         ]
-        await conn.call("CLIENT", "KILL", "ID", await client_id(conn, "cmd=xreadgroup"))
+        node, reader_id = await client_id(conn, "cmd=xreadgroup")
+        await conn.call_on(node, "CLIENT", "KILL", "ID", reader_id)
         with pytest.raises(RedisUnavailable):
             await reader.read(stream, "g", "c", count=1, block_ms=None, pending=True)
         pending = await reader.read(stream, "g", "c", count=1, block_ms=None, pending=True)
@@ -134,3 +142,9 @@ async def test_a_reader_whose_group_is_lost_creates_it_again_and_reads_from_the_
 
         assert [f["id"] for _, f in entries] == [b"m-1"]  # written before the loss: not skipped
         assert (await conn.call("XINFO", "GROUPS", stream))[0][1] == b"g"
+
+
+async def test_an_order_barrier_is_answered_none_in_its_place(conn: Connection) -> None:
+    key = conn.keys.record("barrier")
+    replies = await conn.call_many([("SET", key, "1"), ORDER_BARRIER, ("GET", key)])
+    assert replies == [b"OK", None, b"1"]

@@ -147,3 +147,8 @@ async def dead_letters(conn: Connection) -> list[dict[str, bytes]]:
     return [
         {k.decode(): v for k, v in zip(flat[::2], flat[1::2], strict=True)} for _, flat in entries
     ]
+
+
+async def keys_matching(conn: Connection, pattern: str) -> list[bytes]:
+    """``KEYS pattern`` on every server holding keys (each master of a cluster)."""
+    return [key for node in conn.nodes for key in await conn.call_on(node, "KEYS", pattern)]

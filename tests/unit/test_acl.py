@@ -81,6 +81,8 @@ def test_redis_7_producer_writes_the_ingress_and_reads_only_its_own_replies() ->
         "-@all",
         "+ping",
         "+select",
+        "+cluster|slots",
+        "+asking",
         "+xadd",
         "%W~reach:in",
         "(+xread +xdel +del ~reach:reply:alice-*)",
@@ -204,10 +206,10 @@ def test_quote_keeps_plain_words_bare() -> None:
 # A command in Python: the first string of a tuple or list, or of a `call(...)`; in Lua, the
 # first argument of redis.call. XINFO GROUPS, XGROUP CREATE, SCRIPT LOAD are subcommands.
 _PY_COMMAND = re.compile(
-    r'(?:(?<![\w.])[(\[]|\bcall\()\s*"([A-Z][A-Z_]+)"(?:\s*,\s*"([A-Z]+)")?\s*,'
+    r'(?:(?<![\w.])[(\[]|\bcall\()\s*"([A-Z][A-Z_]+)"(?:\s*,\s*"([A-Z]+)")?\s*[,)]'
 )
 _LUA_COMMAND = re.compile(r"redis\.p?call\(\s*'([A-Za-z]+)'(?:\s*,\s*'([A-Za-z]+)')?")
-_CONTAINERS = {"xinfo", "xgroup", "script", "config", "client", "object", "function"}
+_CONTAINERS = {"xinfo", "xgroup", "script", "config", "client", "object", "function", "cluster"}
 # words the pattern also finds: arguments, and a name in an __all__ list
 _NOT_COMMANDS = {"block", "streams", "terminal"}
 # sent without a grant: every client may AUTH
@@ -286,7 +288,8 @@ def test_the_sidecar_role_runs_the_sidecar_and_its_scripts() -> None:
 def test_the_operator_runs_what_the_operator_read_does_and_more() -> None:
     keys = Keyspace("reach")
     assert granted(operator_read(keys, "7")) < granted(operator(keys, "7"))
-    assert granted(producer(keys, "7", "p")) == {"ping", "select", "xadd", "xread", "xdel", "del"}
+    connect = {"ping", "select", "cluster|slots", "asking"}
+    assert granted(producer(keys, "7", "p")) == connect | {"xadd", "xread", "xdel", "del"}
 
 
 # -- the command -------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from broker.broadcast import (
     members,
     no_members_reason,
 )
+from broker.cluster_map import ORDER_BARRIER
 from broker.envelope import Envelope, MessageId, complete
 from broker.keyspace import Keyspace
 from broker.records import CircuitState, InstanceState, InstanceStats, InstanceView
@@ -166,8 +167,9 @@ def test_an_ended_child_records_its_outcome_on_its_parent(stage: Stage) -> None:
     child = child_envelope(envelope(id="P"), "P.1", "a-1")
     commands = delivery_commands(KEYS, child, stage, None, "why", attempt=1, now_ms=1_000)
     assert commands[0] == ("ZADD", KEYS.due, "LT", 1_000 + PARENT_LOOK_MS, "P")
-    sha, nkeys, *rest = commands[1][1:]
-    assert commands[1][0] == "EVALSHA" and sha == CHILD_DONE_SHA and nkeys == 3
+    assert commands[1] is ORDER_BARRIER  # another slot: on a cluster the look lands first
+    sha, nkeys, *rest = commands[2][1:]
+    assert commands[2][0] == "EVALSHA" and sha == CHILD_DONE_SHA and nkeys == 3
     assert rest[:3] == [KEYS.record("P"), KEYS.timeline("P"), KEYS.outcomes("P")]
     assert rest[3:] == [
         "P.1",
@@ -177,7 +179,7 @@ def test_an_ended_child_records_its_outcome_on_its_parent(stage: Stage) -> None:
         "SUCCEEDED",
         0,  # not counting: the counters' cap is not read
     ]
-    assert len(commands) == 2  # a child has no reply_to or webhook of its own
+    assert len(commands) == 3  # a child has no reply_to or webhook of its own
 
 
 def test_no_outcome_before_a_child_ends_and_none_for_other_messages() -> None:

@@ -12,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BROKER = ROOT / "broker"
 PURE = [
     "envelope",
+    "slots",
+    "cluster_map",
     "stages",
     "keyspace",
     "ids",

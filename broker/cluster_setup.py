@@ -1,0 +1,85 @@
+"""At start-up: is the URL a node of a Redis Cluster? Its slot map if so; the scripts loaded.
+
+The URL of any node is enough: ``CLUSTER SLOTS`` answers with every master and the slots it
+serves. A single server answers that cluster support is disabled. A cluster has only database
+0, so a URL naming another is refused with a sentence saying so (a node would refuse
+``SELECT`` with a bare error).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+from .cluster_map import SlotMap
+from .errors import ConfigError, RedisReplyError, RedisUnavailable
+from .resp import RespConnection, parse_redis_url
+from .scripts import Script
+
+log = logging.getLogger("agent_reach.connection")
+
+
+def without_db(url: str) -> str:
+    """The URL without its ``/<db>`` path (a cluster node is connected to this way)."""
+    return urlunsplit(urlsplit(url)._replace(path=""))
+
+
+def _redacted(url: str) -> str:
+    return parse_redis_url(url).where
+
+
+async def detect(conn: RespConnection, url: str) -> SlotMap | None:
+    """The cluster's slot map, or ``None`` for a single server (or a user who may not ask:
+    ``NOPERM``, taken as a single server, as before clusters were known)."""
+    (reply,) = await conn.execute([("CLUSTER", "SLOTS")])
+    if isinstance(reply, RedisReplyError):
+        if "cluster support disabled" in reply.message or reply.code == "NOPERM":
+            return None
+        raise RedisUnavailable(f"redis at {_redacted(url)} refused CLUSTER SLOTS: {reply}")
+    if isinstance(reply, Exception):
+        raise reply
+    db = parse_redis_url(url).db
+    if db:
+        raise ConfigError(
+            "redis_url",
+            f"redis at {_redacted(url)} is a Redis Cluster node, and a cluster has only "
+            f"database 0: drop /{db} from the URL (keep keys apart with `prefix`)",
+        )
+    slot_map = SlotMap.from_cluster_slots(reply, without_db(url))
+    if not slot_map.covered():
+        raise RedisUnavailable(
+            f"redis at {_redacted(url)} is a Redis Cluster that does not serve every slot yet"
+        )
+    log.info(
+        "redis at %s is a Redis Cluster node: cluster mode, %d masters",
+        _redacted(url),
+        len(slot_map.nodes),
+    )
+    return slot_map
+
+
+async def preload(
+    conn: RespConnection, url: str, slot_map: SlotMap | None, scripts: Sequence[Script]
+) -> None:
+    """``SCRIPT LOAD`` every script on the server, or on every master of a cluster."""
+    if not scripts:
+        return
+    if slot_map is None:
+        await _load(conn, scripts)
+        return
+    for node in slot_map.nodes:
+        node_conn = await RespConnection.open(node)
+        try:
+            await _load(node_conn, scripts)
+        finally:
+            await node_conn.close()
+
+
+async def _load(conn: RespConnection, scripts: Sequence[Script]) -> None:
+    replies = await conn.execute([("SCRIPT", "LOAD", script.source) for script in scripts])
+    for reply in replies:
+        if isinstance(reply, RedisReplyError) and reply.code == "NOPERM":
+            continue  # this user may not: the pipeliner loads them on first use, if it may
+        if isinstance(reply, Exception):
+            raise RedisUnavailable(f"redis refused SCRIPT LOAD: {reply}") from reply
