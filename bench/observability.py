@@ -27,20 +27,18 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+from anyio.abc import TaskGroup
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from adapters.asgi import serve_app
-from adapters.sidecar import Sidecar
-from bench.pipeline import noop_agent, pipeline_throughput
+from bench.pipeline import in_process_throughput
 from broker import process_metrics, tracing
 from broker.config import build_settings
 from broker.connection import open_connection
 from broker.embedded import RedisServer
-from broker.records import InstanceCard
-from workers.dispatcher import Dispatcher
 from workers.metrics_page import render
 
 CONFIGURATIONS = ("off", "on", "on + scraped", "on + traced")
@@ -92,20 +90,12 @@ async def measured_run(url: str, configuration: str, run_no: int, messages: int)
         [{"redis_url": url, "prefix": prefix, "metrics_counters": metrics_on}]
     )
     async with open_connection(settings, url) as conn:
-        card = InstanceCard(
-            agent_id="noop",
-            instance_id=f"noop-{run_no}",
-            capabilities=("bench.noop",),
-            endpoint="python",
-            max_inflight=messages,
-        )
-        async with anyio.create_task_group() as tg:
-            await tg.start(Sidecar(conn, card, noop_agent()).run)
-            await tg.start(Dispatcher(conn, consumer="bench").run)
+
+        def scrape(tg: TaskGroup) -> None:
             if configuration == "on + scraped":
                 tg.start_soon(scrape_every_second, url, prefix)
-            throughput = await pipeline_throughput(conn, messages)
-            tg.cancel_scope.cancel()
+
+        throughput = await in_process_throughput(conn, f"noop-{run_no}", messages, alongside=scrape)
         await conn.call("FLUSHALL")  # every run starts on an empty Redis
     return throughput
 

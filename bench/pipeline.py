@@ -19,10 +19,12 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import msgspec
+from anyio.abc import TaskGroup
 from redis.asyncio import Redis
 
 from adapters.python import Agent
@@ -106,6 +108,32 @@ async def pipeline_throughput(conn: Connection, n: int) -> float:
         for start in range(0, n, BATCH):
             await client.submit_many(envelopes[start : start + BATCH])
     return n / (time.perf_counter() - started)
+
+
+async def in_process_throughput(
+    conn: Connection,
+    instance_id: str,
+    messages: int,
+    *,
+    alongside: Callable[[TaskGroup], None] | None = None,
+) -> float:
+    """:func:`pipeline_throughput` through a dispatcher and an in-process sidecar (no-op
+    handler) started here on ``conn``; ``alongside`` may start more tasks meanwhile."""
+    card = InstanceCard(
+        agent_id="noop",
+        instance_id=instance_id,
+        capabilities=("bench.noop",),
+        endpoint="python",
+        max_inflight=messages,
+    )
+    async with anyio.create_task_group() as tg:
+        await tg.start(Sidecar(conn, card, noop_agent()).run)
+        await tg.start(Dispatcher(conn, consumer="bench").run)
+        if alongside is not None:
+            alongside(tg)
+        throughput = await pipeline_throughput(conn, messages)
+        tg.cancel_scope.cancel()
+    return throughput
 
 
 async def fixed_rate_latency(conn: Connection, rate: float, seconds: float) -> list[float]:

@@ -177,11 +177,13 @@ def producer(keys: Keyspace, version: str, name: str) -> User:
     replies = keys.reply(f"{name}-*")
     says = f"producer {name!r}: XADD to {keys.ingress}; reads its own reply streams {replies}"
     if version == "7":
-        root = Grant((*CONNECT, *PRODUCER_SUBMIT), (f"%W~{keys.ingress}",))
+        ingress = (f"%W~{keys.ingress}", f"%W~{keys.ingress}:*")  # and its partitions
+        root = Grant((*CONNECT, *PRODUCER_SUBMIT), ingress)
         own = Grant(PRODUCER_REPLIES, (f"~{replies}",))
         says += " and deletes their entries"
         return User("producer", name, says, root, (own,), (_trim_caveat(keys.ingress),))
-    root = Grant((*CONNECT, *PRODUCER_SUBMIT, "xread"), _rw([keys.ingress, replies]))
+    ingress_keys = [keys.ingress, f"{keys.ingress}:*"]
+    root = Grant((*CONNECT, *PRODUCER_SUBMIT, "xread"), _rw([*ingress_keys, replies]))
     caveat = (
         f"Redis 6.2 cannot tell reading a key from writing it, nor grant a command on some "
         f"keys only: this user can also read {keys.ingress} (every producer's envelopes) "

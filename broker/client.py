@@ -41,6 +41,7 @@ from .connection import Connection, open_connection
 from .embedded import embedded_redis
 from .envelope import Envelope, check_envelope, complete, encode_envelope, request_digest
 from .errors import ClientNotOpen, InvalidEnvelope, RedisReplyError, RequestTimeout, UnknownMessage
+from .keyspace import ingress_for
 from .records import MessageRecord, TimelineEntry
 from .replies import ReplyInbox, Result, answer_in, result_from_fields
 from .stages import TERMINAL
@@ -213,19 +214,32 @@ class Client:
         """``XADD`` one envelope to the ingress stream; returns its id (assigned here if absent)."""
         envelope = complete(envelope)
         check_envelope(envelope)  # what the dispatcher would reject, refused here already
-        with tracing.sending(envelope, self.keys.ingress) as sent:
-            await self.conn.call("XADD", self.keys.ingress, "*", "envelope", encode_envelope(sent))
+        stream = self._ingress_for(envelope)
+        with tracing.sending(envelope, stream) as sent:
+            await self.conn.call("XADD", stream, "*", "envelope", encode_envelope(sent))
         return envelope.message_id
+
+    def _ingress_for(self, envelope: Envelope) -> str:
+        """The ingress partition of ``envelope`` (``ingress_partitions``)."""
+        key = envelope.session_id or envelope.message_id
+        return ingress_for(self.keys, key, self.conn.settings.ingress_partitions)
 
     async def submit_many(self, envelopes: list[Envelope]) -> list[str]:
         """Submit a batch in one pipelined round trip."""
         done = [complete(e) for e in envelopes]
         for envelope in done:
             check_envelope(envelope)
+        streams = [self._ingress_for(e) for e in done]
         with ExitStack() as spans:  # one send span each, when tracing is on
-            sent = [spans.enter_context(tracing.sending(e, self.keys.ingress)) for e in done]
+            sent = [
+                spans.enter_context(tracing.sending(e, stream))
+                for e, stream in zip(done, streams, strict=True)
+            ]
             replies = await self.conn.call_many(
-                [("XADD", self.keys.ingress, "*", "envelope", encode_envelope(e)) for e in sent]
+                [
+                    ("XADD", stream, "*", "envelope", encode_envelope(e))
+                    for e, stream in zip(sent, streams, strict=True)
+                ]
             )
         for reply in replies:
             if isinstance(reply, Exception):

@@ -35,6 +35,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     heartbeat_s: Positive = 5.0
     down_after_s: Positive = 15.0
     dispatch_batch: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 256
+    # ingress streams: P:in, P:in:{1}, ... (more than one spreads them over a cluster's nodes)
+    ingress_partitions: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
     sidecar_batch: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 256
     sweep_interval_s: Positive = 1.0
     registry_refresh_s: Positive = 1.0

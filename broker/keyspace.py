@@ -4,6 +4,7 @@
 key                       type    holds
 ========================  ======  ==========================================================
 ``P:in``                  stream  ingress envelopes; consumer group ``dispatch``
+``P:in:{<n>}``            stream  ingress partition n (``ingress_partitions`` > 1), likewise
 ``P:e:<stream>:<entry>``  string  the message id minted for an ingress entry without one
                                   whose entry time is ahead of the clock; until acknowledged
 ``P:idkey``               string  the key of the hash in ids derived from ingress entries
@@ -37,6 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .slots import crc16
+
 DISPATCH_GROUP = "dispatch"
 SIDECAR_GROUP = "sidecar"
 NOTIFY_GROUP = "notify"
@@ -49,6 +52,11 @@ class Keyspace:
     @property
     def ingress(self) -> str:
         return f"{self.prefix}:in"
+
+    def ingress_partition(self, n: int) -> str:
+        """Partition ``n`` of the ingress: ``P:in`` for 0 (the name without partitions), else
+        ``P:in:{n}`` (its own slot on a cluster)."""
+        return self.ingress if n == 0 else f"{self.prefix}:in:{{{n}}}"
 
     @property
     def counters(self) -> str:
@@ -134,3 +142,14 @@ class Keyspace:
     @property
     def registry_channel(self) -> str:
         return f"{self.prefix}:registry"
+
+
+def ingress_streams(keys: Keyspace, partitions: int) -> list[str]:
+    """Every partition of the ingress (``ingress_partitions``)."""
+    return [keys.ingress_partition(n) for n in range(partitions)]
+
+
+def ingress_for(keys: Keyspace, key: str, partitions: int) -> str:
+    """The partition a producer writes to: by session id (one session's requests keep their
+    order), else by message id: CRC16 of the key modulo ``partitions``."""
+    return keys.ingress_partition(crc16(key.encode()) % partitions if partitions > 1 else 0)

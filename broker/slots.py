@@ -9,30 +9,16 @@ refuse a cross-slot call before Redis answers ``CROSSSLOT``.
 
 from __future__ import annotations
 
+import binascii
 from collections.abc import Iterable
 
 SLOTS = 16384
 
 
-def _table() -> tuple[int, ...]:
-    table = []
-    for byte in range(256):
-        crc = byte << 8
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else (crc << 1)
-        table.append(crc & 0xFFFF)
-    return tuple(table)
-
-
-_CRC16 = _table()
-
-
 def crc16(data: bytes) -> int:
-    """CRC16-CCITT (XMODEM): polynomial 0x1021, initial value 0."""
-    crc = 0
-    for byte in data:
-        crc = ((crc << 8) & 0xFFFF) ^ _CRC16[((crc >> 8) ^ byte) & 0xFF]
-    return crc
+    """CRC16-CCITT (XMODEM: polynomial 0x1021, initial value 0) — the standard library's
+    ``binascii.crc_hqx``, in C: every command a cluster connection sends is hashed."""
+    return binascii.crc_hqx(data, 0)
 
 
 def hash_part(key: bytes) -> bytes:

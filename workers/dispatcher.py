@@ -23,33 +23,28 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from collections.abc import Iterable, Sequence
 
 import anyio
 from anyio.abc import TaskStatus
 
-from broker import tracing
-from broker.acks import ack, trim_acknowledged
 from broker.connection import Connection, ensure_group
-from broker.entries import IngressEntry, parse_ingress
 from broker.errors import RedisReplyError, RedisUnavailable
-from broker.keyspace import DISPATCH_GROUP
+from broker.keyspace import DISPATCH_GROUP, ingress_streams
 from broker.registry import Registry
 from broker.store import MessageStore
-from broker.streams import GroupReader, RawEntry, Subscriber, raw_entries
+from broker.streams import RawEntry, Subscriber
 
 from .admission import Admission
 from .assignment import Assigner
+from .ingress_lane import IngressLane
 from .intake import Intake
 from .routing_table import RoutingTable, routing_policy
 from .waiting import WaitingRoom
 
 log = logging.getLogger("agent_reach.dispatcher")
 
-READ_BLOCK_MS = 1000
 PRUNE_EVERY_S = 10.0  # how often the waiting index is pruned of capabilities with nothing
-MAX_ENTRY_FAILURES = 3  # an entry failing this often on its own is rejected with the error
 TRIM_EVERY_S = 10.0
 BEHIND_WAITING = "queued behind waiting work of its capability"
 LISTED_INSTANCES = 10  # a broadcast's timeline names this many of its instances (trace: all)
@@ -70,149 +65,64 @@ class Dispatcher:
         self.table = RoutingTable(routing_policy(self.settings))
         self.assigner = Assigner(self.store, self.table)
         self.waiting = WaitingRoom(self.store, self.table, batch=self.settings.dispatch_batch)
-        self.intake = Intake(conn, self.store)
-        self.admission = Admission(
-            conn,
-            self.store,
-            self.table,
-            assigner=self.assigner,
-            waiting=self.waiting,
-            intake=self.intake,
-            on_parked=self._drain_soon,
-        )
+        streams = ingress_streams(self.keys, self.settings.ingress_partitions)
+        self.lanes = [self._lane(stream) for stream in streams]
         self._credit_freed = anyio.Event()
         self._to_drain: set[str] = set()
         self._next_prune = 0.0
 
+    def _lane(self, stream: str) -> IngressLane:
+        intake = Intake(self.conn, self.store, stream)
+        admission = Admission(
+            self.conn,
+            self.store,
+            self.table,
+            assigner=self.assigner,
+            waiting=self.waiting,
+            intake=intake,
+            on_parked=self._drain_soon,
+        )
+        return IngressLane(
+            self.conn,
+            stream,
+            self.consumer,
+            intake=intake,
+            admission=admission,
+            assigner=self.assigner,
+            waiting=self.waiting,
+        )
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        await ensure_group(self.conn, self.keys.ingress, DISPATCH_GROUP)
+        for lane in self.lanes:
+            await ensure_group(self.conn, lane.stream, DISPATCH_GROUP)
         await self.refresh()
-        async with self.conn.reader() as reader, anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as tg:
             await tg.start(self._watch_notifications)
             tg.start_soon(self._drain_loop)
             tg.start_soon(self._trim_loop)
-            await self._recover(reader)
+            for lane in self.lanes:  # each lane's own pending entries handled before started
+                await tg.start(self._run_lane, lane)
             task_status.started()
-            await self._ingress_loop(reader)
 
     async def refresh(self) -> None:
         self.table.load(await self.registry.snapshot())
 
     # -- ingress -----------------------------------------------------------------------------
 
-    async def _recover(self, reader: GroupReader) -> None:
-        """Re-handle this consumer's own pending entries: a restart after a crash mid-batch."""
-        entries = await reader.read_raw(
-            self.keys.ingress,
-            DISPATCH_GROUP,
-            self.consumer,
-            count=100_000,
-            block_ms=None,
-            pending=True,
-        )
-        if entries:
-            log.info("recovering %d pending ingress entries", len(entries))
-            await self._handle(entries, recovering=True)
+    async def _run_lane(self, lane: IngressLane, *, task_status: TaskStatus[None]) -> None:
+        async with self.conn.reader() as reader:
+            await lane.recover(reader)
+            task_status.started()
+            await lane.consume(reader)
 
     async def claim_abandoned(self) -> int:
-        """Take over ingress entries another dispatcher read and never finished (it died, and
-        did not come back under its name): ``XAUTOCLAIM`` after ``claim_idle_s``. Handling
-        an entry twice is harmless: a record is created once per id."""
-        reply = await self.conn.call(
-            "XAUTOCLAIM",
-            self.keys.ingress,
-            DISPATCH_GROUP,
-            self.consumer,
-            int(self.settings.claim_idle_s * 1000),
-            "0-0",
-            "COUNT",
-            self.settings.dispatch_batch,
-        )
-        entries = raw_entries(reply[1])
-        if entries:
-            log.info("claimed %d ingress entries abandoned by another dispatcher", len(entries))
-            await self._handle(entries, recovering=True)
-        gone = [e[0] for e in reply[1] if e and not e[1]]  # deleted while pending (Redis 6.2)
-        if gone:
-            await ack(self.conn, self.keys.ingress, DISPATCH_GROUP, [g.decode() for g in gone])
-        return len(entries)
-
-    async def _ingress_loop(self, reader: GroupReader) -> None:
-        backoff = 0.1
-        while True:
-            try:
-                if backoff > 0.1:  # after a failure: first finish what this consumer holds
-                    await self._recover(reader)
-                entries = await reader.read_raw(
-                    self.keys.ingress,
-                    DISPATCH_GROUP,
-                    self.consumer,
-                    count=self.settings.dispatch_batch,
-                    block_ms=READ_BLOCK_MS,
-                )
-                if entries:
-                    await self._handle(entries, recovering=False)
-                backoff = 0.1
-            except (RedisUnavailable, RedisReplyError) as exc:
-                backoff = min(backoff * 2, 5.0)
-                log.warning("ingress failed, retrying in %.1fs: %s", backoff, exc)
-                await anyio.sleep(backoff)
-            except Exception:  # a defect outside any one entry: never out of the loop
-                backoff = min(backoff * 2, 5.0)
-                log.exception("ingress failed unexpectedly, retrying in %.1fs", backoff)
-                await anyio.sleep(backoff)
-
-    async def _handle(self, entries: Sequence[RawEntry], *, recovering: bool) -> None:
-        """A batch at once; should it fail unexpectedly, its entries one at a time, each tried
-        up to ``MAX_ENTRY_FAILURES`` times — on every path: the read loop, the recovery at
-        start, entries taken over from another dispatcher. An entry that still fails is
-        REJECTED with the error (dead-lettered, acknowledged): no entry can stop the ingress,
-        or its dispatcher, for ever."""
-        try:
-            await self.handle_batch(entries, recovering=recovering)
-            return
-        except (RedisUnavailable, RedisReplyError):
-            raise
-        except Exception:
-            log.exception("a batch of %d ingress entries failed: one at a time", len(entries))
-        for entry in entries:
-            await self._handle_alone(entry)
-
-    async def _handle_alone(self, entry: RawEntry) -> None:
-        for failures in range(1, MAX_ENTRY_FAILURES + 1):
-            try:
-                await self.handle_batch([entry], recovering=True)
-                return
-            except (RedisUnavailable, RedisReplyError):
-                raise
-            except Exception as exc:
-                if failures == MAX_ENTRY_FAILURES:
-                    await self._set_aside(entry, exc)
-                else:
-                    log.warning("ingress entry %s failed (%d): %s", entry[0], failures, exc)
-
-    async def _set_aside(self, entry: RawEntry, exc: Exception) -> None:
-        entry_id, flat = entry
-        log.error("ingress entry %s failed %d times; rejected", entry_id, MAX_ENTRY_FAILURES)
-        reason = f"the dispatcher could not handle it: {type(exc).__name__}: {exc}"
-        names, minted = await self.intake.names([entry_id], recovering=True)
-        parsed = parse_ingress(entry_id, flat)
-        raw = parsed.envelope if isinstance(parsed, IngressEntry) else parsed.raw
-        await self.intake.reject([self.intake.rejection(entry_id, names[entry_id], reason, raw)])
-        await self.intake.acknowledge([entry_id], minted)
+        """Take over ingress entries other dispatchers read and never finished, on every
+        partition (:meth:`IngressLane.claim_abandoned`). Returns how many."""
+        return sum([await lane.claim_abandoned() for lane in self.lanes])
 
     async def handle_batch(self, entries: Sequence[RawEntry], *, recovering: bool = False) -> None:
-        """Take in, accept, route, assign or park, then acknowledge: a few round trips per
-        batch, whatever the entries hold (:mod:`workers.intake`)."""
-        started_ns = time.time_ns()
-        intaken = await self.intake.take(entries, recovering=recovering)
-        routed = await self.admission.admit(intaken.envelopes)
-        assigned = await self.assigner.assign(routed)
-        if len(assigned) < len(routed):  # refused for want of a credit: now they wait
-            taken = {r.message_id for r in assigned}
-            self.waiting.note_waiting({r.capability for r in routed if r.message_id not in taken})
-        await self.intake.acknowledge([entry_id for entry_id, _ in entries], intaken.minted)
-        tracing.dispatched(intaken.envelopes, self.keys.ingress, started_ns, time.time_ns())
+        """A batch of the first partition's entries (see :meth:`IngressLane.handle_batch`)."""
+        await self.lanes[0].handle_batch(entries, recovering=recovering)
 
     # -- waiting -----------------------------------------------------------------------------
 
@@ -301,7 +211,8 @@ class Dispatcher:
         while True:
             await anyio.sleep(TRIM_EVERY_S)
             try:
-                await trim_acknowledged(self.conn, self.keys.ingress)
+                for lane in self.lanes:
+                    await lane.trim()
             except RedisUnavailable as exc:
                 log.warning("trim failed: %s", exc)
 

@@ -86,12 +86,12 @@ class Intaken:
 
 
 class Intake:
-    def __init__(self, conn: Connection, store: MessageStore) -> None:
+    def __init__(self, conn: Connection, store: MessageStore, stream: str | None = None) -> None:
         self.conn = conn
         self.store = store
         self.keys = conn.keys
         self.settings = conn.settings
-        self.stream = conn.keys.ingress
+        self.stream = stream or conn.keys.ingress  # one partition of the ingress
         self._id_key: bytes | None = None
 
     async def take(self, entries: Sequence[RawEntry], *, recovering: bool) -> Intaken:

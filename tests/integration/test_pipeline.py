@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import anyio
 import msgspec
 
@@ -9,6 +11,7 @@ from broker.client import Client, Result
 from broker.config import Settings
 from broker.connection import Connection, open_connection
 from broker.envelope import Envelope
+from broker.keyspace import ingress_for, ingress_streams
 from broker.registry import Registry
 from broker.stages import Stage
 from broker.store import MessageStore
@@ -231,3 +234,33 @@ async def test_instances_stay_routable_under_steady_traffic(settings: Settings) 
         waited = [i for i in ids if Stage.WAITING in {e.stage for e in await store.get_timeline(i)}]
     assert len(ids) > 300
     assert waited == []
+
+
+async def test_a_partitioned_ingress_carries_every_message_once(settings: Settings) -> None:
+    """``ingress_partitions = 3``: the client spreads envelopes over ``P:in``, ``P:in:{1}``,
+    ``P:in:{2}`` by message id (a session's by its session id), a raw producer may write to
+    any of them, and one dispatcher consumes them all."""
+    partitioned = msgspec.structs.replace(settings, ingress_partitions=3)
+    assert partitioned.redis_url is not None
+    async with open_connection(partitioned, partitioned.redis_url) as conn:
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        streams = ingress_streams(conn.keys, 3)
+        raw = {"capability": "text.echo", "payload": {"n": -1}, "reply_to": reply_to}
+        async with (
+            http_agent("a") as agent,
+            running_sidecar(conn, "a-1", ("text.echo",), url=agent.url, max_inflight=300),
+            running_dispatcher(conn),
+        ):
+            ids = await client.submit_many([echo(n, reply_to) for n in range(600)])
+            ids += await client.submit_many(
+                [Envelope(capability="text.echo", reply_to=reply_to, session_id="s-7")] * 2
+            )
+            await conn.call("XADD", streams[2], "*", "envelope", msgspec.json.encode(raw))
+            results = await collect_replies(conn, reply_to, 603, timeout_s=180)
+
+    assert set(ids) <= set(results) and len(results) == 603
+    assert all(r.stage is Stage.SUCCEEDED for r in results.values())
+    assert agent.log.total == 603 and max(agent.log.calls.values()) == 1
+    spread = Counter(ingress_for(conn.keys, message_id, 3) for message_id in ids[:600])
+    assert set(spread) == set(streams) and min(spread.values()) > 100, spread

@@ -85,6 +85,7 @@ def test_redis_7_producer_writes_the_ingress_and_reads_only_its_own_replies() ->
         "+asking",
         "+xadd",
         "%W~reach:in",
+        "%W~reach:in:*",
         "(+xread +xdel +del ~reach:reply:alice-*)",
     ]
 

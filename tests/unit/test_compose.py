@@ -27,8 +27,15 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose.yaml"
 SCHEMA_FILE = ROOT / "tests" / "data" / "compose-spec.json"
 REDIS_URL = "redis://redis:6379/0"
+CLUSTER_URL = "redis://redis-c1:6379"
 # The services run from the project image; a new one must be added here (and is then checked).
-PROJECT_SERVICES = ("dispatcher", "demo-agent", "demo-sidecar")
+PROJECT_SERVICES = (
+    "dispatcher",
+    "demo-agent",
+    "demo-sidecar",
+    "cluster-dispatcher",
+    "cluster-sidecar",
+)
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +152,12 @@ def test_project_service_command_is_a_valid_cli_invocation(
     assert isinstance(service.get("command"), list), f"{name}: command must be a YAML list"
     ctx = parse_service_command(service, cli_env)
     if "redis_url" in ctx.params:
-        assert ctx.params["redis_url"] == REDIS_URL, f"{name} would start an embedded Redis"
-        assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+        on_cluster = name.startswith("cluster-")
+        expected = CLUSTER_URL if on_cluster else REDIS_URL
+        assert ctx.params["redis_url"] == expected, f"{name} would start an embedded Redis"
+        waits_for = "cluster-create" if on_cluster else "redis"
+        condition = "service_completed_successfully" if on_cluster else "service_healthy"
+        assert service["depends_on"][waits_for]["condition"] == condition
 
 
 @pytest.mark.parametrize(
@@ -244,3 +255,22 @@ def test_the_observe_profile_scrapes_what_the_broker_serves(compose: dict[str, A
     mounted = [v.split(":")[0] for v in services["grafana"]["volumes"]]
     for source in mounted:
         assert (ROOT / source).exists(), source
+
+
+def test_the_cluster_profile_creates_a_cluster_the_broker_runs_on(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    nodes = [name for name in services if name.startswith("redis-c")]
+    assert len(nodes) == 6
+    for name in nodes:
+        words = command_words(services[name]["command"])
+        assert services[name]["profiles"] == ["cluster"]
+        assert words[words.index("--cluster-enabled") + 1] == "yes", name
+        assert words[words.index("--appendonly") + 1] == "yes", name
+    create = services["cluster-create"]
+    script = " ".join(command_words(create["command"]))
+    assert "--cluster-replicas 1" in script and "--cluster-yes" in script
+    assert set(create["depends_on"]) == set(nodes)  # every node, healthy, before it runs
+    for name in ("cluster-dispatcher", "cluster-sidecar"):
+        waits = services[name]["depends_on"]["cluster-create"]["condition"]
+        assert waits == "service_completed_successfully", name
+        assert services[name]["profiles"] == ["cluster"]

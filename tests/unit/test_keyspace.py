@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.keyspace import Keyspace
+from broker.keyspace import Keyspace, ingress_for, ingress_streams
+from broker.slots import key_slot
 
 PROPERTY = settings(database=None)
 ids = st.from_regex(r"[0-9A-Za-z_.:-]{1,64}", fullmatch=True)
@@ -125,3 +128,21 @@ def test_prefix_does_not_change_the_slot(prefix: str) -> None:
 
 def test_different_prefixes_never_share_keys() -> None:
     assert set(all_keys(Keyspace("a"), "x")).isdisjoint(all_keys(Keyspace("b"), "x"))
+
+
+def test_ingress_partitions_keep_todays_name_first_and_each_a_slot_of_its_own() -> None:
+    keys = Keyspace("reach")
+
+    assert ingress_streams(keys, 1) == ["reach:in"]
+    assert ingress_streams(keys, 3) == ["reach:in", "reach:in:{1}", "reach:in:{2}"]
+    assert ingress_for(keys, "anything", 1) == "reach:in"
+    assert len({key_slot(s) for s in ingress_streams(keys, 8)}) == 8
+
+
+def test_a_key_always_picks_the_same_partition_and_keys_spread_over_all() -> None:
+    keys = Keyspace("reach")
+    picks = Counter(ingress_for(keys, f"01KB{n:022d}", 4) for n in range(4000))
+
+    assert ingress_for(keys, "session-7", 4) == ingress_for(keys, "session-7", 4)
+    assert set(picks) == set(ingress_streams(keys, 4))
+    assert min(picks.values()) > 800  # an even spread: 1000 each, give or take

@@ -26,6 +26,7 @@ from adapters.transport import Transport
 from broker import tracing
 from broker.config import Settings
 from broker.connection import Connection
+from broker.keyspace import ingress_streams
 from broker.records import InstanceCard
 
 from ..dispatcher import Dispatcher
@@ -91,7 +92,8 @@ def serve_roles(
             tg.start_soon(stop_on_signals, tg.cancel_scope.cancel, tg.cancel_scope)
             if dispatch:
                 await tg.start(Dispatcher(conn, consumer=consumer).run)
-                click.echo(f"agent-reach: dispatching from {conn.keys.ingress}", err=True)
+                streams = ingress_streams(conn.keys, conn.settings.ingress_partitions)
+                click.echo(f"agent-reach: dispatching from {', '.join(streams)}", err=True)
             if reap:
                 await tg.start(Reaper(conn).run)
                 click.echo(f"agent-reach: reaping {conn.keys.due}", err=True)
