@@ -30,11 +30,15 @@ class LocalCluster:
 
     def node_of(self, slot: int) -> int:
         """The index of the master serving ``slot``."""
+        return self.owners()[slot]
+
+    def owners(self) -> list[int]:
+        """Slot -> the index of the master serving it, as the cluster says now."""
         ports = [server.port for server in self.masters]
+        owners = [-1] * SLOTS
         for start, end, master, *_ in self.client(0).execute_command("CLUSTER SLOTS"):
-            if start <= slot <= end:
-                return ports.index(int(master[1]))
-        raise LookupError(f"no master serves slot {slot}")
+            owners[start : end + 1] = [ports.index(int(master[1]))] * (end - start + 1)
+        return owners
 
     def stop(self) -> None:
         for server in self.masters:

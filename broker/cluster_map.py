@@ -60,9 +60,12 @@ _SCRIPTED = frozenset({"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO", "FCALL"})
 _READS = frozenset({"XREAD", "XREADGROUP"})
 _KEY_SECOND = frozenset({"XGROUP", "XINFO", "MEMORY", "OBJECT"})  # a subcommand, then the key
 _ALL_KEYS = frozenset({"DEL", "EXISTS", "UNLINK", "MGET", "TOUCH", "WATCH"})
-_REDIRECTS = frozenset({"MOVED", "ASK"})
+REDIRECT_CODES = frozenset({"MOVED", "ASK"})
 _KEYLESS = frozenset(
     {
+        "SCAN",  # walks one node: sent with Connection.call_on
+        "KEYS",
+        "RANDOMKEY",
         "PING",
         "INFO",
         "SCRIPT",
@@ -117,7 +120,7 @@ class Redirect:
 
 def redirection(reply: Any, seed_url: str) -> Redirect | None:
     """``MOVED <slot> <host>:<port>`` or ``ASK …`` as a :class:`Redirect`; else ``None``."""
-    if not isinstance(reply, RedisReplyError) or reply.code not in _REDIRECTS:
+    if not isinstance(reply, RedisReplyError) or reply.code not in REDIRECT_CODES:
         return None
     parts = reply.message.split()
     if len(parts) != 3:
@@ -140,6 +143,7 @@ class SlotMap:
     def __init__(self, owners: list[str | None]) -> None:
         assert len(owners) == SLOTS
         self._owners = owners
+        self._nodes = list(dict.fromkeys(u for u in owners if u is not None))
 
     @classmethod
     def from_cluster_slots(cls, reply: Any, seed_url: str) -> SlotMap:
@@ -160,11 +164,12 @@ class SlotMap:
 
     def moved(self, slot: int, url: str) -> None:
         self._owners[slot] = url
+        self._nodes = list(dict.fromkeys(u for u in self._owners if u is not None))
 
     @property
     def nodes(self) -> list[str]:
         """Every master's URL, in slot order."""
-        return list(dict.fromkeys(u for u in self._owners if u is not None))
+        return self._nodes
 
     def covered(self) -> bool:
         return all(u is not None for u in self._owners)

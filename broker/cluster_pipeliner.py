@@ -44,6 +44,7 @@ from .scripts import Script
 from .slots import key_slot
 
 MAX_REDIRECTS = 5
+REFRESH_ASK_S = 2.0  # how long one node may take to answer CLUSTER SLOTS
 _Unit = tuple[list[int], int | None]  # command indices (a MULTI block is one unit), its slot
 _Sent = tuple[_Unit, str | None]  # a unit, and the node an ASK sent it to
 
@@ -98,7 +99,13 @@ class ClusterPipeliner:
         for _ in range(MAX_REDIRECTS + 1):
             todo = await self._send(commands, todo, replies)
             if not todo:
-                break
+                return replies
+        # still redirected (a reshard or a failover under way): "not now", not an answer
+        for (indices, _), _ask in todo:
+            for i in indices:
+                if redirection(replies[i], self._seed) is not None:
+                    replies[i] = RedisUnavailable(f"redis unavailable: {replies[i]}", code="MOVED")
+        self._stale = True
         return replies
 
     async def _send(
@@ -117,6 +124,7 @@ class ClusterPipeliner:
             self._stale = True
             raise
         again: list[_Sent] = []
+        hints: dict[int, str] = {}  # slot -> the node a MOVED named: newer than any map
         for sent, node_replies in zip(by_node.values(), answers, strict=True):
             at = 0
             for unit, ask_url in sent:
@@ -129,11 +137,13 @@ class ClusterPipeliner:
                 if moved is None:
                     continue
                 if not moved.ask:
-                    self.map.moved(moved.slot, moved.url)
+                    hints[moved.slot] = moved.url
                     self._stale = True
                 again.append((unit, moved.url if moved.ask else None))
         if again and self._stale:
             await self.refresh()
+        for slot, url in hints.items():  # a node asked may not know the new owner yet
+            self.map.moved(slot, url)
         return again
 
     async def _node_call(self, url: str, commands: list[Command], sent: list[_Sent]) -> list[Any]:
@@ -188,10 +198,13 @@ class ClusterPipeliner:
                 return
             last: Exception | None = None
             for url in [*self.map.nodes, self._seed]:
-                try:
-                    reply = await (await self._node(url)).call("CLUSTER", "SLOTS")
-                except RedisUnavailable as exc:
-                    last = exc
+                reply = None
+                with anyio.move_on_after(REFRESH_ASK_S):  # a node that is gone: the next one
+                    try:
+                        reply = await (await self._node(url)).call("CLUSTER", "SLOTS")
+                    except RedisUnavailable as exc:
+                        last = exc
+                if reply is None:
                     continue
                 self.map = SlotMap.from_cluster_slots(reply, self._seed)
                 self._stale = False

@@ -16,6 +16,7 @@ from .cluster_map import SlotMap
 from .errors import ConfigError, RedisReplyError, RedisUnavailable
 from .resp import RespConnection, parse_redis_url
 from .scripts import Script
+from .slots import slot_tag
 
 log = logging.getLogger("agent_reach.connection")
 
@@ -51,6 +52,7 @@ async def detect(conn: RespConnection, url: str) -> SlotMap | None:
         raise RedisUnavailable(
             f"redis at {_redacted(url)} is a Redis Cluster that does not serve every slot yet"
         )
+    slot_tag(0)  # the per-slot counters' tags, found now rather than on the first message
     log.info(
         "redis at %s is a Redis Cluster node: cluster mode, %d masters",
         _redacted(url),

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import anyio
 
+from .cluster_map import REDIRECT_CODES
 from .errors import RedisReplyError, RedisUnavailable
 from .resp import RespConnection
 
@@ -116,10 +117,17 @@ class GroupReader:
                 self._route.mark_stale()  # a failover, perhaps: the map is read again
             raise
         except RedisReplyError as exc:
-            if self._route is None or exc.code != "MOVED":
+            if self._route is None or exc.code not in REDIRECT_CODES:
                 raise
+            # the slot moved: read the map again, and try once more where it says; a slot
+            # still moving (ASK, or MOVED again) is "not now": the reading loop backs off
             await self._route.refresh_soon()
-            reply = await self._execute_at(command, self._url_for(stream))
+            try:
+                reply = await self._execute_at(command, self._url_for(stream))
+            except RedisReplyError as again:
+                if again.code not in REDIRECT_CODES:
+                    raise
+                raise RedisUnavailable(f"redis unavailable: {again}", code=again.code) from again
         return reply
 
     def _url_for(self, stream: str) -> str:

@@ -112,8 +112,7 @@ class Intake:
     async def acknowledge(self, entry_ids: Sequence[str], minted: Sequence[str]) -> None:
         """The batch is done: acknowledge its entries and forget the ids minted for them."""
         commands: list[Command] = [("XACK", self.stream, DISPATCH_GROUP, *entry_ids)]
-        if minted:
-            commands.append(("DEL", *minted))
+        commands += [("DEL", name) for name in minted]  # each its own slot on a cluster
         await self.store.conn.run_all(commands)
 
     def rejection(

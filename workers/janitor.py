@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 from broker.connection import Connection
+from broker.errors import RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
 from broker.scripts import ScriptName
 from broker.stages import TERMINAL, Stage
@@ -56,9 +57,13 @@ class Janitor:
             self._pass = [(node, "0") for node in self.conn.nodes]  # each master of a cluster
             await self._forget(await self._silent_registered(now), now)
         node, cursor = self._pass[0]
-        reply = await self.conn.call_on(
-            node, "SCAN", cursor, "MATCH", f"{self.keys.prefix}:*", "COUNT", PAGE
-        )
+        try:
+            reply = await self.conn.call_on(
+                node, "SCAN", cursor, "MATCH", f"{self.keys.prefix}:*", "COUNT", PAGE
+            )
+        except RedisUnavailable:
+            self._pass = None  # a node gone (a failover?): the next pass starts on the nodes now
+            raise
         if reply[0] == b"0":
             self._pass.pop(0)
         else:

@@ -75,6 +75,7 @@ def test_commands_go_where_their_keys_live() -> None:
     assert command_slot(("XGROUP", "CREATE", stream, "g", "0", "MKSTREAM")) == key_slot(stream)
     assert command_slot(("HGETALL", KEYS.card("i1"))) == key_slot(KEYS.card("i1"))
     assert command_slot(("PING",)) is None and command_slot(("SCRIPT", "LOAD", "x")) is None
+    assert command_slot(("SCAN", "17", "MATCH", "reach:*")) is None  # a cursor, not a key
     with pytest.raises(CrossSlot):
         command_slot(("DEL", KEYS.record("a"), KEYS.record("b")))
 
