@@ -204,7 +204,10 @@ def sidecar(keys: Keyspace, version: str, agent: str) -> User:
     selectors = (
         Grant(INSTANCE_COMMANDS, _rw(own), channels),
         Grant(TELL_COMMANDS, _w([keys.reply("*"), keys.outbox, keys.dlq], version)),
-        Grant(PARK_COMMANDS, _w([keys.due, keys.waiting("*"), keys.waiting_index], version)),
+        Grant(
+            PARK_COMMANDS,
+            _w([keys.due, f"{keys.due}:*", keys.waiting("*"), keys.waiting_index], version),
+        ),
         Grant(REGISTER_COMMANDS, _w([keys.agents], version)),
     )
     says = (
@@ -262,7 +265,8 @@ def operator(keys: Keyspace, version: str) -> User:
         moved = [keys.record("*"), keys.timeline("*"), keys.outcomes("*"), keys.card("*")]
         moved.append(f"{keys.counters}*")  # and, on a cluster, every slot's
         told = [keys.reply("*"), keys.outbox, keys.dlq]
-        indexed = [keys.due, keys.waiting("*"), keys.unmatched("*"), keys.waiting_index]
+        indexed = [keys.due, f"{keys.due}:*", keys.waiting("*"), keys.unmatched("*")]
+        indexed.append(keys.waiting_index)
         root = Grant(
             commands,
             (f"%R~{everything}", *_rw(moved), *_w([*indexed, *told], version)),

@@ -157,7 +157,8 @@ async def open_connection(
         pipeliner = ClusterPipeliner(url, list(scripts.values()), slot_map)
     async with anyio.create_task_group() as tg:
         await tg.start(pipeliner.run)
-        yield Connection(pipeliner, scripts, Keyspace(settings.prefix), settings, url)
+        keys = Keyspace(settings.prefix, settings.ingress_partitions)
+        yield Connection(pipeliner, scripts, keys, settings, url)
         tg.cancel_scope.cancel()
 
 

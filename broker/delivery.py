@@ -11,6 +11,7 @@ from .connection import Connection
 from .deadletters import Letter, dead_letter_command, letter_kind
 from .envelope import Envelope, load_envelope
 from .errors import RedisUnavailable
+from .keyspace import due_for
 from .metric_fields import field
 from .record_codec import pairs, raised, readable_record, timeline_entry
 from .results import Command, delivery_commands
@@ -157,7 +158,7 @@ class Delivery:
         await self.conn.run_all(
             [
                 ("HDEL", self.keys.record(parent_id), "reply_pending"),
-                ("ZREM", self.keys.due, parent_id),
+                ("ZREM", due_for(self.keys, parent_id), parent_id),
             ]
         )
 

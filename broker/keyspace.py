@@ -20,6 +20,7 @@ key                       type    holds
 ``P:x:{<capability>}``    zset    WAITING ids no instance can take at all (same scores)
 ``P:waiting``             set     capabilities that have had waiting work
 ``P:due``                 zset    message id -> deadline (ms): waiting work that may expire
+``P:due:{<n>}``           zset    due set partition n (``ingress_partitions`` > 1), likewise
 ``P:s:{<session>}``        string  session -> instance (affinity), with a TTL
 ``P:n:{<capability>}:<w>``  string  assignments in 10-second window ``w`` (expires)
 ``P:dlq``                 stream  dead letters with their reason
@@ -48,6 +49,7 @@ NOTIFY_GROUP = "notify"
 @dataclass(frozen=True, slots=True)
 class Keyspace:
     prefix: str = "reach"
+    partitions: int = 1  # ``ingress_partitions``: of the ingress, and of the due set
 
     @property
     def ingress(self) -> str:
@@ -153,3 +155,15 @@ def ingress_for(keys: Keyspace, key: str, partitions: int) -> str:
     """The partition a producer writes to: by session id (one session's requests keep their
     order), else by message id: CRC16 of the key modulo ``partitions``."""
     return keys.ingress_partition(crc16(key.encode()) % partitions if partitions > 1 else 0)
+
+
+def due_for(keys: Keyspace, message_id: str) -> str:
+    """The due set holding ``message_id``'s next deadline: ``P:due`` (partition 0, the name
+    without partitions) or ``P:due:{n}``, by the message id, as the ingress is chosen."""
+    n = crc16(message_id.encode()) % keys.partitions if keys.partitions > 1 else 0
+    return keys.due if n == 0 else f"{keys.due}:{{{n}}}"
+
+
+def due_sets(keys: Keyspace) -> list[str]:
+    """Every partition of the due set: each reaper claims from all of them."""
+    return [keys.due, *(f"{keys.due}:{{{n}}}" for n in range(1, keys.partitions))]

@@ -17,6 +17,7 @@ from .deadletters import DeadLetter, DeadLetters, letter_view
 from .due_clock import due_command
 from .envelope import load_envelope
 from .errors import UnknownMessage
+from .keyspace import due_sets
 from .record_codec import timeline_entry
 from .records import MessageRecord
 from .registry import Registry
@@ -145,19 +146,19 @@ class Operator:
         """The records of every message still in flight, a page of the deadline index at a
         time (every accepted message is indexed there until it has ended). Paging by index
         while the broker edits the index may skip or repeat an entry: good enough to look."""
-        start = 0
-        while True:
-            ids = [
-                i.decode()
-                for i in await self.conn.call("ZRANGE", self.keys.due, start, start + page - 1)
-            ]
-            if not ids:
-                return
-            records = await self.store.get_records(ids)
-            yield [r for r in records if r is not None and r.stage not in TERMINAL]
-            if len(ids) < page:
-                return
-            start += page
+        for due in due_sets(self.keys):  # every partition
+            start = 0
+            while True:
+                ids = [
+                    i.decode() for i in await self.conn.call("ZRANGE", due, start, start + page - 1)
+                ]
+                if not ids:
+                    break
+                records = await self.store.get_records(ids)
+                yield [r for r in records if r is not None and r.stage not in TERMINAL]
+                if len(ids) < page:
+                    break
+                start += page
 
     async def stuck(
         self,

@@ -24,7 +24,7 @@ import msgspec
 
 from .cluster_map import ORDER_BARRIER
 from .envelope import Envelope
-from .keyspace import Keyspace
+from .keyspace import Keyspace, due_for
 from .metric_fields import Counting
 from .scripts import ScriptName, script_source
 from .stages import TERMINAL, Stage
@@ -159,7 +159,9 @@ def delivery_commands(
         now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
         # first the reaper's next look at the parent, then the outcome: whatever this one
         # ends, the reaper sees it soon, even if its ender stops before telling the producer
-        commands.append(("ZADD", keys.due, "LT", now + PARENT_LOOK_MS, envelope.parent))
+        commands.append(
+            ("ZADD", due_for(keys, envelope.parent), "LT", now + PARENT_LOOK_MS, envelope.parent)
+        )
         commands.append(ORDER_BARRIER)  # on a cluster: two slots, the look written first
         commands.append(
             child_done_command(

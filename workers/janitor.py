@@ -23,7 +23,7 @@ from typing import Any
 
 from broker.connection import Connection
 from broker.errors import RedisUnavailable
-from broker.keyspace import SIDECAR_GROUP
+from broker.keyspace import SIDECAR_GROUP, due_for
 from broker.scripts import ScriptName
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore
@@ -87,10 +87,12 @@ class Janitor:
         live = [i for i, stage in zip(message_ids, stages, strict=True) if stage in _LIVE]
         if not live:
             return
-        scores = await self.conn.call_many([("ZSCORE", self.keys.due, i) for i in live])
+        scores = await self.conn.call_many([("ZSCORE", due_for(self.keys, i), i) for i in live])
         lost = [i for i, score in zip(live, scores, strict=True) if score is None]
         if lost:
-            await self.store.conn.run_all([("ZADD", self.keys.due, "NX", now, i) for i in lost])
+            await self.store.conn.run_all(
+                [("ZADD", due_for(self.keys, i), "NX", now, i) for i in lost]
+            )
             self.reindexed += len(lost)
             log.warning("indexed %d live messages the due index had lost", len(lost))
 

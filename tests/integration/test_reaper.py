@@ -25,7 +25,7 @@ from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection, ensure_group, open_connection
 from broker.envelope import Envelope
-from broker.keyspace import SIDECAR_GROUP
+from broker.keyspace import SIDECAR_GROUP, due_for, due_sets
 from broker.records import InstanceCard
 from broker.registry import Registry
 from broker.stages import Stage
@@ -477,6 +477,24 @@ async def test_reapers_working_at_once_handle_each_due_message_once(fast: Connec
     assert sum(r.handled.get("expired", 0) for r in reapers) == n
     replies = int(await conn.call("XLEN", reply_to))
     assert replies == n  # one reply each: no message was expired by two reapers
+
+
+async def test_every_partition_of_the_due_set_is_claimed(settings: Settings) -> None:
+    """``ingress_partitions = 3``: deadlines spread over ``P:due``, ``P:due:{1}``,
+    ``P:due:{2}`` by message id, and a reaper claims and resolves them all."""
+    partitioned = msgspec.structs.replace(settings, ingress_partitions=3, sweep_interval_s=0.1)
+    assert partitioned.redis_url is not None
+    async with open_connection(partitioned, partitioned.redis_url) as conn:
+        client = Client(conn)
+        reply_to = client.new_reply_stream()
+        async with running_dispatcher(conn):  # and its reaper
+            ids = await client.submit_many([request(reply_to, timeout_s=0.3) for _ in range(150)])
+            results = await collect_replies(conn, reply_to, 150)
+        sets = due_sets(conn.keys)
+
+    assert {r.stage for r in results.values()} == {Stage.EXPIRED} and set(results) == set(ids)
+    # deadlines in all three: a partition no reaper claimed would leave its messages waiting
+    assert {due_for(conn.keys, i) for i in ids} == set(sets) and len(sets) == 3
 
 
 # -- dead processes ------------------------------------------------------------------------

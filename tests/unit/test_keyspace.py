@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.keyspace import Keyspace, ingress_for, ingress_streams
+from broker.keyspace import Keyspace, due_for, due_sets, ingress_for, ingress_streams
 from broker.slots import key_slot
 
 PROPERTY = settings(database=None)
@@ -146,3 +146,12 @@ def test_a_key_always_picks_the_same_partition_and_keys_spread_over_all() -> Non
     assert ingress_for(keys, "session-7", 4) == ingress_for(keys, "session-7", 4)
     assert set(picks) == set(ingress_streams(keys, 4))
     assert min(picks.values()) > 800  # an even spread: 1000 each, give or take
+
+
+def test_the_due_set_in_partitions_keeps_its_name_first() -> None:
+    one, three = Keyspace("reach"), Keyspace("reach", partitions=3)
+
+    assert due_sets(one) == ["reach:due"] and due_for(one, "m-1") == "reach:due"
+    assert due_sets(three) == ["reach:due", "reach:due:{1}", "reach:due:{2}"]
+    picks = Counter(due_for(three, f"01KB{n:022d}") for n in range(3000))
+    assert set(picks) == set(due_sets(three)) and min(picks.values()) > 800

@@ -26,7 +26,7 @@ from adapters.transport import Transport
 from broker import tracing
 from broker.config import Settings
 from broker.connection import Connection
-from broker.keyspace import ingress_streams
+from broker.keyspace import due_sets, ingress_streams
 from broker.records import InstanceCard
 
 from ..dispatcher import Dispatcher
@@ -96,7 +96,7 @@ def serve_roles(
                 click.echo(f"agent-reach: dispatching from {', '.join(streams)}", err=True)
             if reap:
                 await tg.start(Reaper(conn).run)
-                click.echo(f"agent-reach: reaping {conn.keys.due}", err=True)
+                click.echo(f"agent-reach: reaping {', '.join(due_sets(conn.keys))}", err=True)
             if notify:
                 await tg.start(Notifier(conn, consumer=consumer).run)
                 click.echo(f"agent-reach: notifying from {conn.keys.outbox}", err=True)
