@@ -50,7 +50,7 @@ from .acl_commands import (
     TELL_COMMANDS,
 )
 from .envelope import MESSAGE_ID_PATTERN
-from .keyspace import Keyspace
+from .keyspace import Keyspace, due_sets, ingress_streams
 
 ROLES = ("producer", "sidecar", "broker", "operator-read", "operator")
 REDIS_VERSIONS = ("6.2", "7")
@@ -177,12 +177,13 @@ def producer(keys: Keyspace, version: str, name: str) -> User:
     replies = keys.reply(f"{name}-*")
     says = f"producer {name!r}: XADD to {keys.ingress}; reads its own reply streams {replies}"
     if version == "7":
-        ingress = (f"%W~{keys.ingress}", f"%W~{keys.ingress}:*")  # and its partitions
+        # the partitions that are read, by name: an entry written elsewhere would never be
+        ingress = tuple(f"%W~{stream}" for stream in ingress_streams(keys, keys.partitions))
         root = Grant((*CONNECT, *PRODUCER_SUBMIT), ingress)
         own = Grant(PRODUCER_REPLIES, (f"~{replies}",))
         says += " and deletes their entries"
         return User("producer", name, says, root, (own,), (_trim_caveat(keys.ingress),))
-    ingress_keys = [keys.ingress, f"{keys.ingress}:*"]
+    ingress_keys = ingress_streams(keys, keys.partitions)
     root = Grant((*CONNECT, *PRODUCER_SUBMIT, "xread"), _rw([*ingress_keys, replies]))
     caveat = (
         f"Redis 6.2 cannot tell reading a key from writing it, nor grant a command on some "
@@ -206,7 +207,7 @@ def sidecar(keys: Keyspace, version: str, agent: str) -> User:
         Grant(TELL_COMMANDS, _w([keys.reply("*"), keys.outbox, keys.dlq], version)),
         Grant(
             PARK_COMMANDS,
-            _w([keys.due, f"{keys.due}:*", keys.waiting("*"), keys.waiting_index], version),
+            _w([*due_sets(keys), keys.waiting("*"), keys.waiting_index], version),
         ),
         Grant(REGISTER_COMMANDS, _w([keys.agents], version)),
     )
@@ -265,7 +266,7 @@ def operator(keys: Keyspace, version: str) -> User:
         moved = [keys.record("*"), keys.timeline("*"), keys.outcomes("*"), keys.card("*")]
         moved.append(f"{keys.counters}*")  # and, on a cluster, every slot's
         told = [keys.reply("*"), keys.outbox, keys.dlq]
-        indexed = [keys.due, f"{keys.due}:*", keys.waiting("*"), keys.unmatched("*")]
+        indexed = [*due_sets(keys), keys.waiting("*"), keys.unmatched("*")]
         indexed.append(keys.waiting_index)
         root = Grant(
             commands,
@@ -323,6 +324,7 @@ def acl_lines(
     name: str = "producer",
     agent: str | None = None,
     password: str | None = None,
+    partitions: int = 1,
 ) -> list[str]:
     """Comment lines and one ``ACL SETUSER`` line per role, for ``prefix`` on a Redis of
     rule set ``version`` (``"6.2"`` or ``"7"``). Without ``password`` every user gets the
@@ -332,7 +334,7 @@ def acl_lines(
     problem = arguments_problem(roles, name=name, agent=agent, password=password)
     if problem is not None:
         raise ValueError(problem)
-    keys = Keyspace(prefix)
+    keys = Keyspace(prefix, partitions)  # ingress_partitions: the streams and sets granted
     lines = _header(prefix, version, password)
     for role in roles:
         if role == "sidecar" and agent is None and len(roles) > 1:

@@ -85,7 +85,6 @@ def test_redis_7_producer_writes_the_ingress_and_reads_only_its_own_replies() ->
         "+asking",
         "+xadd",
         "%W~reach:in",
-        "%W~reach:in:*",
         "(+xread +xdel +del ~reach:reply:alice-*)",
     ]
 
@@ -325,3 +324,12 @@ def test_the_command_refuses_bad_arguments_with_a_usage_error(argv: list[str], s
     result = CliRunner().invoke(main, ["acl", *argv])
     assert result.exit_code == 2, result.output
     assert said in result.output
+
+
+def test_a_partitioned_ingress_is_granted_by_name_and_nothing_beside_it() -> None:
+    lines = acl_lines(["producer"], prefix="reach", version="7", name="p", partitions=3)
+    rules = by_user(lines)["p"]
+    ingress = [r for r in rules if r.startswith("%W~reach:in")]
+
+    # a stream no dispatcher reads (reach:in:{7}) is not writable: nothing written is ignored
+    assert ingress == ["%W~reach:in", "%W~reach:in:{1}", "%W~reach:in:{2}"]

@@ -90,6 +90,7 @@ def acl(
             name=name,
             agent=agent,
             password=password,
+            partitions=settings.ingress_partitions,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
