@@ -79,14 +79,11 @@ def acl(
     problem = arguments_problem(asked, name=name, agent=agent, password=password)
     if problem is not None:
         raise click.UsageError(problem)
-    version = for_redis or (
-        run(ask_rules_version, settings.redis_url) if settings.redis_url else "7"
-    )
     try:
         lines = acl_lines(
             asked,
             prefix=settings.prefix,
-            version=version,
+            version=for_redis or _server_rules(settings),
             name=name,
             agent=agent,
             password=password,
@@ -95,3 +92,8 @@ def acl(
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     click.echo("\n".join(lines))
+
+
+def _server_rules(settings: Settings) -> str:
+    """The rule set of the server given by ``--redis`` (asked), else Redis 7's."""
+    return run(ask_rules_version, settings.redis_url) if settings.redis_url else "7"
