@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 import textwrap
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .acl_commands import (
     BROKER_COMMANDS,
@@ -47,6 +47,7 @@ from .acl_commands import (
     PRODUCER_SUBMIT,
     RECORD_COMMANDS,
     REGISTER_COMMANDS,
+    SINCE_7,
     TELL_COMMANDS,
 )
 from .envelope import MESSAGE_ID_PATTERN
@@ -199,7 +200,12 @@ def sidecar(keys: Keyspace, version: str, agent: str) -> User:
     instances = f"{agent}-*"
     own = [keys.card(instances), keys.queue(instances), keys.inflight(instances)]
     own.append(keys.callback_key(instances))
-    channels = (keys.credit_channel, keys.registry_channel)
+    # its instances' sharded credit channels P:credit:{<agent>-*} (a Redis 7 cluster)
+    channels = (
+        keys.credit_channel,
+        f"{keys.credit_channel}:{{{instances}}}",
+        keys.registry_channel,
+    )
     records = [keys.record("*"), keys.timeline("*"), keys.outcomes("*"), f"{keys.counters}*"]
     root = Grant((*CONNECT, "script|load", *RECORD_COMMANDS), _rw(records))
     selectors = (
@@ -306,6 +312,16 @@ def _comment(text: str) -> list[str]:
 
 
 def role_user(role: str, keys: Keyspace, version: str, *, name: str, agent: str | None) -> User:
+    user = _role_user(role, keys, version, name=name, agent=agent)
+    if version == "7":
+        return user
+    # Redis 6.2 refuses a rule naming a command it does not have
+    # (the 6.2 rules have no selectors: everything is in the root)
+    commands = tuple(c for c in user.root.commands if c not in SINCE_7)
+    return replace(user, root=replace(user.root, commands=commands))
+
+
+def _role_user(role: str, keys: Keyspace, version: str, *, name: str, agent: str | None) -> User:
     if role == "producer":
         return producer(keys, version, name)
     if role == "sidecar":

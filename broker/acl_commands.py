@@ -9,8 +9,11 @@ script is granted what the script runs.
 from __future__ import annotations
 
 # Every process PINGs at start-up; SELECT serves a URL naming a database other than 0;
-# CLUSTER SLOTS tells a cluster node (and its slot map), ASKING follows a slot in migration.
-CONNECT = ("ping", "select", "cluster|slots", "asking")
+# CLUSTER SLOTS tells a cluster node (and its slot map), ASKING follows a slot in migration,
+# INFO (on a cluster) the server's version: whether it has sharded pub/sub.
+CONNECT = ("ping", "select", "cluster|slots", "asking", "info")
+# commands Redis 6.2 does not have: left out of its rules (nothing sends them to it)
+SINCE_7 = frozenset({"spublish", "ssubscribe"})
 # Scripts are called by sha; whoever meets NOSCRIPT (a restarted Redis) loads them again.
 SCRIPTS = ("evalsha", "script|load")
 
@@ -54,6 +57,7 @@ INSTANCE_COMMANDS = (
     "set",
     "get",
     "publish",
+    "spublish",
 )
 TELL_COMMANDS = ("xadd", "expire")  # a reply (with its TTL), a webhook, a dead letter
 PARK_COMMANDS = ("zadd", "sadd")  # the due index, a waiting set and the waiting index
@@ -106,6 +110,8 @@ BROKER_COMMANDS = (
     "set",
     "publish",
     "subscribe",
+    "ssubscribe",
+    "spublish",
     "multi",
     "exec",
     # the janitor pages through the prefix's keys (SCAN MATCH P:*): SCAN takes no key, so

@@ -49,7 +49,7 @@ def _keys(command: Command) -> Sequence[Any]:
         return command[2:3]
     if name in _ALL_KEYS:
         return command[1:]
-    if name == "SPUBLISH":
+    if name in _SHARD_CHANNEL:
         return command[1:2]
     if name in _KEYLESS or len(command) < 2:
         return ()
@@ -61,6 +61,7 @@ _READS = frozenset({"XREAD", "XREADGROUP"})
 _KEY_SECOND = frozenset({"XGROUP", "XINFO", "MEMORY", "OBJECT"})  # a subcommand, then the key
 _ALL_KEYS = frozenset({"DEL", "EXISTS", "UNLINK", "MGET", "TOUCH", "WATCH"})
 REDIRECT_CODES = frozenset({"MOVED", "ASK"})
+_SHARD_CHANNEL = frozenset({"SPUBLISH", "SSUBSCRIBE"})  # the channel's slot, as a key's
 _KEYLESS = frozenset(
     {
         "SCAN",  # walks one node: sent with Connection.call_on
@@ -143,6 +144,7 @@ class SlotMap:
     def __init__(self, owners: list[str | None]) -> None:
         assert len(owners) == SLOTS
         self._owners = owners
+        self.sharded_pubsub = False  # the servers have SPUBLISH (Redis 7): set at start-up
         self._nodes = list(dict.fromkeys(u for u in owners if u is not None))
 
     @classmethod

@@ -70,8 +70,12 @@ def units_of(commands: Sequence[Command]) -> list[_Unit]:
 class ClusterPipeliner:
     """The :class:`~broker.pipeliner.Pipeliner`'s calls, over every master of a cluster."""
 
-    def __init__(self, seed_url: str, scripts: list[Script], slot_map: SlotMap) -> None:
+    def __init__(
+        self, seed_url: str, scripts: list[Script], slot_map: SlotMap, *, sharded_pubsub: bool
+    ) -> None:
         self._seed = seed_url
+        # Redis 7 or newer: SPUBLISH, heard only by the channel's slot's node
+        self.sharded_pubsub = sharded_pubsub
         self._scripts = scripts
         self.map = slot_map
         self._nodes: dict[str, Pipeliner] = {}

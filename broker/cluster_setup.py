@@ -53,12 +53,28 @@ async def detect(conn: RespConnection, url: str) -> SlotMap | None:
             f"redis at {_redacted(url)} is a Redis Cluster that does not serve every slot yet"
         )
     slot_tag(0)  # the per-slot counters' tags, found now rather than on the first message
+    version = await server_version(conn)
+    slot_map.sharded_pubsub = version >= (7,)
     log.info(
-        "redis at %s is a Redis Cluster node: cluster mode, %d masters",
+        "redis at %s is a Redis Cluster node: cluster mode, %d masters, %s pub/sub",
         _redacted(url),
         len(slot_map.nodes),
+        "sharded" if slot_map.sharded_pubsub else "classic",
     )
     return slot_map
+
+
+async def server_version(conn: RespConnection) -> tuple[int, ...]:
+    """The server's version from ``INFO server``; ``(0,)`` when it will not say (a user
+    without the grant, a provider that renames the command): the oldest behaviour is kept."""
+    (reply,) = await conn.execute([("INFO", "server")])
+    if not isinstance(reply, bytes):
+        return (0,)
+    for line in reply.decode(errors="replace").splitlines():
+        if line.startswith("redis_version:"):
+            parts = line.partition(":")[2].strip().split(".")
+            return tuple(int(p) for p in parts if p.isdigit())
+    return (0,)
 
 
 async def preload(

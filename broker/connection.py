@@ -154,7 +154,9 @@ async def open_connection(
     if slot_map is None:
         pipeliner = Pipeliner(url, list(scripts.values()))
     else:
-        pipeliner = ClusterPipeliner(url, list(scripts.values()), slot_map)
+        pipeliner = ClusterPipeliner(
+            url, list(scripts.values()), slot_map, sharded_pubsub=slot_map.sharded_pubsub
+        )
     async with anyio.create_task_group() as tg:
         await tg.start(pipeliner.run)
         keys = Keyspace(settings.prefix, settings.ingress_partitions)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .connection import Connection
+from .notifications import credit_announcement
 from .record_codec import raised
 from .records import AssignResult
 from .scripts import ScriptName
@@ -30,9 +31,11 @@ def assign_command(
 def release_command(
     conn: Connection, instance_id: str, group: str, finished: list[tuple[str, str]]
 ) -> tuple[Any, ...]:
-    """Free the credits of ``(member, entry_id)`` pairs, ack the entries, announce it."""
+    """Free the credits of ``(member, entry_id)`` pairs, ack the entries, announce it
+    (:func:`broker.notifications.credit_announcement`)."""
     keys = (conn.keys.inflight(instance_id), conn.keys.queue(instance_id))
-    args: list[str] = [group, conn.keys.credit_channel, instance_id]
+    channel, sharded = credit_announcement(conn, instance_id)
+    args: list[str] = [group, channel, instance_id, sharded]
     for member, entry_id in finished:
         args += [member, entry_id]
     return conn.script_command(ScriptName.RELEASE, keys, args)

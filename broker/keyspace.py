@@ -28,6 +28,7 @@ key                       type    holds
 ``P:outbox``              stream  webhook deliveries; consumer group ``notify``
 ``P:reply:<name>``        stream  results for one producer
 ``P:credit``              pubsub  instance ids whose credits were just released
+``P:credit:{<inst>}``     spubsub  likewise, one instance's, sharded (a Redis 7 cluster)
 ``P:registry``            pubsub  instance ids whose card just changed
 ========================  ======  ==========================================================
 

@@ -197,38 +197,3 @@ def field_name(raw: bytes) -> str:
 def field_bytes(name: str) -> bytes:
     """The original bytes of a field name :func:`field_name` decoded."""
     return name.encode("utf-8", "surrogateescape")
-
-
-class Subscriber:
-    """Pub/sub notifications on a dedicated connection; reconnects after a failure.
-
-    Notifications are hints (a credit freed, a card changed): a missed one only delays work
-    until the next periodic sweep, so a reconnect need not replay anything.
-    """
-
-    def __init__(self, url: str, channels: list[str]) -> None:
-        self._url = url
-        self._channels = channels
-        self._conn: RespConnection | None = None
-
-    async def next(self, *, timeout_s: float) -> tuple[str, bytes] | None:
-        """The next ``(channel, data)`` message, or ``None`` after ``timeout_s`` of quiet."""
-        with anyio.move_on_after(timeout_s):
-            try:
-                if self._conn is None:
-                    self._conn = await RespConnection.open(self._url)
-                    await self._conn.execute([("SUBSCRIBE", *self._channels)])
-                while True:
-                    push = await self._conn.read_one()
-                    if isinstance(push, list) and push and push[0] == b"message":
-                        return push[1].decode(), push[2]
-            except RedisUnavailable:
-                await self.close()
-                raise
-        return None
-
-    async def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with anyio.CancelScope(shield=True):
-                await conn.close()

@@ -31,9 +31,10 @@ from anyio.abc import TaskStatus
 from broker.connection import Connection, ensure_group
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import DISPATCH_GROUP, ingress_streams
+from broker.notifications import Notifications
 from broker.registry import Registry
 from broker.store import MessageStore
-from broker.streams import RawEntry, Subscriber
+from broker.streams import RawEntry
 
 from .admission import Admission
 from .assignment import Assigner
@@ -70,6 +71,7 @@ class Dispatcher:
         self._credit_freed = anyio.Event()
         self._to_drain: set[str] = set()
         self._next_prune = 0.0
+        self.notifications = Notifications(conn)
 
     def _lane(self, stream: str) -> IngressLane:
         intake = Intake(self.conn, self.store, stream)
@@ -106,6 +108,7 @@ class Dispatcher:
 
     async def refresh(self) -> None:
         self.table.load(await self.registry.snapshot())
+        self.notifications.follow(i.instance_id for i in self.table.instances)
 
     # -- ingress -----------------------------------------------------------------------------
 
@@ -175,22 +178,13 @@ class Dispatcher:
         """Credit releases wake the drain loop; registry changes refresh the snapshot. A
         notification is a hint: one that does not parse (anyone allowed to publish may send
         anything) is dropped, and the sweep does the work a lost hint would have."""
-        subscriber = Subscriber(
-            self.conn.url, [self.keys.credit_channel, self.keys.registry_channel]
-        )
-        task_status.started()
-        try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.notifications.run)
+            task_status.started()
             while True:
-                try:
-                    message = await subscriber.next(timeout_s=1.0)
-                except RedisUnavailable as exc:
-                    log.warning("notifications lost, reconnecting: %s", exc)
-                    await anyio.sleep(0.5)
-                    continue
+                message = await self.notifications.next(timeout_s=1.0)
                 if message is not None:
                     await self._notified(*message)
-        finally:
-            await subscriber.close()
 
     async def _notified(self, channel: str, data: bytes) -> None:
         if channel == self.keys.registry_channel:

@@ -5,15 +5,22 @@
 -- ARGV[1]  consumer group of the queue
 -- ARGV[2]  channel to announce freed credits on
 -- ARGV[3]  instance id; the announcement is "<instance id> <credits now in use>"
--- ARGV[4..] member, entry id pairs
+-- ARGV[4]  "1": announce with SPUBLISH (a sharded channel, in the slot of KEYS: a Redis 7
+--          cluster), else PUBLISH
+-- ARGV[5..] member, entry id pairs
 --
 -- Returns the number of credits freed.
 local freed = 0
-for i = 4, #ARGV, 2 do
+for i = 5, #ARGV, 2 do
   freed = freed + redis.call('SREM', KEYS[1], ARGV[i])
   redis.call('XACK', KEYS[2], ARGV[1], ARGV[i + 1])
 end
 if freed > 0 then
-  redis.call('PUBLISH', ARGV[2], ARGV[3] .. ' ' .. redis.call('SCARD', KEYS[1]))
+  local announcement = ARGV[3] .. ' ' .. redis.call('SCARD', KEYS[1])
+  if ARGV[4] == '1' then
+    redis.call('SPUBLISH', ARGV[2], announcement)
+  else
+    redis.call('PUBLISH', ARGV[2], announcement)
+  end
 end
 return freed
