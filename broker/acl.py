@@ -51,7 +51,7 @@ from .acl_commands import (
     TELL_COMMANDS,
 )
 from .envelope import MESSAGE_ID_PATTERN
-from .keyspace import Keyspace, due_sets, ingress_streams
+from .keyspace import Keyspace, due_sets, ingress_streams, outboxes
 
 ROLES = ("producer", "sidecar", "broker", "operator-read", "operator")
 REDIS_VERSIONS = ("6.2", "7")
@@ -210,7 +210,7 @@ def sidecar(keys: Keyspace, version: str, agent: str) -> User:
     root = Grant((*CONNECT, "script|load", *RECORD_COMMANDS), _rw(records))
     selectors = (
         Grant(INSTANCE_COMMANDS, _rw(own), channels),
-        Grant(TELL_COMMANDS, _w([keys.reply("*"), keys.outbox, keys.dlq], version)),
+        Grant(TELL_COMMANDS, _w([keys.reply("*"), *outboxes(keys), keys.dlq], version)),
         Grant(
             PARK_COMMANDS,
             _w([*due_sets(keys), keys.waiting("*"), keys.waiting_index], version),
@@ -271,7 +271,7 @@ def operator(keys: Keyspace, version: str) -> User:
     if version == "7":
         moved = [keys.record("*"), keys.timeline("*"), keys.outcomes("*"), keys.card("*")]
         moved.append(f"{keys.counters}*")  # and, on a cluster, every slot's
-        told = [keys.reply("*"), keys.outbox, keys.dlq]
+        told = [keys.reply("*"), *outboxes(keys), keys.dlq]
         indexed = [*due_sets(keys), keys.waiting("*"), keys.unmatched("*")]
         indexed.append(keys.waiting_index)
         root = Grant(

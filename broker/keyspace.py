@@ -26,6 +26,7 @@ key                       type    holds
 ``P:dlq``                 stream  dead letters with their reason
 ``P:counters``            hash    cluster-wide counters: "kind, labels" (tab-separated) -> count
 ``P:outbox``              stream  webhook deliveries; consumer group ``notify``
+``P:outbox:{<n>}``        stream  outbox partition n (``ingress_partitions`` > 1), likewise
 ``P:reply:<name>``        stream  results for one producer
 ``P:credit``              pubsub  instance ids whose credits were just released
 ``P:credit:{<inst>}``     spubsub  likewise, one instance's, sharded (a Redis 7 cluster)
@@ -168,3 +169,15 @@ def due_for(keys: Keyspace, message_id: str) -> str:
 def due_sets(keys: Keyspace) -> list[str]:
     """Every partition of the due set: each reaper claims from all of them."""
     return [keys.due, *(f"{keys.due}:{{{n}}}" for n in range(1, keys.partitions))]
+
+
+def outbox_for(keys: Keyspace, message_id: str) -> str:
+    """The outbox partition of ``message_id``'s webhook deliveries (its retries stay there):
+    ``P:outbox`` or ``P:outbox:{n}``, by the message id, as the due set is chosen."""
+    n = crc16(message_id.encode()) % keys.partitions if keys.partitions > 1 else 0
+    return keys.outbox if n == 0 else f"{keys.outbox}:{{{n}}}"
+
+
+def outboxes(keys: Keyspace) -> list[str]:
+    """Every partition of the outbox: each notifier reads all of them."""
+    return [keys.outbox, *(f"{keys.outbox}:{{{n}}}" for n in range(1, keys.partitions))]

@@ -24,7 +24,7 @@ import msgspec
 
 from .cluster_map import ORDER_BARRIER
 from .envelope import Envelope
-from .keyspace import Keyspace, due_for
+from .keyspace import Keyspace, due_for, outbox_for
 from .metric_fields import Counting
 from .scripts import ScriptName, script_source
 from .stages import TERMINAL, Stage
@@ -180,5 +180,5 @@ def delivery_commands(
             url=envelope.callback_url,
             body=result_body(message_id, stage, result, error, attempt=attempt),
         )
-        commands.append(("XADD", keys.outbox, "*", *outbox_fields(delivery)))
+        commands.append(("XADD", outbox_for(keys, message_id), "*", *outbox_fields(delivery)))
     return commands

@@ -27,7 +27,7 @@ from broker.config import Settings
 from broker.connection import Connection
 from broker.envelope import Envelope, complete
 from broker.errors import RedisReplyError
-from broker.keyspace import NOTIFY_GROUP
+from broker.keyspace import NOTIFY_GROUP, outbox_for, outboxes
 from broker.record_codec import pairs
 from broker.results import delivery_commands
 from broker.stages import Stage
@@ -51,7 +51,7 @@ from tests.support.webhooks import (
     serving,
     signature_ok,
 )
-from workers.notifier import backoff_ms
+from workers.webhook_settlement import backoff_ms
 
 # -- fixtures and helpers --------------------------------------------------------------------
 
@@ -114,9 +114,11 @@ async def ended_message(
 
 async def outbox_settled(conn: Connection) -> bool:
     """Nothing left to deliver: no entry in the outbox, none pending."""
-    length, pending = await conn.call_many(
-        [("XLEN", conn.keys.outbox), ("XPENDING", conn.keys.outbox, NOTIFY_GROUP)]
-    )
+    return await stream_settled(conn, conn.keys.outbox)
+
+
+async def stream_settled(conn: Connection, stream: str) -> bool:
+    length, pending = await conn.call_many([("XLEN", stream), ("XPENDING", stream, NOTIFY_GROUP)])
     return int(length) == 0 and int(pending[0]) == 0
 
 
@@ -457,6 +459,45 @@ async def test_a_redirect_is_never_followed(settings: Settings) -> None:
     assert letter[b"id"].decode() == message_id
     assert letter[b"error"] == b"answered 307"
     assert letter[b"attempts"] == b"3"
+
+
+async def test_a_partitioned_outbox_is_read_whole_and_each_retry_stays_in_its_partition(
+    settings: Settings,
+) -> None:
+    """``ingress_partitions = 3``: deliveries land in three outbox partitions by message id; a
+    failed first attempt's retry is written to the partition it came from (checked while it
+    waits out its back-off), and every delivery arrives."""
+    count = 24
+    receiver = Receiver(answers=[500] * count)
+    changes = {"ingress_partitions": 3, "webhook_backoff_ms": 5000, "webhook_backoff_max_ms": 8000}
+    with anyio.fail_after(60):
+        async with connected(hook_settings(settings, **changes)) as conn:
+            streams = outboxes(conn.keys)
+            async with serving(receiver) as url, running_notifier(conn):
+                ids = [(await ended_message(conn, url))[0] for _ in range(count)]
+                retries: dict[str, str] = {}
+
+                async def all_retrying() -> bool:
+                    for stream in streams:
+                        for _, flat in await conn.call("XRANGE", stream, "-", "+"):
+                            entry = pairs(flat)
+                            if entry[b"attempt"] == b"2":
+                                retries[entry[b"id"].decode()] = stream
+                    return len(retries) == count
+
+                await eventually(all_retrying, timeout_s=20, interval_s=0.05)
+
+                async def settled() -> bool:
+                    return len(receiver.accepted) == count and all(
+                        [await stream_settled(conn, stream) for stream in streams]
+                    )
+
+                await eventually(settled, timeout_s=30)
+
+    assert retries == {i: outbox_for(conn.keys, i) for i in ids}
+    assert set(retries.values()) == set(streams) and len(streams) == 3
+    delivered = {msgspec.json.decode(h.body)["id"] for h in receiver.accepted}
+    assert delivered == set(ids)
 
 
 # -- outbox entries with any bytes -----------------------------------------------------------

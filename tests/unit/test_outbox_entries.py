@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from broker.streams import field_name
-from workers.notifier import Delivery, parse_delivery
+from workers.webhook_settlement import Delivery, parse_delivery
 
 GOOD = {
     "id": b"m-1",
@@ -22,7 +22,8 @@ GOOD = {
 
 
 def test_a_good_entry() -> None:
-    assert parse_delivery("1-0", GOOD) == Delivery(
+    assert parse_delivery("reach:outbox", "1-0", GOOD) == Delivery(
+        stream="reach:outbox",
         entry_id="1-0",
         message_id="m-1",
         webhook_id="m-1.2",
@@ -37,14 +38,14 @@ def test_a_good_entry() -> None:
 def test_what_older_brokers_wrote_still_reads() -> None:
     fields = {"id": b"m-1", "url": b"http://h/x", "body": b"{}"}
 
-    delivery = parse_delivery("1-0", fields)
+    delivery = parse_delivery("reach:outbox", "1-0", fields)
 
     assert isinstance(delivery, Delivery)
     assert (delivery.webhook_id, delivery.attempt, delivery.not_before_ms) == ("m-1", 1, 0)
 
 
 def test_a_last_error_in_any_bytes_is_kept_readable() -> None:
-    delivery = parse_delivery("1-0", {**GOOD, "last_error": b"\xff boom"})
+    delivery = parse_delivery("reach:outbox", "1-0", {**GOOD, "last_error": b"\xff boom"})
 
     assert isinstance(delivery, Delivery) and delivery.last_error == "\ufffd boom"
 
@@ -52,7 +53,7 @@ def test_a_last_error_in_any_bytes_is_kept_readable() -> None:
 def test_a_field_name_that_is_not_utf8_is_named_in_the_reason() -> None:
     fields = {**GOOD, field_name(b"\xfe\xffx"): b"1"}
 
-    assert parse_delivery("7-1", fields) == (
+    assert parse_delivery("reach:outbox", "7-1", fields) == (
         "malformed outbox entry 7-1: field name b'\\xfe\\xffx' is not UTF-8"
     )
 
@@ -66,7 +67,7 @@ values = st.one_of(
 
 @given(fields=st.dictionaries(names, values, max_size=9))
 def test_any_entry_gets_a_delivery_or_a_reason(fields: dict[str, bytes]) -> None:
-    parsed = parse_delivery("1-0", fields)
+    parsed = parse_delivery("reach:outbox", "1-0", fields)
 
     if isinstance(parsed, str):
         assert parsed.startswith("malformed outbox entry 1-0: ")
@@ -79,7 +80,7 @@ def test_any_entry_gets_a_delivery_or_a_reason(fields: dict[str, bytes]) -> None
 
 @given(changes=st.dictionaries(st.sampled_from(list(GOOD)), values, max_size=4))
 def test_a_good_entry_with_any_field_changed(changes: dict[str, bytes]) -> None:
-    parsed = parse_delivery("1-0", {**GOOD, **changes})
+    parsed = parse_delivery("reach:outbox", "1-0", {**GOOD, **changes})
 
     assert isinstance(parsed, Delivery | str)
     if isinstance(parsed, Delivery):

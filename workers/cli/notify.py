@@ -6,6 +6,7 @@ import anyio
 import click
 
 from broker.config import Settings
+from broker.keyspace import outboxes
 
 from ..notifier import Notifier
 from ..runtime import connected, stop_on_signals
@@ -36,6 +37,6 @@ def notifier(settings: Settings, consumer: str | None) -> None:
         async with connected(settings) as conn, anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope.cancel, tg.cancel_scope)
             await tg.start(Notifier(conn, consumer=consumer).run)
-            click.echo(f"agent-reach: notifying from {conn.keys.outbox}", err=True)
+            click.echo(f"agent-reach: notifying from {', '.join(outboxes(conn.keys))}", err=True)
 
     run(serve)

@@ -26,7 +26,7 @@ from adapters.transport import Transport
 from broker import tracing
 from broker.config import Settings
 from broker.connection import Connection
-from broker.keyspace import due_sets, ingress_streams
+from broker.keyspace import due_sets, ingress_streams, outboxes
 from broker.records import InstanceCard
 
 from ..dispatcher import Dispatcher
@@ -99,7 +99,9 @@ def serve_roles(
                 click.echo(f"agent-reach: reaping {', '.join(due_sets(conn.keys))}", err=True)
             if notify:
                 await tg.start(Notifier(conn, consumer=consumer).run)
-                click.echo(f"agent-reach: notifying from {conn.keys.outbox}", err=True)
+                click.echo(
+                    f"agent-reach: notifying from {', '.join(outboxes(conn.keys))}", err=True
+                )
 
     run(serve)
 
