@@ -23,6 +23,7 @@ from broker.errors import RedisUnavailable
 from broker.keyspace import DISPATCH_GROUP
 from broker.record_codec import pairs
 from broker.timekeeping import now_ms
+from tests.support.cluster import LocalCluster
 from tests.support.processes import start, stop
 
 from .agents import ChaosAgent
@@ -110,7 +111,7 @@ def sidecar_args(agent: ChaosAgent, capability: str) -> list[str]:
 
 @dataclass
 class Cluster:
-    server: RedisServer
+    server: RedisServer | LocalCluster
     appendfsync: str
     env: dict[str, str]
     logs: Path
@@ -201,6 +202,7 @@ class Cluster:
         """SIGKILL redis-server, leave it down ``downtime_s``, restart it from its AOF on the
         same port, and wait until every process works against it again."""
         self.check_alive()
+        assert isinstance(self.server, RedisServer), "one server's restart"
         port, data_dir = self.server.port, self.server.data_dir
         killed_at = anyio.current_time()
         self.server.kill()

@@ -66,8 +66,9 @@ def render(seen: Observed) -> str:
         ("settled", f"{seen.settle_s:.1f} s after the last kill; run {seen.total_s:.0f} s"),
     ]
     width = max(len(name) for name, _ in rows)
+    where = "a 3-master Redis Cluster, 3 partitions" if plan.on_cluster else "one redis-server"
     lines = [
-        f"chaos report: appendfsync {plan.appendfsync}, seed {plan.seed}, "
+        f"chaos report: {where}, appendfsync {plan.appendfsync}, seed {plan.seed}, "
         f"{plan.messages} messages over {plan.produce_s:g} s",
         *(f"  {name:<{width}}  {value}" for name, value in rows),
     ]

@@ -1,6 +1,10 @@
 """One chaos run: its own redis-server, three agents, seven broker processes, a producer, a
 driver that SIGKILLs and restarts processes (and Redis once), then a bounded wait until every
-message is terminal or visibly parked, and what was observed, for the report."""
+message is terminal or visibly parked, and what was observed, for the report.
+
+Given ``cluster_binary``, the run is on a real three-master Redis Cluster of that
+``redis-server`` instead, with ``ingress_partitions = 3``: the processes are SIGKILLed as on
+one server; Redis is not (a master's loss is the failover test's, tests/cluster)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from broker.records import MessageRecord, TimelineEntry
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore
 from broker.streams import parse_entries
+from tests.support.cluster import LocalCluster, start_cluster
 from tests.support.processes import process_env
 
 from .agents import ChaosAgent, chaos_agent
@@ -57,6 +62,11 @@ class Plan:
     seed: int
     produce_s: float
     settle_timeout_s: float = 120.0
+    cluster_binary: Path | None = None  # a Redis Cluster of this redis-server
+
+    @property
+    def on_cluster(self) -> bool:
+        return self.cluster_binary is not None
 
 
 @dataclass
@@ -92,13 +102,28 @@ class Observed:
         return self.non_idempotent.executions.twice()
 
 
-def chaos_settings(url: str) -> Settings:
-    return build_settings([{"redis_url": url, "prefix": "chaos", **TIMINGS}])
+CLUSTER_PARTITIONS = 3
 
 
-def child_env(settings: Settings) -> dict[str, str]:
-    extra = {f"AGENT_REACH_{k.upper()}": str(v) for k, v in TIMINGS.items()}
+def timings(plan: Plan) -> dict[str, float]:
+    if plan.on_cluster:
+        return {**TIMINGS, "ingress_partitions": CLUSTER_PARTITIONS}
+    return TIMINGS
+
+
+def chaos_settings(url: str, plan: Plan) -> Settings:
+    return build_settings([{"redis_url": url, "prefix": "chaos", **timings(plan)}])
+
+
+def child_env(settings: Settings, plan: Plan) -> dict[str, str]:
+    extra = {f"AGENT_REACH_{k.upper()}": str(v) for k, v in timings(plan).items()}
     return process_env(settings, **extra)
+
+
+def start_redis(tmp_path: Path, plan: Plan) -> RedisServer | LocalCluster:
+    if plan.cluster_binary is not None:
+        return start_cluster(tmp_path / "redis", plan.cluster_binary, appendfsync=plan.appendfsync)
+    return RedisServer.start(tmp_path / "redis", appendfsync=plan.appendfsync)
 
 
 @asynccontextmanager
@@ -106,12 +131,10 @@ async def chaos_cluster(
     tmp_path: Path, plan: Plan, agents: list[ChaosAgent]
 ) -> AsyncIterator[tuple[Cluster, Connection]]:
     """Redis, a connection for the test, and every process started; all stopped after."""
-    server = await anyio.to_thread.run_sync(
-        lambda: RedisServer.start(tmp_path / "redis", appendfsync=plan.appendfsync)
-    )
-    settings = chaos_settings(server.url)
+    server = await anyio.to_thread.run_sync(start_redis, tmp_path, plan)
+    settings = chaos_settings(server.url, plan)
     (tmp_path / "logs").mkdir()
-    cluster = Cluster(server, plan.appendfsync, child_env(settings), tmp_path / "logs")
+    cluster = Cluster(server, plan.appendfsync, child_env(settings, plan), tmp_path / "logs")
     for n in (1, 2):
         cluster.add_dispatcher(f"d{n}")
         cluster.add_reaper(str(n))
@@ -194,7 +217,8 @@ class Run:
                 await self.produced.wait()
             if self.produced.is_set():
                 break
-            if self.seen.redis_killed_at is None and self.clock() >= self.plan.produce_s / 2:
+            halfway = self.clock() >= self.plan.produce_s / 2
+            if not self.plan.on_cluster and self.seen.redis_killed_at is None and halfway:
                 ids = list(self.seen.ids)
                 stages = await retrying(partial(self.store.stages, ids))
                 self.seen.before_kill = dict(zip(ids, stages, strict=True))
