@@ -71,9 +71,16 @@ class ClusterPipeliner:
     """The :class:`~broker.pipeliner.Pipeliner`'s calls, over every master of a cluster."""
 
     def __init__(
-        self, seed_url: str, scripts: list[Script], slot_map: SlotMap, *, sharded_pubsub: bool
+        self,
+        seed_url: str,
+        scripts: list[Script],
+        slot_map: SlotMap,
+        *,
+        sharded_pubsub: bool,
+        durability: dict[str, Any] | None = None,
     ) -> None:
         self._seed = seed_url
+        self._durability = durability or {}  # each node's replica_acks (broker.durability)
         # Redis 7 or newer: SPUBLISH, heard only by the channel's slot's node
         self.sharded_pubsub = sharded_pubsub
         self._scripts = scripts
@@ -181,7 +188,7 @@ class ClusterPipeliner:
             node = self._nodes.get(url)
             if node is None:
                 assert self._tg is not None, "ClusterPipeliner.run() is not running"
-                node = Pipeliner(url, self._scripts)
+                node = Pipeliner(url, self._scripts, **self._durability)
                 await self._tg.start(node.run)
                 self._nodes[url] = node
         return node

@@ -152,16 +152,28 @@ async def open_connection(
     )
     pipeliner: Pipeliner | ClusterPipeliner
     if slot_map is None:
-        pipeliner = Pipeliner(url, list(scripts.values()))
+        pipeliner = Pipeliner(url, list(scripts.values()), **durability(settings))
     else:
         pipeliner = ClusterPipeliner(
-            url, list(scripts.values()), slot_map, sharded_pubsub=slot_map.sharded_pubsub
+            url,
+            list(scripts.values()),
+            slot_map,
+            sharded_pubsub=slot_map.sharded_pubsub,
+            durability=durability(settings),
         )
     async with anyio.create_task_group() as tg:
         await tg.start(pipeliner.run)
         keys = Keyspace(settings.prefix, settings.ingress_partitions)
         yield Connection(pipeliner, scripts, keys, settings, url)
         tg.cancel_scope.cancel()
+
+
+def durability(settings: Settings) -> dict[str, Any]:
+    """The pipeliner's ``replica_acks`` options (:mod:`broker.durability`)."""
+    return {
+        "replica_acks": settings.replica_acks,
+        "replica_ack_timeout_s": settings.replica_ack_timeout_s,
+    }
 
 
 async def wait_until_ready(

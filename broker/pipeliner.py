@@ -16,6 +16,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from .cluster_map import ORDER_BARRIER
+from .durability import shortfall, wait_command, writes
 from .errors import RedisReplyError, RedisUnavailable
 from .resp import Command, RespConnection
 from .scripts import Script
@@ -24,10 +25,20 @@ _Group = tuple[list[Command], asyncio.Future[list[Any]]]
 
 
 class Pipeliner:
-    def __init__(self, url: str, scripts: list[Script], *, max_commands: int = 4096) -> None:
+    def __init__(
+        self,
+        url: str,
+        scripts: list[Script],
+        *,
+        max_commands: int = 4096,
+        replica_acks: int = 0,
+        replica_ack_timeout_s: float = 1.0,
+    ) -> None:
         self._url = url
         self._scripts = scripts
         self._max_commands = max_commands
+        self._replica_acks = replica_acks  # see broker.durability
+        self._replica_ack_timeout_s = replica_ack_timeout_s
         self._pending: list[_Group] = []
         self._wake = asyncio.Event()
         self._running = False
@@ -85,12 +96,21 @@ class Pipeliner:
 
     async def _flush(self, groups: list[_Group]) -> None:
         commands = [command for group, _ in groups for command in group]
+        durable = bool(self._replica_acks) and writes(commands)
+        acks, timeout_s = self._replica_acks, self._replica_ack_timeout_s
         try:
-            results = await self._execute(commands)
+            # WAIT in the same round trip: it answers once replicas have all that preceded it
+            sent = [*commands, wait_command(acks, timeout_s)] if durable else commands
+            results = await self._execute(sent)
+            problem = shortfall(results.pop(), acks, timeout_s) if durable else None
             if any(map(_no_script, results)):
                 results = await self._retry_noscript(commands, results)
+                if durable:
+                    (reply,) = await self._execute([wait_command(acks, timeout_s)])
+                    problem = shortfall(reply, acks, timeout_s)
+            if problem is not None:
+                raise problem
         except RedisUnavailable as exc:
-            self._conn = None
             for _, future in groups:
                 if not future.done():
                     future.set_exception(exc)

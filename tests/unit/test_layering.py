@@ -30,6 +30,7 @@ PURE = [
     "fairness",
     "retry",
     "durations",
+    "durability",
     "results",
     "webhooks",
     "broadcast",
