@@ -16,6 +16,7 @@ import secrets
 
 import anyio
 from anyio.abc import TaskStatus
+from starlette.routing import Route
 
 from broker.connection import Connection
 from broker.due_clock import due_at_most_command
@@ -61,6 +62,7 @@ class CallbackDesk:
         self.url = ""
         self.awaiting: dict[str, float] = {}  # message id -> since (monotonic)
         self.finishing: set[str] = set()  # message ids a callback is finishing
+        self.routes: list[Route] = []  # more endpoints (adapters.a2a_tasks: push notifications)
         finisher.on_let_go.append(self._let_go)
 
     @property
@@ -86,6 +88,7 @@ class CallbackDesk:
             self.on_callback,
             max_bytes=settings.max_callback_bytes,
             body_timeout_s=settings.callback_body_timeout_s,
+            more=self.routes,
         )
         async with serve_app(
             app,

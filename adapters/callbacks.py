@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -114,7 +114,12 @@ Authorizer = Callable[[str, str], Awaitable[Answer | None]]
 
 
 def callback_app(
-    authorize: Authorizer, receive: Receiver, *, max_bytes: int, body_timeout_s: float
+    authorize: Authorizer,
+    receive: Receiver,
+    *,
+    max_bytes: int,
+    body_timeout_s: float,
+    more: Sequence[Route] = (),
 ) -> Starlette:
     """``POST /callbacks/{message_id}``: the token first (``authorize``: nothing is read
     for a caller without a good one), then a body of at most ``max_bytes`` within
@@ -138,7 +143,8 @@ def callback_app(
             return _json(Answer(400, {"error": outcome}))
         return _json(await receive(message_id, token, outcome))
 
-    return Starlette(routes=[Route(CALLBACK_PATH + "{message_id}", callback, methods=["POST"])])
+    route = Route(CALLBACK_PATH + "{message_id}", callback, methods=["POST"])
+    return Starlette(routes=[route, *more])  # more: an A2A agent's push notifications
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes | Answer:

@@ -18,11 +18,13 @@ from broker.errors import ReachError
 from broker.ids import new_message_id
 from broker.records import InstanceCard
 
+from .a2a_wire import AgentCardView, skill_capabilities
 from .http import HttpAsyncTransport, HttpTransport
 from .python import Agent
 from .transport import Transport
 
-ADAPTERS = ("http", "http-async", "python")
+ADAPTERS = ("http", "http-async", "python", "a2a")
+URL_ADAPTERS = ("a2a",)  # reached at --url (a standard agent's base URL)
 
 
 class SidecarOptionError(ReachError):
@@ -50,10 +52,17 @@ class AgentAddress:
 
 
 def agent_address(
-    adapter: str | None, *, http_url: str | None, python_spec: str | None
+    adapter: str | None,
+    *,
+    http_url: str | None,
+    python_spec: str | None,
+    url: str | None = None,
 ) -> AgentAddress:
     """Exactly one of ``http_url`` and ``python_spec``, the one ``adapter`` needs; without an
-    ``adapter``, ``http`` for a URL and ``python`` for a ``MODULE:ATTR``."""
+    ``adapter``, ``http`` for a URL and ``python`` for a ``MODULE:ATTR``. The ``a2a`` adapter
+    takes ``url`` (``--url``) and nothing else."""
+    if adapter in URL_ADAPTERS or url is not None:
+        return _url_address(adapter, url, http_url, python_spec)
     if (http_url is None) == (python_spec is None):
         raise SidecarOptionError("give exactly one of --http URL or --python MODULE:ATTR")
     chosen = adapter or ("http" if http_url is not None else "python")
@@ -63,6 +72,39 @@ def agent_address(
         needs = "--python MODULE:ATTR" if chosen == "python" else "--http URL"
         raise SidecarOptionError(f"--adapter {chosen} needs {needs}")
     return AgentAddress(chosen, python_spec if python_spec is not None else http_url or "")
+
+
+def _url_address(
+    adapter: str | None, url: str | None, http_url: str | None, python_spec: str | None
+) -> AgentAddress:
+    if adapter not in URL_ADAPTERS:
+        raise SidecarOptionError(f"--url is for --adapter {' or '.join(URL_ADAPTERS)}", "--url")
+    if url is None or http_url is not None or python_spec is not None:
+        raise SidecarOptionError(f"--adapter {adapter} needs --url URL (and no --http, --python)")
+    if not url.startswith(("http://", "https://")):
+        raise SidecarOptionError(f"{url!r}: an http:// or https:// URL", "--url")
+    return AgentAddress(adapter, url)
+
+
+def a2a_card_parts(
+    card: AgentCardView, skills: Sequence[str], capabilities: Sequence[str]
+) -> tuple[list[str], dict[str, str]]:
+    """From an A2A agent's card: the capabilities to register (``--skill SKILL=cap`` pairs,
+    ``--capability`` for all) and the tags that carry its name and description."""
+    mapping: dict[str, str] = {}
+    for pair in skills:
+        skill, sep, capability = pair.partition("=")
+        if not sep or not skill or not capability:
+            raise SidecarOptionError(f"{pair!r}: expected SKILL_ID=domain.action", "--skill")
+        mapping[skill] = capability
+    chosen = skill_capabilities(card, mapping, None)
+    if isinstance(chosen, str) and not (capabilities and not mapping):
+        raise SidecarOptionError(chosen)
+    served = list(dict.fromkeys([*(chosen if isinstance(chosen, list) else []), *capabilities]))
+    tags = {"a2a.name": card.name[:200], "a2a.protocol": card.protocol}
+    if card.description:
+        tags["a2a.description"] = card.description[:500]
+    return served, tags
 
 
 def make_card(
@@ -126,6 +168,8 @@ def make_transport(address: AgentAddress, *, timeout_s: float, max_connections: 
     call bounded by ``timeout_s``), or the in-process agent, loaded."""
     if address.adapter == "python":
         return load_python_agent(address.target)
+    if address.adapter == "a2a":
+        raise SidecarOptionError("the a2a transport is made from the agent's card (a2a_transport)")
     http = HttpAsyncTransport if address.adapter == "http-async" else HttpTransport
     return http(address.target, timeout_s=timeout_s, max_connections=max_connections)
 

@@ -4,10 +4,13 @@ The kinds differ in what is known about the agent: it answered (``Succeeded``, `
 it asked for time (``Backoff``: 429 / 503, it did not take the work), it took the work and
 will call back (``Accepted``: 202, async agents), it was provably never
 reached (``NotReached``: a retry is always safe), or the request left and no answer came back
-(``Ambiguous``: only an idempotent agent may be retried).
+(``Ambiguous``: only an idempotent agent may be retried), or it asked a question only a
+person can answer (``NeedsInput``: parked for an operator).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import msgspec
 
@@ -42,4 +45,27 @@ class Accepted(msgspec.Struct, frozen=True, tag=True):
     task_id: str = ""
 
 
-Outcome = Succeeded | Failed | NotReached | Ambiguous | Backoff | Accepted
+class NeedsInput(msgspec.Struct, frozen=True, tag=True):
+    """The agent asks for something before it can go on (an A2A task in INPUT_REQUIRED or
+    AUTH_REQUIRED): the message waits for an operator, with the agent's question."""
+
+    reason: str
+
+
+Outcome = Succeeded | Failed | NotReached | Ambiguous | Backoff | Accepted | NeedsInput
+
+
+State = Literal["done", "running", "failed", "unknown"]
+
+
+class Status(msgspec.Struct, frozen=True):
+    """What an agent's status endpoint (or an A2A agent's ``GetTask``) says of a message."""
+
+    state: State
+    result: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"null"))
+    error: str | None = None
+    why: str = ""  # for the timeline: how the answer was obtained
+
+    @property
+    def result_json(self) -> bytes:
+        return bytes(self.result)

@@ -33,7 +33,16 @@ from broker.timeline import note_command
 from .callback_desk import CallbackDesk, callback_outcome
 from .finisher import Finisher
 from .holdings import Holdings, Taken
-from .outcome import Accepted, Ambiguous, Backoff, Failed, NotReached, Outcome, Succeeded
+from .outcome import (
+    Accepted,
+    Ambiguous,
+    Backoff,
+    Failed,
+    NeedsInput,
+    NotReached,
+    Outcome,
+    Succeeded,
+)
 from .status import StatusClient
 from .transport import Transport
 from .vitals import Vitals
@@ -58,6 +67,7 @@ _CALL: dict[type, str] = {  # the outcome label of agent_reach_agent_calls_total
     Ambiguous: "ambiguous",
     Backoff: "back_pressure",
     Accepted: "accepted",
+    NeedsInput: "needs_input",
 }
 _STAGE_AFTER: dict[Action, Stage] = {  # what an attempt's trace span says it ended as
     Action.SUCCEED: Stage.SUCCEEDED,
@@ -74,6 +84,7 @@ _SIGNALS: dict[type, Signal] = {
     Ambiguous: Signal.AMBIGUOUS,
     Backoff: Signal.BACKPRESSURE,
     Accepted: Signal.ACCEPTED,
+    NeedsInput: Signal.NEEDS_INPUT,
 }
 
 

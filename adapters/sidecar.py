@@ -29,6 +29,8 @@ from broker.records import InstanceCard
 from broker.store import MessageStore
 from broker.timekeeping import now_ms
 
+from .a2a import A2ATransport
+from .a2a_tasks import A2ATasks
 from .callback_desk import CallbackDesk
 from .finisher import Finisher
 from .holdings import Holdings
@@ -80,6 +82,13 @@ class Sidecar:
             if wants_callbacks
             else None
         )
+        self.a2a_tasks = (
+            A2ATasks(self.desk, transport)
+            if self.desk is not None and isinstance(transport, A2ATransport)
+            else None
+        )
+        if self.a2a_tasks is not None and self.desk is not None:
+            self.desk.routes += self.a2a_tasks.routes()
         self._wire_work(store, holdings, grace_s)
 
     def _wire_work(self, store: MessageStore, holdings: Holdings, grace_s: float) -> None:
@@ -141,6 +150,8 @@ class Sidecar:
                     assert self.desk.tokens is not None
                     self.transport.bind_callbacks(url, self.desk.tokens)  # type: ignore[attr-defined]
                     outer.start_soon(self.desk.watch)
+                if self.a2a_tasks is not None:
+                    outer.start_soon(self.a2a_tasks.ask_loop)
                 task_status.started()
                 async with anyio.create_task_group() as work:
                     pool = self.lifecycle.pool = WorkPool(work, self.card.max_inflight)

@@ -3,31 +3,18 @@
 The answer is JSON ``{"state": "done" | "running" | "failed" | "unknown", "result": ...,
 "error": ...}``; 404 means unknown. Anything else — no status endpoint, a connection error, a
 malformed answer — is ``unknown`` too: the reaper then falls back to what is safe without
-knowing (retry an idempotent agent, park the message for an operator otherwise).
+knowing (retry an idempotent agent, park the message for an operator otherwise). An A2A agent
+(status URL ``a2a:<version>:<url>``) is asked ``GetTask`` instead (:mod:`adapters.a2a_rpc`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import httpx
 import msgspec
 
+from .a2a_rpc import STATUS_SCHEME, a2a_status
 from .http import DEFAULT_MAX_RESULT_BYTES, read_limited
-
-State = Literal["done", "running", "failed", "unknown"]
-
-
-class Status(msgspec.Struct, frozen=True):
-    state: State
-    result: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"null"))
-    error: str | None = None
-    why: str = ""  # for the timeline: how the answer was obtained
-
-    @property
-    def result_json(self) -> bytes:
-        return bytes(self.result)
-
+from .outcome import Status
 
 _decoder = msgspec.json.Decoder(Status)
 
@@ -39,9 +26,14 @@ class StatusClient:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
         self.max_answer_bytes = max_answer_bytes
 
-    async def query(self, status_url: str, message_id: str) -> Status:
+    async def query(self, status_url: str, message_id: str, task_id: str = "") -> Status:
+        """What the agent says of ``message_id`` (an A2A agent: of its task ``task_id``)."""
         if not status_url:
             return Status("unknown", why="the agent has no status endpoint")
+        if status_url.startswith(STATUS_SCHEME):
+            return await a2a_status(
+                self._client, status_url, task_id, max_bytes=self.max_answer_bytes
+            )
         url = f"{status_url.rstrip('/')}/{message_id}"
         headers = {"X-Reach-Message-Id": message_id}
         try:

@@ -13,6 +13,7 @@ SUCCEEDED            SUCCEED
 FAILED               FAIL
 BACKPRESSURE         REQUEUE (the agent did not take it: back to waiting, no error, no back-off)
 ACCEPTED             AWAIT_CALLBACK (an async agent took it; its credit stays held)
+NEEDS_INPUT          PARK (the agent asks a question: an operator answers it)
 NOT_REACHED          attempts left: RETRY — else GIVE_UP (the agent never saw it: always safe)
 AMBIGUOUS            a status endpoint not yet asked: ASK_STATUS — idempotent with attempts
                      left: RETRY — not idempotent: PARK — else GIVE_UP
@@ -53,6 +54,7 @@ class Signal(StrEnum):
     AMBIGUOUS = "ambiguous"
     BACKPRESSURE = "back-pressure"
     ACCEPTED = "accepted"
+    NEEDS_INPUT = "needs input"  # the agent asks for input or authorisation
     STATUS_DONE = "status: done"
     STATUS_RUNNING = "status: running"
     STATUS_FAILED = "status: failed"
@@ -172,6 +174,7 @@ RULES: dict[Signal, tuple[Rule, ...]] = {
     Signal.FAILED: (Rule(Action.FAIL),),
     Signal.BACKPRESSURE: (Rule(Action.REQUEUE),),
     Signal.ACCEPTED: (Rule(Action.AWAIT_CALLBACK),),
+    Signal.NEEDS_INPUT: (Rule(Action.PARK),),
     Signal.NOT_REACHED: (Rule(Action.RETRY, _attempts_left), Rule(Action.GIVE_UP)),
     Signal.AMBIGUOUS: (Rule(Action.ASK_STATUS, _endpoint_to_ask), *_UNKNOWN),
     Signal.STATUS_DONE: (Rule(Action.SUCCEED),),

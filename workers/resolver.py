@@ -199,7 +199,8 @@ class Resolver:
             extensions_left=record.extensions < MAX_EXTENSIONS,
         )
         decide(Signal.LATE, facts)  # ASK_STATUS: the reaper always asks (none: "unknown")
-        status = await self.status.query(view.card.status_url if view else "", record.id)
+        status_url = view.card.status_url if view else ""
+        status = await self.status.query(status_url, record.id, record.agent_task)
         why = "instance down" if down else "callback late" if record.awaiting_callback else ""
         why = why or "no answer in time"
         match decide(STATUS_SIGNALS[status.state], facts):

@@ -23,6 +23,7 @@ CASES: list[tuple[Signal, dict[str, object], Action]] = [
     (S.FAILED, {"idempotent": True}, A.FAIL),
     (S.BACKPRESSURE, {"attempts_left": False}, A.REQUEUE),
     (S.ACCEPTED, {}, A.AWAIT_CALLBACK),
+    (S.NEEDS_INPUT, {}, A.PARK),
     # the agent provably never saw it: a retry is always safe, while attempts remain
     (S.NOT_REACHED, {"idempotent": False}, A.RETRY),
     (S.NOT_REACHED, {"attempts_left": False}, A.GIVE_UP),

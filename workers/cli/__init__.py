@@ -10,9 +10,10 @@ from .acl import acl
 from .console import console
 from .inspect import agents, config, drain, redis_url_command, schema, stats, trace, weight
 from .notify import notifier
-from .processes import demo, demo_agent, dispatcher, reaper, sidecar, up
+from .processes import demo, demo_agent, dispatcher, reaper, up
 from .repair import cancel, dlq, replay, resolve, stuck
 from .send import request, send
+from .sidecar import sidecar
 from .top import top
 
 __all__ = ["main"]

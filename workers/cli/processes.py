@@ -12,15 +12,6 @@ import anyio
 import click
 import msgspec
 
-from adapters.factory import (
-    ADAPTERS,
-    AgentAddress,
-    SidecarOptionError,
-    agent_address,
-    callback_warning,
-    make_card,
-    make_transport,
-)
 from adapters.sidecar import Sidecar
 from adapters.transport import Transport
 from broker import tracing
@@ -34,7 +25,7 @@ from ..metrics_page import metrics_endpoint
 from ..notifier import Notifier
 from ..reaper import Reaper
 from ..runtime import connected, stop_on_signals
-from .common import FiniteRange, parse_tags, redis_options, run
+from .common import FiniteRange, redis_options, run
 from .console import ConsoleAt, console_at, open_console, up_console_options
 
 METRICS_OPTIONS = (
@@ -147,191 +138,6 @@ def dispatcher(settings: Settings, consumer: str | None) -> None:
 def reaper(settings: Settings) -> None:
     """Run a reaper alone (any number share the due clock: each due message goes to one)."""
     serve_roles(settings, None, dispatch=False, reap=True)
-
-
-# The sidecar's options, as data: the command below is what it does with them.
-SIDECAR_OPTIONS = (
-    click.option("--agent-id", required=True, help="The agent this instance belongs to."),
-    click.option(
-        "--capability",
-        "capabilities",
-        multiple=True,
-        required=True,
-        help="A capability served, e.g. order.query (repeatable).",
-    ),
-    click.option(
-        "--adapter",
-        type=click.Choice(ADAPTERS),
-        default=None,
-        help="How to reach the agent (default: http with --http, python with --python). "
-        "http-async: the agent answers 202 and POSTs its result to this sidecar's callback "
-        "endpoint later.",
-    ),
-    click.option(
-        "--http", "http_url", metavar="URL", help="The agent's HTTP endpoint (http, http-async)."
-    ),
-    click.option(
-        "--python",
-        "python_spec",
-        metavar="MODULE:ATTR",
-        help="An in-process Agent (python adapter).",
-    ),
-    click.option(
-        "--max-inflight",
-        type=click.IntRange(1, 100_000),
-        default=8,
-        show_default=True,
-        help="Credits: the most unfinished messages this instance holds.",
-    ),
-    click.option("--idempotent", is_flag=True, help="The agent may safely run a message twice."),
-    click.option("--instance-id", default=None, help="Instance id (default: AGENT_ID-random)."),
-    click.option("--version", "version", default="0", show_default=True, help="Agent version."),
-    click.option(
-        "--weight",
-        type=FiniteRange(0, 1000),
-        default=1.0,
-        show_default=True,
-        help="Routing weight (e.g. 0.11 beside 1.0 for a 10 % canary).",
-    ),
-    click.option(
-        "--tag", "tags", multiple=True, metavar="KEY=VALUE", help="Routing tag (repeatable)."
-    ),
-    click.option("--status-url", default="", metavar="URL", help="The agent's status endpoint."),
-    click.option(
-        "--cost",
-        type=FiniteRange(0),
-        default=0.0,
-        show_default=True,
-        help="Cost per call, for routing under a budget.",
-    ),
-    click.option(
-        "--credits",
-        "credits_mode",
-        type=click.Choice(["adaptive", "static"]),
-        default="adaptive",
-        show_default=True,
-        help="adaptive: the credit limit follows the agent's latency, between 1 and "
-        "--max-inflight; static: always --max-inflight.",
-    ),
-    click.option(
-        "--callback-host",
-        default="127.0.0.1",
-        show_default=True,
-        help="http-async: the address the callback endpoint listens on.",
-    ),
-    click.option(
-        "--callback-port",
-        type=click.IntRange(0, 65535),
-        default=0,
-        show_default=True,
-        help="http-async: the callback endpoint's port (0: any free one).",
-    ),
-    click.option(
-        "--callback-public-url",
-        default=None,
-        metavar="URL",
-        help="http-async: the callback endpoint's URL as agents reach it, when not "
-        "http://HOST:PORT (behind a proxy or NAT).",
-    ),
-    click.option(
-        "--grace",
-        "grace_s",
-        type=float,
-        default=None,
-        help="Seconds to finish in-flight work on SIGTERM (default: drain_grace_s, 40).",
-    ),
-)
-
-
-def sidecar_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """The ``sidecar`` command's options, in the order ``--help`` lists them."""
-    for option in reversed(SIDECAR_OPTIONS):
-        command = option(command)
-    return command
-
-
-@click.command()
-@redis_options
-@sidecar_options
-@metrics_options
-def sidecar(
-    settings: Settings,
-    agent_id: str,
-    capabilities: tuple[str, ...],
-    adapter: str | None,
-    http_url: str | None,
-    python_spec: str | None,
-    max_inflight: int,
-    idempotent: bool,
-    instance_id: str | None,
-    version: str,
-    weight: float,
-    tags: tuple[str, ...],
-    status_url: str,
-    cost: float,
-    credits_mode: str,
-    callback_host: str,
-    callback_port: int,
-    callback_public_url: str | None,
-    grace_s: float | None,
-    metrics_port: int | None,
-    metrics_host: str,
-) -> None:
-    """Run a sidecar for one agent instance: register, heartbeat, consume, deliver."""
-    try:
-        address = agent_address(adapter, http_url=http_url, python_spec=python_spec)
-        card = make_card(
-            agent_id=agent_id,
-            capabilities=capabilities,
-            endpoint=address.endpoint,
-            max_inflight=max_inflight,
-            instance_id=instance_id,
-            idempotent=idempotent,
-            version=version,
-            tags=parse_tags(tags),
-            weight=weight,
-            cost=cost,
-            status_url=status_url,
-        )
-        transport = _transport(settings, address, max_inflight, instance_id, callback_port)
-    except SidecarOptionError as exc:
-        raise usage_error(exc) from exc
-    run(
-        serve_sidecar,
-        settings,
-        card,
-        transport,
-        grace_s=settings.drain_grace_s if grace_s is None else grace_s,
-        adaptive_credits=credits_mode == "adaptive",
-        callback_host=callback_host,
-        callback_port=callback_port,
-        callback_public_url=callback_public_url,
-        metrics=(metrics_host, metrics_port),
-    )
-
-
-def _transport(
-    settings: Settings,
-    address: AgentAddress,
-    max_inflight: int,
-    instance_id: str | None,
-    callback_port: int,
-) -> Transport:
-    """The agent's transport, after a warning about how its callbacks are set up, if any."""
-    warning = callback_warning(address, instance_id=instance_id, callback_port=callback_port)
-    if warning:
-        click.echo(f"agent-reach: warning: {warning}", err=True)
-    return make_transport(
-        address, timeout_s=settings.sync_call_timeout_s, max_connections=max_inflight
-    )
-
-
-def usage_error(exc: SidecarOptionError) -> click.UsageError:
-    """The factory's refusal as click says it: ``Invalid value for --OPTION: ...`` when one
-    option is at fault, the bare message when it is how they combine; exit code 2 either way."""
-    if exc.option is None:
-        return click.UsageError(exc.message)
-    return click.BadParameter(exc.message, param_hint=exc.option)
 
 
 async def serve_sidecar(

@@ -1,0 +1,109 @@
+"""JSON-RPC to an A2A agent over HTTP (the transport's requests, the reaper's ``GetTask``).
+
+An answer other than HTTP 200, or none, is already an outcome, sorted as the ``http``
+adapter sorts them: not connected is not reached, no answer is ambiguous, 429 / 503 with
+``Retry-After`` is back-pressure, any other status a failure.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import httpx
+import msgspec
+
+from .a2a_wire import (
+    DIALECTS,
+    RUNNING_STATES,
+    TASK_NOT_FOUND,
+    Dialect,
+    RpcError,
+    TaskView,
+    rpc,
+    rpc_answer,
+    task_view,
+)
+from .http import _NOT_SENT, AgentAnswer, read_limited, retry_after_s
+from .outcome import Ambiguous, Backoff, Failed, NotReached, Outcome, Status
+
+STATUS_SCHEME = "a2a:"  # an A2A agent's status URL: a2a:<protocol version>:<JSON-RPC URL>
+
+
+async def json_rpc(
+    client: httpx.AsyncClient,
+    url: str,
+    dialect: Dialect,
+    call: tuple[str, dict[str, Any], dict[str, str]],
+    *,
+    max_bytes: int,
+) -> AgentAnswer | Outcome:
+    """One JSON-RPC request ``(method, params, headers)``; an HTTP answer other than 200 (or
+    none) is its outcome already."""
+    method, params, extra = call
+    headers = {**extra, **dialect.headers(), "Content-Type": "application/json"}
+    body = rpc(method, params, uuid.uuid4().hex)
+    try:
+        request = client.build_request("POST", url, content=body, headers=headers)
+    except Exception as exc:  # before anything was sent
+        return Failed(f"cannot build the request to {url}: {exc!r}", fault=False)
+    try:
+        response = await client.send(request, stream=True)
+        try:
+            raw = await read_limited(response, max_bytes)
+        finally:
+            await response.aclose()
+    except _NOT_SENT as exc:
+        return NotReached(f"agent unreachable at {url}: {type(exc).__name__}: {exc}")
+    except httpx.HTTPError as exc:
+        return Ambiguous(f"no answer from {url}: {type(exc).__name__}: {exc}")
+    status = response.status_code
+    if raw is None:
+        return Failed(f"agent answered {status} with a body over {max_bytes} bytes")
+    answer = AgentAnswer(status, response.headers, raw)
+    retry_after = response.headers.get("retry-after")
+    if status == 429 or (status == 503 and retry_after):
+        wait = retry_after_s(retry_after)
+        return Backoff(f"agent answered {status}: busy, retry after {wait:g} s", wait)
+    if status == 503:
+        return Ambiguous(f"agent answered 503 without Retry-After: {answer.snippet}")
+    if status != 200:
+        return Failed(f"agent answered {status}: {answer.snippet}", fault=status >= 500)
+    return answer
+
+
+async def a2a_status(
+    client: httpx.AsyncClient, url: str, task_id: str, *, max_bytes: int
+) -> Status:
+    """The reaper's question to an A2A agent (status URL ``a2a:<version>:<url>``): GetTask."""
+    version, _, rpc_url = url.removeprefix(STATUS_SCHEME).partition(":")
+    dialect = DIALECTS.get(version)
+    if dialect is None or not rpc_url:
+        return Status("unknown", why=f"not an A2A status URL: {url[:80]}")
+    if not task_id:
+        return Status("unknown", why="no A2A task known for this attempt")
+    answer = await json_rpc(
+        client, rpc_url, dialect, (dialect.get, {"id": task_id}, {}), max_bytes=max_bytes
+    )
+    if not isinstance(answer, AgentAnswer):
+        return Status("unknown", why=f"GetTask: {getattr(answer, 'reason', 'no answer')}")
+    result = rpc_answer(answer.body)
+    return as_status(result if isinstance(result, RpcError) else task_view(result))
+
+
+def as_status(view: TaskView | RpcError | str) -> Status:
+    """A ``GetTask`` answer as the reaper reads a status endpoint's: COMPLETED done,
+    SUBMITTED / WORKING running, FAILED / CANCELED / REJECTED failed; a task the agent does
+    not know (it restarted, say), or any other answer, unknown."""
+    if isinstance(view, RpcError):
+        known = "task not found" if view.code == TASK_NOT_FOUND else str(view)
+        return Status("unknown", why=f"GetTask: {known}")
+    if isinstance(view, str):
+        return Status("unknown", why=f"GetTask failed: {view}")
+    if view.state == "completed":
+        return Status("done", result=msgspec.Raw(view.result), why="GetTask: completed")
+    if view.state in RUNNING_STATES:
+        return Status("running", why=f"GetTask: {view.state}")
+    if view.state in ("failed", "canceled", "rejected"):
+        return Status("failed", error=view.said or view.state, why=f"GetTask: {view.state}")
+    return Status("unknown", why=f"GetTask: {view.state}")

@@ -1,0 +1,181 @@
+"""The ``a2a`` adapter (adapters/a2a.py) against agents built with the official ``a2a-sdk``
+(tests/support/a2a_agents.py), behind a real sidecar, dispatcher and reaper on real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import msgspec
+import pytest
+from click.testing import CliRunner
+
+from adapters.a2a import A2ATransport, CardError, fetch_card, status_url
+from adapters.factory import SidecarOptionError, a2a_card_parts
+from adapters.sidecar import Sidecar
+from broker.client import Client
+from broker.config import Settings
+from broker.connection import Connection
+from broker.embedded import free_port
+from broker.envelope import Envelope
+from broker.stages import Stage
+from broker.store import MessageStore
+from tests.support.a2a_agents import A2AAgent, a2a_agent
+from tests.support.harness import connected, eventually, running_dispatcher, running_sidecar
+from workers.cli import main
+
+CAPABILITY = "text.echo"
+
+
+@asynccontextmanager
+async def behind_a_sidecar(
+    conn: Connection, agent: A2AAgent, *, idempotent: bool = False
+) -> AsyncIterator[tuple[Client, Sidecar]]:
+    card = await fetch_card(agent.url)
+    transport = A2ATransport(card, timeout_s=10.0, max_connections=8)
+    async with (
+        running_sidecar(
+            conn,
+            "echo-1",
+            (CAPABILITY,),
+            transport=transport,
+            status_url=status_url(card),
+            idempotent=idempotent,
+        ) as sidecar,
+        running_dispatcher(conn),
+        Client(conn) as client,
+    ):
+        yield client, sidecar
+
+
+async def stages(conn: Connection, message_id: str) -> list[str]:
+    return [str(e.stage) for e in await MessageStore(conn).get_timeline(message_id)]
+
+
+async def test_a_completed_task_succeeds_with_its_artifacts_and_our_metadata(
+    conn: Connection,
+) -> None:
+    async with a2a_agent() as agent, behind_a_sidecar(conn, agent) as (client, _):
+        result = await client.request(CAPABILITY, {"do": "complete", "n": 7}, timeout=20)
+        text = await client.request(CAPABILITY, "hello there", timeout=20)
+
+    assert result.ok, result
+    (artifact,) = result.result["artifacts"]
+    assert artifact["name"] == "result"
+    assert artifact["parts"] == [{"data": {"echo": {"do": "complete", "n": 7.0}}}]
+    assert text.ok and text.result == {"parts": [{"text": "echo: hello there"}]}
+    # messageId from message id and attempt; our idempotency key and attempt in metadata
+    assert set(agent.executions) == {f"{result.id}.1", f"{text.id}.1"}
+    reach = agent.metadata[0]["reach"]
+    assert reach["message_id"] == result.id and reach["idempotency_key"] == result.id
+    assert reach["attempt"] == 1
+
+
+async def test_failed_and_question_tasks_end_as_failed_and_parked(conn: Connection) -> None:
+    async with a2a_agent() as agent, behind_a_sidecar(conn, agent) as (client, _):
+        failed = await client.request(CAPABILITY, {"do": "fail"}, timeout=20)
+        asked = await client.submit_many(
+            [Envelope(capability=CAPABILITY, payload=msgspec.Raw(b'{"do":"ask"}'))]
+        )
+
+        async def parked() -> bool:
+            record = await MessageStore(conn).get_record(asked[0])
+            return record is not None and record.stage is Stage.NEEDS_CONFIRMATION
+
+        await eventually(parked, timeout_s=20)
+        timeline = await MessageStore(conn).get_timeline(asked[0])
+
+    assert failed.stage is Stage.FAILED
+    assert failed.error is not None and "ended failed: something went wrong" in failed.error
+    assert "the agent asks (input-required): Which city?" in timeline[-1].reason
+
+
+async def test_a_slow_task_is_accepted_then_ended_by_its_push_notification(
+    conn: Connection,
+) -> None:
+    await slow_task(conn, push=True)
+
+
+async def test_a_slow_task_of_an_agent_without_push_is_ended_by_asking_get_task(
+    conn: Connection,
+) -> None:
+    await slow_task(conn, push=False)
+
+
+async def slow_task(conn: Connection, *, push: bool) -> None:
+    async with a2a_agent(push=push) as agent, behind_a_sidecar(conn, agent) as (client, _):
+        result = await client.request(CAPABILITY, {"do": "slow", "s": 1.0}, timeout=30)
+        record = await MessageStore(conn).get_record(result.id)
+
+    assert result.ok and result.result["artifacts"][0]["parts"][0]["data"]["echo"]["do"] == "slow"
+    walked = await stages(conn, result.id)
+    assert walked[-3:] == ["PROCESSING", "CALLBACK_RECEIVED", "SUCCEEDED"], walked
+    assert record is not None and record.agent_task  # the A2A task id, for the reaper
+    assert sum(agent.executions.values()) == 1
+
+
+async def test_an_agent_that_forgets_a_task_is_asked_by_the_reaper_and_the_message_parked(
+    settings: Settings,
+) -> None:
+    """The agent restarts mid-task (its in-memory tasks gone): the reaper's GetTask finds no
+    such task, and a non-idempotent agent's message is parked for an operator."""
+    quick = msgspec.structs.replace(settings, callback_timeout_s=2.0)
+    port = free_port()
+    async with connected(quick) as conn:
+        async with a2a_agent(push=False, port=port) as agent:
+            card = await fetch_card(agent.url)
+            async with (
+                running_sidecar(
+                    conn,
+                    "echo-1",
+                    (CAPABILITY,),
+                    transport=A2ATransport(card, timeout_s=5.0, max_connections=4),
+                    status_url=status_url(card),
+                ),
+                running_dispatcher(conn),
+                Client(conn) as client,
+            ):
+                envelope = Envelope(
+                    capability=CAPABILITY, payload=msgspec.Raw(b'{"do":"slow","s":60}')
+                )
+                (message_id,) = await client.submit_many([envelope])
+
+                async def accepted() -> bool:
+                    record = await MessageStore(conn).get_record(message_id)
+                    return record is not None and bool(record.agent_task)
+
+                await eventually(accepted, timeout_s=20)
+        async with a2a_agent(push=False, port=port):  # back, knowing nothing
+            async with running_dispatcher(conn):
+
+                async def parked() -> bool:
+                    record = await MessageStore(conn).get_record(message_id)
+                    return record is not None and record.stage is Stage.NEEDS_CONFIRMATION
+
+                await eventually(parked, timeout_s=30)
+            timeline = await MessageStore(conn).get_timeline(message_id)
+    assert "GetTask: task not found" in timeline[-1].reason, timeline[-1]
+
+
+async def test_skills_map_to_capabilities_and_a_bad_card_stops_start_up() -> None:
+    async with a2a_agent() as agent:
+        card = await fetch_card(agent.url)
+    assert (card.name, card.version, card.protocol) == ("Echo Agent", "2.1.0", "1.0")
+    served, tags = a2a_card_parts(card, ["echo=text.echo"], [])
+    assert served == ["text.echo"] and tags["a2a.name"] == "Echo Agent"
+    with pytest.raises(SidecarOptionError, match="the card has no such skill"):
+        a2a_card_parts(card, ["nope=text.echo"], [])
+    closed = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(CardError, match="cannot read the agent card"):
+        await fetch_card(closed)
+    result = await anyio.to_thread.run_sync(
+        lambda: CliRunner().invoke(
+            main,
+            [
+                *("sidecar", "--redis", "redis://127.0.0.1:1", "--agent-id", "echo"),
+                *("--adapter", "a2a", "--url", closed),
+            ],
+        )
+    )
+    assert result.exit_code == 1 and "cannot read the agent card" in result.output

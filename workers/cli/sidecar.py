@@ -1,0 +1,287 @@
+"""``agent-reach sidecar``: its options, and the parts it builds from them
+(:mod:`adapters.factory`); a standard agent (``--adapter a2a``) is read from its card first."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import click
+
+from adapters.a2a import A2ATransport, CardError, fetch_card, status_url
+from adapters.factory import (
+    ADAPTERS,
+    AgentAddress,
+    SidecarOptionError,
+    a2a_card_parts,
+    agent_address,
+    callback_warning,
+    make_card,
+    make_transport,
+)
+from adapters.transport import Transport
+from broker.config import Settings
+
+from .common import FiniteRange, parse_tags, redis_options, run
+from .processes import metrics_options, serve_sidecar
+
+
+def card_fields(
+    standard: StandardAgent | None,
+    capabilities: tuple[str, ...],
+    version: str,
+    tags: dict[str, str],
+    status_url: str,
+) -> dict[str, Any]:
+    """What the command line says of the card, or a standard agent's card where it says
+    more (its capabilities, its version unless ``--version`` is given, its status query)."""
+    if standard is None:
+        if not capabilities:
+            raise SidecarOptionError("give at least one --capability", "--capability")
+        return {
+            "capabilities": capabilities,
+            "version": version,
+            "tags": tags,
+            "status_url": status_url,
+        }
+    return {
+        "capabilities": standard.capabilities,
+        "version": standard.version if version == "0" else version,
+        "tags": {**standard.tags, **tags},
+        "status_url": standard.status_url,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class StandardAgent:
+    """What a standard agent's card gives the sidecar."""
+
+    capabilities: tuple[str, ...]
+    version: str
+    tags: dict[str, str]
+    status_url: str
+    transport: Transport
+
+
+def standard_agent(
+    address: AgentAddress,
+    skills: tuple[str, ...],
+    capabilities: tuple[str, ...],
+    settings: Settings,
+    max_inflight: int,
+) -> StandardAgent | None:
+    """An A2A agent's card read (a card that cannot be read stops start-up with the reason)
+    and its parts made; ``None`` for the other adapters."""
+    if address.adapter != "a2a":
+        if skills:
+            raise SidecarOptionError("--skill is for --adapter a2a", "--skill")
+        return None
+    try:
+        card = anyio.run(fetch_card, address.target)
+    except CardError as exc:
+        raise click.ClickException(f"cannot start the sidecar: {exc}") from exc
+    served, tags = a2a_card_parts(card, skills, capabilities)
+    transport = A2ATransport(
+        card, timeout_s=settings.sync_call_timeout_s, max_connections=max_inflight
+    )
+    return StandardAgent(tuple(served), card.version or "0", tags, status_url(card), transport)
+
+
+# The sidecar's options, as data: the command below is what it does with them.
+SIDECAR_OPTIONS = (
+    click.option("--agent-id", required=True, help="The agent this instance belongs to."),
+    click.option(
+        "--capability",
+        "capabilities",
+        multiple=True,
+        help="A capability served, e.g. order.query (repeatable; a2a: every skill serves it).",
+    ),
+    click.option(
+        "--adapter",
+        type=click.Choice(ADAPTERS),
+        default=None,
+        help="How to reach the agent (default: http with --http, python with --python). "
+        "http-async: the agent answers 202 and POSTs its result to this sidecar's callback "
+        "endpoint later. a2a: an Agent2Agent agent at --url, read from its card.",
+    ),
+    click.option(
+        "--http", "http_url", metavar="URL", help="The agent's HTTP endpoint (http, http-async)."
+    ),
+    click.option("--url", "agent_url", metavar="URL", help="A standard agent's base URL (a2a)."),
+    click.option(
+        "--skill",
+        "skills",
+        multiple=True,
+        metavar="SKILL_ID=domain.action",
+        help="a2a: serve the card's skill as this capability (repeatable).",
+    ),
+    click.option(
+        "--python",
+        "python_spec",
+        metavar="MODULE:ATTR",
+        help="An in-process Agent (python adapter).",
+    ),
+    click.option(
+        "--max-inflight",
+        type=click.IntRange(1, 100_000),
+        default=8,
+        show_default=True,
+        help="Credits: the most unfinished messages this instance holds.",
+    ),
+    click.option("--idempotent", is_flag=True, help="The agent may safely run a message twice."),
+    click.option("--instance-id", default=None, help="Instance id (default: AGENT_ID-random)."),
+    click.option("--version", "version", default="0", show_default=True, help="Agent version."),
+    click.option(
+        "--weight",
+        type=FiniteRange(0, 1000),
+        default=1.0,
+        show_default=True,
+        help="Routing weight (e.g. 0.11 beside 1.0 for a 10 % canary).",
+    ),
+    click.option(
+        "--tag", "tags", multiple=True, metavar="KEY=VALUE", help="Routing tag (repeatable)."
+    ),
+    click.option("--status-url", default="", metavar="URL", help="The agent's status endpoint."),
+    click.option(
+        "--cost",
+        type=FiniteRange(0),
+        default=0.0,
+        show_default=True,
+        help="Cost per call, for routing under a budget.",
+    ),
+    click.option(
+        "--credits",
+        "credits_mode",
+        type=click.Choice(["adaptive", "static"]),
+        default="adaptive",
+        show_default=True,
+        help="adaptive: the credit limit follows the agent's latency, between 1 and "
+        "--max-inflight; static: always --max-inflight.",
+    ),
+    click.option(
+        "--callback-host",
+        default="127.0.0.1",
+        show_default=True,
+        help="http-async: the address the callback endpoint listens on.",
+    ),
+    click.option(
+        "--callback-port",
+        type=click.IntRange(0, 65535),
+        default=0,
+        show_default=True,
+        help="http-async: the callback endpoint's port (0: any free one).",
+    ),
+    click.option(
+        "--callback-public-url",
+        default=None,
+        metavar="URL",
+        help="http-async: the callback endpoint's URL as agents reach it, when not "
+        "http://HOST:PORT (behind a proxy or NAT).",
+    ),
+    click.option(
+        "--grace",
+        "grace_s",
+        type=float,
+        default=None,
+        help="Seconds to finish in-flight work on SIGTERM (default: drain_grace_s, 40).",
+    ),
+)
+
+
+def sidecar_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``sidecar`` command's options, in the order ``--help`` lists them."""
+    for option in reversed(SIDECAR_OPTIONS):
+        command = option(command)
+    return command
+
+
+@click.command()
+@redis_options
+@sidecar_options
+@metrics_options
+def sidecar(
+    settings: Settings,
+    agent_id: str,
+    capabilities: tuple[str, ...],
+    adapter: str | None,
+    http_url: str | None,
+    agent_url: str | None,
+    skills: tuple[str, ...],
+    python_spec: str | None,
+    max_inflight: int,
+    idempotent: bool,
+    instance_id: str | None,
+    version: str,
+    weight: float,
+    tags: tuple[str, ...],
+    status_url: str,
+    cost: float,
+    credits_mode: str,
+    callback_host: str,
+    callback_port: int,
+    callback_public_url: str | None,
+    grace_s: float | None,
+    metrics_port: int | None,
+    metrics_host: str,
+) -> None:
+    """Run a sidecar for one agent instance: register, heartbeat, consume, deliver."""
+    try:
+        address = agent_address(adapter, http_url=http_url, python_spec=python_spec, url=agent_url)
+        standard = standard_agent(address, skills, capabilities, settings, max_inflight)
+        card = make_card(
+            agent_id=agent_id,
+            endpoint=address.endpoint,
+            max_inflight=max_inflight,
+            instance_id=instance_id,
+            idempotent=idempotent,
+            weight=weight,
+            cost=cost,
+            **card_fields(standard, capabilities, version, parse_tags(tags), status_url),
+        )
+        transport = _transport(
+            settings, address, max_inflight, instance_id, callback_port, standard
+        )
+    except SidecarOptionError as exc:
+        raise usage_error(exc) from exc
+    run(
+        serve_sidecar,
+        settings,
+        card,
+        transport,
+        grace_s=settings.drain_grace_s if grace_s is None else grace_s,
+        adaptive_credits=credits_mode == "adaptive",
+        callback_host=callback_host,
+        callback_port=callback_port,
+        callback_public_url=callback_public_url,
+        metrics=(metrics_host, metrics_port),
+    )
+
+
+def _transport(
+    settings: Settings,
+    address: AgentAddress,
+    max_inflight: int,
+    instance_id: str | None,
+    callback_port: int,
+    standard: StandardAgent | None,
+) -> Transport:
+    """The agent's transport (a standard agent's, made from its card), after a warning about
+    how its callbacks are set up, if any."""
+    if standard is not None:
+        return standard.transport
+    warning = callback_warning(address, instance_id=instance_id, callback_port=callback_port)
+    if warning:
+        click.echo(f"agent-reach: warning: {warning}", err=True)
+    return make_transport(
+        address, timeout_s=settings.sync_call_timeout_s, max_connections=max_inflight
+    )
+
+
+def usage_error(exc: SidecarOptionError) -> click.UsageError:
+    """The factory's refusal as click says it: ``Invalid value for --OPTION: ...`` when one
+    option is at fault, the bare message when it is how they combine; exit code 2 either way."""
+    if exc.option is None:
+        return click.UsageError(exc.message)
+    return click.BadParameter(exc.message, param_hint=exc.option)
