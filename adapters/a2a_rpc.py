@@ -91,6 +91,24 @@ async def a2a_status(
     return as_status(result if isinstance(result, RpcError) else task_view(result))
 
 
+async def a2a_cancel(client: httpx.AsyncClient, url: str, task_id: str) -> str:
+    """``CancelTask`` on the agent behind status URL ``url``: what it said, in words."""
+    version, _, rpc_url = url.removeprefix(STATUS_SCHEME).partition(":")
+    dialect = DIALECTS.get(version)
+    if dialect is None or not rpc_url:
+        return f"not an A2A status URL: {url[:80]}"
+    answer = await json_rpc(
+        client, rpc_url, dialect, (dialect.cancel, {"id": task_id}, {}), max_bytes=1024 * 1024
+    )
+    if not isinstance(answer, AgentAnswer):
+        return f"CancelTask: {getattr(answer, 'reason', 'no answer')}"
+    result = rpc_answer(answer.body)
+    if isinstance(result, RpcError):
+        return f"CancelTask: {result}"
+    view = task_view(result)
+    return f"CancelTask: {view}" if isinstance(view, str) else f"task now {view.state}"
+
+
 def as_status(view: TaskView | RpcError | str) -> Status:
     """A ``GetTask`` answer as the reaper reads a status endpoint's: COMPLETED done,
     SUBMITTED / WORKING running, FAILED / CANCELED / REJECTED failed; a task the agent does

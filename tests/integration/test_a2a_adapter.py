@@ -179,3 +179,36 @@ async def test_skills_map_to_capabilities_and_a_bad_card_stops_start_up() -> Non
         )
     )
     assert result.exit_code == 1 and "cannot read the agent card" in result.output
+
+
+async def test_cancel_of_a_processing_message_asks_the_agent_to_cancel_its_task(
+    conn: Connection,
+) -> None:
+    async with a2a_agent() as agent, behind_a_sidecar(conn, agent) as (client, _):
+        reply_to = client.new_reply_stream()
+        slow = msgspec.Raw(b'{"do":"slow","s":60}')
+        (message_id,) = await client.submit_many(
+            [Envelope(capability=CAPABILITY, payload=slow, reply_to=reply_to)]
+        )
+
+        async def accepted() -> bool:
+            record = await MessageStore(conn).get_record(message_id)
+            return record is not None and bool(record.agent_task)
+
+        await eventually(accepted, timeout_s=20)
+        url = conn.settings.redis_url
+        assert url is not None
+        said = await anyio.to_thread.run_sync(
+            lambda: CliRunner().invoke(
+                main,
+                ["cancel", message_id, "--redis", url, "--prefix", conn.keys.prefix, "--by", "ops"],
+            )
+        )
+        result = await client.wait_reply(reply_to, message_id, timeout_s=20)
+
+    assert said.exit_code == 0, said.output
+    assert result is not None
+    assert "cancel asked by ops" in said.output and "task now canceled" in said.output
+    assert result.stage is Stage.FAILED
+    assert result.error is not None and "ended canceled: cancelled by request" in result.error
+    assert "CANCEL_ASKED" in await stages(conn, message_id)

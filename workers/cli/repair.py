@@ -26,6 +26,7 @@ from broker.operator import Action, Operator, ReplayPlan, StuckMessage
 from broker.stages import TERMINAL, Stage
 
 from ..runtime import connected
+from ..task_cancel import cancel_agent_task
 from .common import redis_options, run
 
 T = TypeVar("T")
@@ -262,8 +263,14 @@ def check_result_json(result: str) -> None:
 @by_option
 def cancel(settings: Settings, message_id: str, by: str) -> None:
     """Cancel a message no sidecar has taken yet (ACCEPTED, WAITING or ROUTED); its producer
-    gets a CANCELLED reply."""
-    finished(operate(settings, lambda op: op.cancel(message_id, by=by)))
+    gets a CANCELLED reply. A PROCESSING message on an A2A agent: the agent is asked to
+    cancel its task (CancelTask), and the message ends as the task does."""
+
+    async def work(op: Operator) -> Action:
+        asked = await cancel_agent_task(op.conn, message_id, by=by)
+        return asked if asked is not None else await op.cancel(message_id, by=by)
+
+    finished(operate(settings, work))
 
 
 @click.command()
