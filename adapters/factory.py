@@ -20,11 +20,12 @@ from broker.records import InstanceCard
 
 from .a2a_wire import AgentCardView, skill_capabilities
 from .http import HttpAsyncTransport, HttpTransport
+from .mcp_wire import Tool, tool_capabilities
 from .python import Agent
 from .transport import Transport
 
-ADAPTERS = ("http", "http-async", "python", "a2a")
-URL_ADAPTERS = ("a2a",)  # reached at --url (a standard agent's base URL)
+ADAPTERS = ("http", "http-async", "python", "a2a", "mcp")
+URL_ADAPTERS = ("a2a", "mcp")  # reached at --url (a standard agent's URL)
 
 
 class SidecarOptionError(ReachError):
@@ -86,17 +87,23 @@ def _url_address(
     return AgentAddress(adapter, url)
 
 
+def capability_pairs(values: Sequence[str], option: str, left: str) -> dict[str, str]:
+    """``--skill`` / ``--tool`` values, ``<name>=domain.action``, as name -> capability."""
+    mapping: dict[str, str] = {}
+    for pair in values:
+        name, sep, capability = pair.partition("=")
+        if not sep or not name or not capability:
+            raise SidecarOptionError(f"{pair!r}: expected {left}=domain.action", option)
+        mapping[name] = capability
+    return mapping
+
+
 def a2a_card_parts(
     card: AgentCardView, skills: Sequence[str], capabilities: Sequence[str]
 ) -> tuple[list[str], dict[str, str]]:
     """From an A2A agent's card: the capabilities to register (``--skill SKILL=cap`` pairs,
     ``--capability`` for all) and the tags that carry its name and description."""
-    mapping: dict[str, str] = {}
-    for pair in skills:
-        skill, sep, capability = pair.partition("=")
-        if not sep or not skill or not capability:
-            raise SidecarOptionError(f"{pair!r}: expected SKILL_ID=domain.action", "--skill")
-        mapping[skill] = capability
+    mapping = capability_pairs(skills, "--skill", "SKILL_ID")
     chosen = skill_capabilities(card, mapping, None)
     if isinstance(chosen, str) and not (capabilities and not mapping):
         raise SidecarOptionError(chosen)
@@ -105,6 +112,21 @@ def a2a_card_parts(
     if card.description:
         tags["a2a.description"] = card.description[:500]
     return served, tags
+
+
+def mcp_tool_parts(
+    tools: Sequence[Tool], pairs: Sequence[str], prefix: str | None
+) -> dict[str, Tool]:
+    """From an MCP server's tools: capability -> tool (``--tool NAME=domain.action`` pairs,
+    ``--capability-prefix`` for every tool)."""
+    mapping = capability_pairs(pairs, "--tool", "NAME")
+    served = tool_capabilities(tools, mapping, prefix)
+    if isinstance(served, str):
+        raise SidecarOptionError(served)
+    for capability in served:
+        if problem := capability_problem(capability):
+            raise SidecarOptionError(problem, "--tool")
+    return served
 
 
 def make_card(
@@ -168,8 +190,10 @@ def make_transport(address: AgentAddress, *, timeout_s: float, max_connections: 
     call bounded by ``timeout_s``), or the in-process agent, loaded."""
     if address.adapter == "python":
         return load_python_agent(address.target)
-    if address.adapter == "a2a":
-        raise SidecarOptionError("the a2a transport is made from the agent's card (a2a_transport)")
+    if address.adapter in URL_ADAPTERS:
+        raise SidecarOptionError(
+            f"the {address.adapter} transport is made from what the agent says"
+        )
     http = HttpAsyncTransport if address.adapter == "http-async" else HttpTransport
     return http(address.target, timeout_s=timeout_s, max_connections=max_connections)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,9 @@ from adapters.factory import (
     callback_warning,
     make_card,
     make_transport,
+    mcp_tool_parts,
 )
+from adapters.mcp import McpTransport, ServerError, fetch_tools
 from adapters.transport import Transport
 from broker.config import Settings
 
@@ -32,11 +35,13 @@ def card_fields(
     standard: StandardAgent | None,
     capabilities: tuple[str, ...],
     version: str,
-    tags: dict[str, str],
+    tag_options: tuple[str, ...],
     status_url: str,
+    idempotent: bool | None,
 ) -> dict[str, Any]:
     """What the command line says of the card, or a standard agent's card where it says
     more (its capabilities, its version unless ``--version`` is given, its status query)."""
+    tags = parse_tags(tag_options)
     if standard is None:
         if not capabilities:
             raise SidecarOptionError("give at least one --capability", "--capability")
@@ -45,8 +50,10 @@ def card_fields(
             "version": version,
             "tags": tags,
             "status_url": status_url,
+            "idempotent": bool(idempotent),
         }
     return {
+        "idempotent": standard.idempotent if idempotent is None else idempotent,
         "capabilities": standard.capabilities,
         "version": standard.version if version == "0" else version,
         "tags": {**standard.tags, **tags},
@@ -63,30 +70,97 @@ class StandardAgent:
     tags: dict[str, str]
     status_url: str
     transport: Transport
+    idempotent: bool  # what the agent says of itself (MCP: every tool's idempotentHint)
+
+
+@dataclass(frozen=True, slots=True)
+class Named:
+    """What the command line says of a standard agent: where, and its skills or tools."""
+
+    url: str | None
+    skills: tuple[str, ...]
+    tools: tuple[str, ...]
+    prefix: str | None
+
+
+STANDARD_OPTIONS = (
+    click.option("--url", "agent_url", metavar="URL", help="A standard agent's URL (a2a, mcp)."),
+    click.option(
+        "--skill",
+        "skills",
+        multiple=True,
+        metavar="SKILL_ID=domain.action",
+        help="a2a: serve the card's skill as this capability (repeatable).",
+    ),
+    click.option(
+        "--tool",
+        "tool_pairs",
+        multiple=True,
+        metavar="NAME=domain.action",
+        help="mcp: serve the server's tool as this capability (repeatable).",
+    ),
+    click.option(
+        "--capability-prefix",
+        default=None,
+        metavar="DOMAIN",
+        help="mcp: serve every tool as DOMAIN.<tool name>.",
+    ),
+)
+
+
+def standard_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The options that name a standard agent, passed to ``command`` as one ``named``."""
+
+    @functools.wraps(command)
+    def with_named(
+        *args: Any,
+        agent_url: str | None,
+        skills: tuple[str, ...],
+        tool_pairs: tuple[str, ...],
+        capability_prefix: str | None,
+        **kwargs: Any,
+    ) -> Any:
+        named = Named(agent_url, skills, tool_pairs, capability_prefix)
+        return command(*args, named=named, **kwargs)
+
+    wrapped: Callable[..., Any] = with_named
+    for option in reversed(STANDARD_OPTIONS):
+        wrapped = option(wrapped)
+    return wrapped
 
 
 def standard_agent(
     address: AgentAddress,
-    skills: tuple[str, ...],
+    named: Named,
     capabilities: tuple[str, ...],
     settings: Settings,
     max_inflight: int,
 ) -> StandardAgent | None:
-    """An A2A agent's card read (a card that cannot be read stops start-up with the reason)
-    and its parts made; ``None`` for the other adapters."""
-    if address.adapter != "a2a":
-        if skills:
-            raise SidecarOptionError("--skill is for --adapter a2a", "--skill")
-        return None
+    """A standard agent read (its A2A card, its MCP tools; one that cannot be read stops
+    start-up with the reason) and its parts made; ``None`` for the other adapters."""
+    if address.adapter != "a2a" and named.skills:
+        raise SidecarOptionError("--skill is for --adapter a2a", "--skill")
+    if address.adapter != "mcp" and (named.tools or named.prefix):
+        raise SidecarOptionError("--tool and --capability-prefix are for --adapter mcp")
+    timeout_s, url = settings.sync_call_timeout_s, address.target
     try:
-        card = anyio.run(fetch_card, address.target)
-    except CardError as exc:
+        if address.adapter == "a2a":
+            card = anyio.run(fetch_card, url)
+            served, tags = a2a_card_parts(card, named.skills, capabilities)
+            transport: Transport = A2ATransport(
+                card, timeout_s=timeout_s, max_connections=max_inflight
+            )
+            return StandardAgent(
+                tuple(served), card.version or "0", tags, status_url(card), transport, False
+            )
+        if address.adapter == "mcp":
+            tools = mcp_tool_parts(anyio.run(fetch_tools, url), named.tools, named.prefix)
+            transport = McpTransport(url, tools, timeout_s=timeout_s, max_connections=max_inflight)
+            idempotent = all(t.idempotent for t in tools.values())
+            return StandardAgent(tuple(tools), "0", {"mcp.url": url}, "", transport, idempotent)
+    except (CardError, ServerError) as exc:
         raise click.ClickException(f"cannot start the sidecar: {exc}") from exc
-    served, tags = a2a_card_parts(card, skills, capabilities)
-    transport = A2ATransport(
-        card, timeout_s=settings.sync_call_timeout_s, max_connections=max_inflight
-    )
-    return StandardAgent(tuple(served), card.version or "0", tags, status_url(card), transport)
+    return None
 
 
 # The sidecar's options, as data: the command below is what it does with them.
@@ -109,14 +183,6 @@ SIDECAR_OPTIONS = (
     click.option(
         "--http", "http_url", metavar="URL", help="The agent's HTTP endpoint (http, http-async)."
     ),
-    click.option("--url", "agent_url", metavar="URL", help="A standard agent's base URL (a2a)."),
-    click.option(
-        "--skill",
-        "skills",
-        multiple=True,
-        metavar="SKILL_ID=domain.action",
-        help="a2a: serve the card's skill as this capability (repeatable).",
-    ),
     click.option(
         "--python",
         "python_spec",
@@ -130,7 +196,12 @@ SIDECAR_OPTIONS = (
         show_default=True,
         help="Credits: the most unfinished messages this instance holds.",
     ),
-    click.option("--idempotent", is_flag=True, help="The agent may safely run a message twice."),
+    click.option(
+        "--idempotent/--not-idempotent",
+        default=None,
+        help="The agent may safely run a message twice (default: no; mcp: when every tool "
+        "served says idempotentHint).",
+    ),
     click.option("--instance-id", default=None, help="Instance id (default: AGENT_ID-random)."),
     click.option("--version", "version", default="0", show_default=True, help="Agent version."),
     click.option(
@@ -200,18 +271,18 @@ def sidecar_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.command()
 @redis_options
 @sidecar_options
+@standard_options
 @metrics_options
 def sidecar(
     settings: Settings,
+    named: Named,
     agent_id: str,
     capabilities: tuple[str, ...],
     adapter: str | None,
     http_url: str | None,
-    agent_url: str | None,
-    skills: tuple[str, ...],
     python_spec: str | None,
     max_inflight: int,
-    idempotent: bool,
+    idempotent: bool | None,
     instance_id: str | None,
     version: str,
     weight: float,
@@ -228,17 +299,16 @@ def sidecar(
 ) -> None:
     """Run a sidecar for one agent instance: register, heartbeat, consume, deliver."""
     try:
-        address = agent_address(adapter, http_url=http_url, python_spec=python_spec, url=agent_url)
-        standard = standard_agent(address, skills, capabilities, settings, max_inflight)
+        address = agent_address(adapter, http_url=http_url, python_spec=python_spec, url=named.url)
+        standard = standard_agent(address, named, capabilities, settings, max_inflight)
         card = make_card(
             agent_id=agent_id,
             endpoint=address.endpoint,
             max_inflight=max_inflight,
             instance_id=instance_id,
-            idempotent=idempotent,
             weight=weight,
             cost=cost,
-            **card_fields(standard, capabilities, version, parse_tags(tags), status_url),
+            **card_fields(standard, capabilities, version, tags, status_url, idempotent),
         )
         transport = _transport(
             settings, address, max_inflight, instance_id, callback_port, standard
