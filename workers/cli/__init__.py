@@ -8,6 +8,7 @@ import click
 from ..runtime import configure_logging
 from .acl import acl
 from .console import console
+from .gateway import a2a_gateway
 from .inspect import agents, config, drain, redis_url_command, schema, stats, trace, weight
 from .notify import notifier
 from .processes import demo, demo_agent, dispatcher, reaper, up
@@ -42,6 +43,7 @@ for command in (
     stats,
     top,
     console,
+    a2a_gateway,
     weight,
     drain,
     config,

@@ -7,7 +7,6 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import click
 
 from broker.config import Settings
@@ -15,8 +14,8 @@ from broker.connection import Connection
 
 from ..console.app import console_endpoint
 from ..console.security import TOKEN_ENV, bind_refusal, token_problem
-from ..runtime import connected, stop_on_signals
-from .common import redis_options, run
+from .common import redis_options
+from .endpoints import listen_options, serve_endpoint
 
 DEFAULT_PORT = 8700
 
@@ -73,14 +72,7 @@ def up_console_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 @click.command()
 @redis_options
-@click.option("--host", default="127.0.0.1", show_default=True, help="The address to listen on.")
-@click.option(
-    "--port",
-    type=click.IntRange(0, 65535),
-    default=DEFAULT_PORT,
-    show_default=True,
-    help="The port (0: any).",
-)
+@listen_options(DEFAULT_PORT)
 @click.option(
     "--token",
     envvar=TOKEN_ENV,
@@ -91,11 +83,4 @@ def console(settings: Settings, host: str, port: int, token: str | None) -> None
     """Serve the web console: overview, agents, messages, dead letters, live; with the
     operator's actions (drain, weight, replay, resolve, cancel). Also serves /metrics."""
     at = console_at(host, port, token, "--token")
-
-    async def serve() -> None:
-        async with connected(settings) as conn, AsyncExitStack() as stack:
-            await open_console(stack, conn, at)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(stop_on_signals, tg.cancel_scope.cancel, tg.cancel_scope)
-
-    run(serve)
+    serve_endpoint(settings, lambda stack, conn: open_console(stack, conn, at))

@@ -27,6 +27,7 @@ from ..reaper import Reaper
 from ..runtime import connected, stop_on_signals
 from .common import FiniteRange, redis_options, run
 from .console import ConsoleAt, console_at, open_console, up_console_options
+from .gateway import GatewayAt, open_gateway, up_a2a_options
 
 METRICS_OPTIONS = (
     click.option(
@@ -68,6 +69,7 @@ def serve_roles(
     notify: bool = False,
     metrics: tuple[str, int | None] = ("127.0.0.1", None),
     console: ConsoleAt | None = None,
+    a2a_at: GatewayAt | None = None,
 ) -> None:
     """Run broker roles in one process until SIGINT / SIGTERM."""
     tracing.setup("agent-reach")
@@ -76,6 +78,7 @@ def serve_roles(
         async with connected(settings) as conn, AsyncExitStack() as stack:
             await open_metrics(stack, conn, *metrics, "agent-reach")
             await open_console(stack, conn, console)
+            await open_gateway(stack, conn, a2a_at)
             await serve_in(conn)
 
     async def serve_in(conn: Connection) -> None:
@@ -102,8 +105,10 @@ def serve_roles(
 @click.option("--consumer", default=None, help="Consumer name (default: host-pid).")
 @metrics_options
 @up_console_options
+@up_a2a_options
 def up(
     settings: Settings,
+    a2a_at: GatewayAt | None,
     consumer: str | None,
     metrics_port: int | None,
     metrics_host: str,
@@ -112,7 +117,8 @@ def up(
     console_port: int,
     console_token: str | None,
 ) -> None:
-    """Run the broker: dispatcher, reaper and notifier in one process."""
+    """Run the broker: dispatcher, reaper and notifier in one process (with --console the
+    web console, with --a2a the A2A gateway)."""
     at = console_at(console_host, console_port, console_token, "--console-token")
     serve_roles(
         settings,
@@ -122,6 +128,7 @@ def up(
         notify=True,
         metrics=(metrics_host, metrics_port),
         console=at if console else None,
+        a2a_at=a2a_at,
     )
 
 

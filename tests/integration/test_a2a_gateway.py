@@ -1,0 +1,164 @@
+"""The A2A front door (workers/a2a_gateway.py) driven by the official ``a2a-sdk`` client, with
+a real dispatcher, sidecars and HTTP agents behind it on real Redis."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from a2a.client import A2ACardResolver, ClientConfig, ClientFactory
+from a2a.client.client import Client as A2AClient
+from a2a.helpers import get_data_parts, new_data_part
+from a2a.types import (
+    AgentCard,
+    CancelTaskRequest,
+    GetTaskRequest,
+    Message,
+    Role,
+    SendMessageConfiguration,
+    SendMessageRequest,
+    Task,
+    TaskState,
+)
+
+from broker.connection import Connection
+from tests.support.agents import Gate, http_agent
+from tests.support.harness import running_dispatcher, running_sidecar
+from workers.a2a_gateway import gateway_endpoint
+
+API_KEY = "k" * 24
+
+
+def user_message(capability: str, data: dict[str, Any]) -> Message:
+    message = Message(role=Role.ROLE_USER, message_id=uuid.uuid4().hex, parts=[new_data_part(data)])
+    message.metadata.update({"capability": capability})
+    return message
+
+
+@asynccontextmanager
+async def front_door(
+    conn: Connection, gate: Gate
+) -> AsyncIterator[tuple[AgentCard, httpx.AsyncClient]]:
+    """Two capabilities behind the gateway: text.echo (quick), text.held (one credit, its
+    agent holding every call until ``gate`` opens)."""
+    async with (
+        http_agent("echo") as quick,
+        http_agent("held", behaviour=gate) as held,
+        running_sidecar(conn, "echo-1", ("text.echo",), url=quick.url),
+        running_sidecar(conn, "held-1", ("text.held",), url=held.url, max_inflight=1),
+        running_dispatcher(conn),
+        gateway_endpoint(conn, "127.0.0.1", 0, API_KEY) as url,
+        httpx.AsyncClient(headers={"X-API-Key": API_KEY}, timeout=30) as http,
+    ):
+        card = await A2ACardResolver(http, url).get_agent_card()
+        yield card, http
+
+
+def sdk_client(card: AgentCard, http: httpx.AsyncClient, *, streaming: bool) -> A2AClient:
+    return ClientFactory(ClientConfig(streaming=streaming, httpx_client=http)).create(card)
+
+
+async def completed(client: A2AClient, task_id: str) -> Task:
+    """``GetTask`` until the task is COMPLETED (polled, with a deadline)."""
+    with anyio.fail_after(20):
+        while True:
+            task = await client.get_task(GetTaskRequest(id=task_id))
+            if task.status.state == TaskState.TASK_STATE_COMPLETED:
+                return task
+            await anyio.sleep(0.05)
+
+
+async def only_task(client: A2AClient, request: SendMessageRequest) -> Task:
+    tasks = [event.task async for event in client.send_message(request) if event.HasField("task")]
+    assert len(tasks) == 1
+    return tasks[0]
+
+
+async def test_the_card_lists_capabilities_and_a_blocking_send_returns_the_result(
+    conn: Connection,
+) -> None:
+    gate = Gate()
+    async with front_door(conn, gate) as (card, http):
+        client = sdk_client(card, http, streaming=False)
+        task = await only_task(
+            client, SendMessageRequest(message=user_message("text.echo", {"n": 1}))
+        )
+        gate.open()
+
+    assert {s.id for s in card.skills} >= {"text.echo", "text.held"}
+    assert card.security_schemes["apiKey"].api_key_security_scheme.name == "X-API-Key"
+    assert task.status.state == TaskState.TASK_STATE_COMPLETED
+    (artifact,) = task.artifacts
+    assert get_data_parts(list(artifact.parts)) == [{"agent": "echo", "echo": {"n": 1.0}}]
+
+
+async def test_a_non_blocking_send_is_working_then_completed_by_get_task(conn: Connection) -> None:
+    gate = Gate()
+    async with front_door(conn, gate) as (card, http):
+        client = sdk_client(card, http, streaming=False)
+        configuration = SendMessageConfiguration(return_immediately=True)
+        request = SendMessageRequest(
+            message=user_message("text.echo", {"n": 2}), configuration=configuration
+        )
+        task = await only_task(client, request)
+        first = task.status.state
+        task = await completed(client, task.id)
+        gate.open()
+
+    assert first == TaskState.TASK_STATE_WORKING
+    assert get_data_parts(list(task.artifacts[0].parts)) == [{"agent": "echo", "echo": {"n": 2.0}}]
+
+
+async def test_cancel_ends_a_queued_message_and_refuses_an_ended_one(conn: Connection) -> None:
+    gate = Gate()
+    async with front_door(conn, gate) as (card, http):
+        client = sdk_client(card, http, streaming=False)
+        later = SendMessageConfiguration(return_immediately=True)
+        busy = await only_task(
+            client, SendMessageRequest(message=user_message("text.held", {}), configuration=later)
+        )
+        queued = await only_task(
+            client, SendMessageRequest(message=user_message("text.held", {}), configuration=later)
+        )
+        cancelled = await client.cancel_task(CancelTaskRequest(id=queued.id))
+        gate.open()
+        await completed(client, busy.id)
+        with pytest.raises(Exception, match="cancel") as refused:
+            await client.cancel_task(CancelTaskRequest(id=busy.id))
+
+    assert cancelled.status.state == TaskState.TASK_STATE_CANCELED
+    assert "TaskNotCancelable" in type(refused.value).__name__
+
+
+async def test_a_streaming_send_streams_stage_changes_to_the_result(conn: Connection) -> None:
+    gate = Gate()
+    async with front_door(conn, gate) as (card, http):
+        client = sdk_client(card, http, streaming=True)
+        kinds, states = [], []
+        async for event in client.send_message(
+            SendMessageRequest(message=user_message("text.echo", {"n": 3}))
+        ):
+            kind = event.WhichOneof("payload")
+            kinds.append(kind)
+            if kind == "status_update":
+                states.append(event.status_update.status.state)
+        gate.open()
+
+    assert kinds[0] == "task" and "artifact_update" in kinds
+    assert states[-1] == TaskState.TASK_STATE_COMPLETED
+    assert TaskState.TASK_STATE_WORKING in states
+
+
+async def test_a_request_without_the_api_key_is_refused(conn: Connection) -> None:
+    async with gateway_endpoint(conn, "127.0.0.1", 0, API_KEY) as url:
+        async with httpx.AsyncClient() as http:
+            body = {"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": "x"}}
+            refused = await http.post(url, json=body)
+            keyed = await http.post(url, json=body, headers={"X-API-Key": API_KEY})
+    assert refused.status_code == 401
+    assert keyed.json()["error"]["code"] == -32001

@@ -1,0 +1,259 @@
+"""The A2A front door: Agent-Reach as one A2A agent (``agent-reach a2a-gateway``, ``up --a2a``).
+
+A Starlette app: the card at ``/.well-known/agent-card.json`` (every registered capability a
+skill, refreshed as instances come and go), JSON-RPC at ``/`` (:mod:`workers.a2a_front` says
+what each method reads and answers):
+
+- ``SendMessage``: an envelope submitted; blocking (the default), the answer is the message's
+  outcome as a task (COMPLETED with a ``result`` artifact, FAILED with the error, ...);
+  ``returnImmediately``, a WORKING task whose id is the message id;
+- ``GetTask``: the message's record, its stage as the task's state;
+- ``CancelTask``: ``agent-reach cancel`` (queued messages; an A2A agent's task is asked to
+  cancel); a message past cancelling is ``-32002``;
+- ``SendStreamingMessage``: the stage changes as status updates, until the message ends;
+- push notifications: the send's ``taskPushNotificationConfig`` is the message's
+  ``callback_url`` (signed webhooks, the same allow-list); configs afterwards are ``-32004``.
+
+Authentication: an API key in ``X-API-Key`` (declared in the card's ``securitySchemes``); the
+gateway refuses to listen off loopback without one. Bodies over 1 MB are 413.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from adapters.asgi import serve_app
+from adapters.callbacks import Answer, read_body
+from broker.client import Client
+from broker.connection import Connection
+from broker.envelope import Envelope
+from broker.errors import ReachError, RequestTimeout
+from broker.operator import Operator
+from broker.registry import Registry
+from broker.stages import TERMINAL, Stage
+from broker.store import MessageStore
+
+from .a2a_front import (
+    API_KEY_HEADER,
+    INVALID_PARAMS,
+    METHOD_NOT_FOUND,
+    PARSE_ERROR,
+    STATE_OF,
+    TASK_NOT_CANCELABLE,
+    TASK_NOT_FOUND,
+    UNSUPPORTED,
+    agent_card,
+    rpc_error,
+    rpc_result,
+    send_request,
+    status_update,
+    task_json,
+)
+from .task_cancel import cancel_agent_task
+
+log = logging.getLogger("agent_reach.a2a_gateway")
+
+MAX_BODY_BYTES = 1024 * 1024
+CARD_FRESH_S = 2.0
+STREAM_POLL_S = 0.05
+ACCEPT_WAIT_S = 10.0
+BLOCKING_TIMEOUT_S = 300.0  # a blocking send's deadline, when the client gives none
+
+Handler = Callable[[Any, Any], Awaitable[dict[str, Any] | Response]]
+
+
+class Gateway:
+    def __init__(self, conn: Connection, client: Client, *, url: str, api_key: str | None) -> None:
+        self.conn = conn
+        self.client = client
+        self.store = MessageStore(conn)
+        self.url = url
+        self.api_key = api_key
+        self._card: tuple[float, dict[str, Any]] | None = None
+        self._methods: dict[str, Handler] = {
+            "SendMessage": self.send,
+            "GetTask": self.get_task,
+            "CancelTask": self.cancel_task,
+            "SendStreamingMessage": self.send_streaming,
+            "CreateTaskPushNotificationConfig": self.push_config,
+        }
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/.well-known/agent-card.json", self.card, methods=["GET"]),
+                Route("/", self.rpc, methods=["POST"]),
+            ]
+        )
+
+    async def card(self, request: Request) -> Response:
+        now = anyio.current_time()
+        if self._card is None or now - self._card[0] > CARD_FRESH_S:
+            capabilities = {
+                c for v in await Registry(self.conn).snapshot() for c in v.card.capabilities
+            }
+            self._card = (now, agent_card(self.url, capabilities, api_key=bool(self.api_key)))
+        return JSONResponse(self._card[1])
+
+    async def rpc(self, request: Request) -> Response:
+        if self.api_key and not hmac.compare_digest(
+            request.headers.get(API_KEY_HEADER, "").encode(), self.api_key.encode()
+        ):
+            return JSONResponse({"error": f"missing or wrong {API_KEY_HEADER}"}, status_code=401)
+        body = await read_body(request, MAX_BODY_BYTES)
+        if isinstance(body, Answer):
+            return JSONResponse(body.body, status_code=body.status)
+        try:
+            call = msgspec.json.decode(body)
+        except (msgspec.DecodeError, RecursionError):
+            return JSONResponse(rpc_error(None, PARSE_ERROR, "the body is not JSON"))
+        if not isinstance(call, dict):
+            return JSONResponse(rpc_error(None, INVALID_PARAMS, "a JSON-RPC request object"))
+        request_id, method = call.get("id"), call.get("method")
+        handler = self._methods.get(method) if isinstance(method, str) else None
+        if handler is None:
+            return JSONResponse(rpc_error(request_id, METHOD_NOT_FOUND, f"no method {method!r}"))
+        try:
+            answer = await handler(request_id, call.get("params"))
+        except ReachError as exc:  # an envelope refused, Redis unavailable: said as it is
+            answer = rpc_error(request_id, INVALID_PARAMS, str(exc))
+        return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+    # -- methods -------------------------------------------------------------------------------
+
+    async def send(self, request_id: Any, params: Any) -> dict[str, Any]:
+        asked = send_request(params)
+        if isinstance(asked, str):
+            return rpc_error(request_id, INVALID_PARAMS, asked)
+        fields: dict[str, Any] = {"callback_url": asked.callback_url} if asked.callback_url else {}
+        if not asked.blocking:
+            message_id = await self._submit(asked.capability, asked.payload, fields)
+            await self._accepted(message_id)
+            return rpc_result(request_id, {"task": task_json(message_id, Stage.PROCESSING)})
+        try:
+            result = await self.client.request(
+                asked.capability, asked.payload, timeout=BLOCKING_TIMEOUT_S, **fields
+            )
+        except RequestTimeout as exc:
+            return await self.get_task(request_id, {"id": exc.message_id})
+        task = task_json(result.id, result.stage, result=result.result, error=result.error)
+        return rpc_result(request_id, {"task": task})
+
+    async def _submit(self, capability: str, payload: Any, fields: dict[str, Any]) -> str:
+        envelope = Envelope(
+            capability=capability,
+            payload=msgspec.Raw(msgspec.json.encode(payload)),
+            timeout_s=BLOCKING_TIMEOUT_S,
+            **fields,
+        )
+        return await self.client.submit(envelope)
+
+    async def _accepted(self, message_id: str) -> None:
+        """Until the dispatcher has made the message's record (so that ``GetTask`` and
+        ``CancelTask`` find it), for at most :data:`ACCEPT_WAIT_S`."""
+        with anyio.move_on_after(ACCEPT_WAIT_S):
+            while await self.store.get_record(message_id) is None:  # noqa: ASYNC110 - polled
+                await anyio.sleep(STREAM_POLL_S)
+
+    async def get_task(self, request_id: Any, params: Any) -> dict[str, Any]:
+        task = await self._task(params)
+        if task is None:
+            return rpc_error(request_id, TASK_NOT_FOUND, "Task not found")
+        return rpc_result(request_id, task)
+
+    async def _task(self, params: Any) -> dict[str, Any] | None:
+        task_id = params.get("id") if isinstance(params, dict) else None
+        if not isinstance(task_id, str) or not task_id:
+            return None
+        record = await self.store.get_record(task_id)
+        if record is None:
+            return None
+        result = msgspec.json.decode(record.result) if record.result is not None else None
+        return task_json(record.id, record.stage, result=result, error=record.error)
+
+    async def cancel_task(self, request_id: Any, params: Any) -> dict[str, Any]:
+        task = await self._task(params)
+        if task is None:
+            return rpc_error(request_id, TASK_NOT_FOUND, "Task not found")
+        by = "a2a-gateway"
+        asked = await cancel_agent_task(self.conn, task["id"], by=by)
+        action = asked or await Operator(self.conn).cancel(task["id"], by=by)
+        if not action.done:
+            return rpc_error(request_id, TASK_NOT_CANCELABLE, action.detail)
+        return rpc_result(request_id, await self._task(params))
+
+    async def push_config(self, request_id: Any, params: Any) -> dict[str, Any]:
+        why = (
+            "give the push config with the send (configuration.taskPushNotificationConfig): "
+            "it becomes the message's callback_url"
+        )
+        return rpc_error(request_id, UNSUPPORTED, why)
+
+    async def send_streaming(self, request_id: Any, params: Any) -> dict[str, Any] | Response:
+        asked = send_request(params)
+        if isinstance(asked, str):
+            return rpc_error(request_id, INVALID_PARAMS, asked)
+        fields: dict[str, Any] = {"callback_url": asked.callback_url} if asked.callback_url else {}
+        message_id = await self._submit(asked.capability, asked.payload, fields)
+        return StreamingResponse(
+            self._events(request_id, message_id), media_type="text/event-stream"
+        )
+
+    async def _events(self, request_id: Any, message_id: str) -> AsyncIterator[bytes]:
+        """The task, then a status update for each state its timeline passes through (every
+        stage is on the timeline, however fast it moved), the result, and the end."""
+        yield _event(request_id, {"task": task_json(message_id, Stage.ACCEPTED)})
+        seen, said = 0, STATE_OF[Stage.ACCEPTED]
+        with anyio.move_on_after(BLOCKING_TIMEOUT_S):
+            while True:
+                timeline = await self.store.get_timeline(message_id)
+                for entry in timeline[seen:]:
+                    stage = entry.stage
+                    if not isinstance(stage, Stage) or STATE_OF[stage] == said:
+                        continue
+                    said = STATE_OF[stage]
+                    if stage in TERMINAL:
+                        async for event in self._ending(request_id, message_id):
+                            yield event
+                        return
+                    yield _event(request_id, status_update(message_id, stage))
+                seen = len(timeline)
+                await anyio.sleep(STREAM_POLL_S)
+
+    async def _ending(self, request_id: Any, message_id: str) -> AsyncIterator[bytes]:
+        record = await self.store.get_record(message_id)
+        if record is None:
+            return
+        result = msgspec.json.decode(record.result) if record.result is not None else None
+        task = task_json(message_id, record.stage, result=result, error=record.error)
+        for artifact in task.get("artifacts", []):
+            update = {"taskId": message_id, "contextId": message_id, "artifact": artifact}
+            yield _event(request_id, {"artifactUpdate": update})
+        yield _event(request_id, status_update(message_id, record.stage, record.error))
+
+
+def _event(request_id: Any, result: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(rpc_result(request_id, result)) + b"\n\n"
+
+
+@asynccontextmanager
+async def gateway_endpoint(
+    conn: Connection, host: str, port: int, api_key: str | None, public_url: str | None = None
+) -> AsyncIterator[str]:
+    """Serve the gateway for the block's life; yields the URL it announces in its card."""
+    async with Client(conn) as client:
+        gateway = Gateway(conn, client, url="", api_key=api_key)
+        async with serve_app(gateway.app(), host, port, header_timeout_s=10.0) as url:
+            gateway.url = (public_url or url).rstrip("/") + "/"
+            yield gateway.url
