@@ -33,36 +33,33 @@ JSON-RPC binding is a few requests whose shapes :mod:`adapters.a2a_wire` keeps a
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 
 from broker.envelope import Envelope
 
-from .a2a_rpc import STATUS_SCHEME, json_rpc
+from .a2a_rpc import STATUS_SCHEME, http_outcome, json_rpc
+from .a2a_stream import StreamReading, Update, consume, stream_outcome
 from .a2a_wire import (
     CARD_PATH,
     DIALECTS,
-    PARKED_STATES,
-    RUNNING_STATES,
     AgentCardView,
     RpcError,
     TaskView,
+    outcome_of,
     parse_card,
+    rpc,
     rpc_answer,
     send_params,
     sent_task,
     task_view,
 )
 from .callbacks import CallbackTokens
-from .http import AgentAnswer, read_limited
-from .outcome import (
-    Accepted,
-    Failed,
-    NeedsInput,
-    Outcome,
-    Succeeded,
-)
+from .http import _NOT_SENT, AgentAnswer, read_limited
+from .outcome import Accepted, Ambiguous, Failed, NotReached, Outcome
 from .transport import reach_headers
 
 A2A_PATH = "/a2a/"  # the sidecar's push-notification endpoint: <base>/a2a/<message id>
@@ -115,6 +112,9 @@ class A2ATransport:
         self.max_result_bytes = max_result_bytes
         self.callback_base = ""
         self.tokens: CallbackTokens | None = None
+        self.timeout_s = timeout_s
+        # told each status update a streaming agent sends on the way (the sidecar notes it)
+        self.on_update: Callable[[str, str], Awaitable[None]] | None = None
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
             limits=httpx.Limits(
@@ -152,17 +152,60 @@ class A2ATransport:
             payload=bytes(envelope.payload),
             metadata=metadata,
             push=push,
+            streaming=self.card.streaming,
         )
+        if self.card.streaming:
+            return await self._streamed(message_id, params, reach_headers(envelope, attempt))
         answer = await self._call(self.dialect.send, params, reach_headers(envelope, attempt))
-        if not isinstance(answer, AgentAnswer):
-            return answer
-        result = rpc_answer(answer.body)
+        return self._answered(answer) if isinstance(answer, AgentAnswer) else answer
+
+    async def _streamed(
+        self, message_id: str, params: dict[str, Any], headers: dict[str, str]
+    ) -> Outcome:
+        """``SendStreamingMessage``, read to the end (:mod:`adapters.a2a_stream`)."""
+        url = self.card.rpc_url
+        sent = {**headers, **self.dialect.headers(), "Content-Type": "application/json"}
+        sent["Accept"] = "text/event-stream"
+        body = rpc(self.dialect.stream, params, uuid.uuid4().hex)
+        reading = StreamReading()
+        note = self._noter(message_id)
+        try:
+            async with self._client.stream("POST", url, content=body, headers=sent) as response:
+                if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                    raw = await read_limited(response, self.max_result_bytes) or b""
+                    return self._answered(AgentAnswer(response.status_code, response.headers, raw))
+                await consume(response, reading, note, self.timeout_s)
+        except _NOT_SENT as exc:
+            return NotReached(f"agent unreachable at {url}: {type(exc).__name__}: {exc}")
+        except httpx.HTTPError as exc:
+            if not reading.task_id:
+                return Ambiguous(f"no answer from {url}: {type(exc).__name__}: {exc}")
+        settled = stream_outcome(reading)
+        if not isinstance(settled, str):
+            return settled
+        view = await self.task(settled)  # it ended: the task, with its artifacts
+        return outcome_of(view) if isinstance(view, TaskView) else Accepted(settled)
+
+    def _noter(self, message_id: str) -> Update | None:
+        on_update = self.on_update
+        if on_update is None:
+            return None
+
+        async def note(words: str) -> None:
+            await on_update(message_id, words)
+
+        return note
+
+    def _answered(self, answer: AgentAnswer) -> Outcome:
+        """A send's answer that is no event stream: an HTTP status, or one JSON-RPC answer."""
+        checked = http_outcome(answer)
+        if not isinstance(checked, AgentAnswer):
+            return checked
+        result = rpc_answer(checked.body)
         if isinstance(result, RpcError):
             return Failed(str(result))
         view = sent_task(result)
-        if isinstance(view, str):
-            return Failed(view)
-        return outcome_of(view)
+        return Failed(view) if isinstance(view, str) else outcome_of(view)
 
     async def task(self, task_id: str) -> TaskView | RpcError | str:
         """``GetTask``: what the task says now, or why that is not known."""
@@ -193,15 +236,3 @@ class A2ATransport:
 
     async def aclose(self) -> None:
         await self._client.aclose()
-
-
-def outcome_of(view: TaskView) -> Outcome:
-    """What a task's state means for the message."""
-    if view.state == "completed":
-        return Succeeded(view.result)
-    if view.state in PARKED_STATES:
-        return NeedsInput(f"the agent asks ({view.state}): {view.said or 'no words'}")
-    if view.state in RUNNING_STATES:
-        return Accepted(view.task_id)
-    said = f": {view.said}" if view.said else ""
-    return Failed(f"the agent's task {view.task_id} ended {view.state}{said}")

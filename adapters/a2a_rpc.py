@@ -60,8 +60,13 @@ async def json_rpc(
     status = response.status_code
     if raw is None:
         return Failed(f"agent answered {status} with a body over {max_bytes} bytes")
-    answer = AgentAnswer(status, response.headers, raw)
-    retry_after = response.headers.get("retry-after")
+    return http_outcome(AgentAnswer(status, response.headers, raw))
+
+
+def http_outcome(answer: AgentAnswer) -> AgentAnswer | Outcome:
+    """An HTTP answer other than 200 as the outcome it is; a 200 is read on."""
+    status = answer.status
+    retry_after = answer.headers.get("retry-after")
     if status == 429 or (status == 503 and retry_after):
         wait = retry_after_s(retry_after)
         return Backoff(f"agent answered {status}: busy, retry after {wait:g} s", wait)

@@ -28,9 +28,11 @@ from starlette.routing import Route
 from broker.envelope import load_envelope
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.stages import Stage
+from broker.timekeeping import now_ms
+from broker.timeline import note_command
 
-from .a2a import A2A_PATH, A2ATransport, outcome_of
-from .a2a_wire import PARKED_STATES, TERMINAL_STATES, RpcError, TaskView, push_state
+from .a2a import A2A_PATH, A2ATransport
+from .a2a_wire import PARKED_STATES, TERMINAL_STATES, RpcError, TaskView, outcome_of, push_state
 from .callback_desk import CallbackDesk
 from .callbacks import Answer, read_body
 from .outcome import Failed, NeedsInput, Succeeded
@@ -38,6 +40,7 @@ from .outcome import Failed, NeedsInput, Succeeded
 log = logging.getLogger("agent_reach.sidecar")
 
 TOKEN_HEADER = "X-A2A-Notification-Token"
+AGENT_UPDATE = "AGENT_UPDATE"  # the timeline event of a streaming agent's status update
 FIRST_ASK_S = 0.2
 LAST_ASK_S = 5.0
 SAFETY_NET_S = 30.0  # with push notifications: a lost one costs at most this
@@ -49,6 +52,15 @@ class A2ATasks:
         self.transport = transport
         self._next_ask: dict[str, tuple[float, float]] = {}  # message id -> (when, gap)
         self.ended_by = {"push": 0, "asking": 0}  # tasks ended, by how the sidecar learnt it
+        transport.on_update = self.note
+
+    async def note(self, message_id: str, words: str) -> None:
+        """A streaming agent's status update on the way: a note on the message's timeline."""
+        command = note_command(self.desk.conn, message_id, AGENT_UPDATE, words, now_ms=now_ms())
+        try:
+            await self.desk.conn.call(*command)
+        except (RedisUnavailable, RedisReplyError) as exc:  # a note: the work goes on
+            log.warning("message %s: update not noted: %s", message_id, exc)
 
     def routes(self) -> list[Route]:
         return [Route(A2A_PATH + "{message_id}", self.push, methods=["POST"])]

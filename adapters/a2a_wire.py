@@ -25,6 +25,8 @@ from typing import Any
 
 import msgspec
 
+from .outcome import Accepted, Failed, NeedsInput, Outcome, Succeeded
+
 CARD_PATH = "/.well-known/agent-card.json"
 TERMINAL_STATES = frozenset({"completed", "failed", "canceled", "rejected"})
 PARKED_STATES = frozenset({"input-required", "auth-required"})
@@ -59,6 +61,7 @@ class Dialect:
 
     version: str
     send: str
+    stream: str
     get: str
     cancel: str
     user_role: str
@@ -68,8 +71,10 @@ class Dialect:
 
 
 DIALECTS = {
-    "1.0": Dialect("1.0", "SendMessage", "GetTask", "CancelTask", "ROLE_USER"),
-    "0.3": Dialect("0.3", "message/send", "tasks/get", "tasks/cancel", "user"),
+    "1.0": Dialect(
+        "1.0", "SendMessage", "SendStreamingMessage", "GetTask", "CancelTask", "ROLE_USER"
+    ),
+    "0.3": Dialect("0.3", "message/send", "message/stream", "tasks/get", "tasks/cancel", "user"),
 }
 
 
@@ -173,9 +178,11 @@ def send_params(
     payload: bytes,
     metadata: Mapping[str, Any],
     push: tuple[str, str] | None,
+    streaming: bool = False,
 ) -> dict[str, Any]:
     """``SendMessage`` params: the payload as a data part (a text part when it is a JSON
-    string), sent non-blocking; ``push`` is ``(url, token)`` for the agent's notifications."""
+    string), sent non-blocking (a stream needs no such flag); ``push`` is ``(url, token)``
+    for the agent's notifications."""
     value = msgspec.json.decode(payload) if payload else None
     part: dict[str, Any] = {"text": value} if isinstance(value, str) else {"data": value}
     if dialect.version == "0.3":
@@ -188,12 +195,14 @@ def send_params(
     }
     configuration: dict[str, Any] = {}
     if dialect.version == "1.0":
-        configuration["returnImmediately"] = True
+        if not streaming:
+            configuration["returnImmediately"] = True
         if push:
             configuration["taskPushNotificationConfig"] = {"url": push[0], "token": push[1]}
     else:
         message["kind"] = "message"
-        configuration["blocking"] = False
+        if not streaming:
+            configuration["blocking"] = False
         if push:
             configuration["pushNotificationConfig"] = {"url": push[0], "token": push[1]}
     return {"message": message, "configuration": configuration}
@@ -329,3 +338,15 @@ def push_state(body: bytes) -> tuple[str, str] | str:
             state = state_name(status.get("state")) if status else "working"
             return update["taskId"], state
     return "body is neither a task nor a task update"
+
+
+def outcome_of(view: TaskView) -> Outcome:
+    """What a task's state means for the message."""
+    if view.state == "completed":
+        return Succeeded(view.result)
+    if view.state in PARKED_STATES:
+        return NeedsInput(f"the agent asks ({view.state}): {view.said or 'no words'}")
+    if view.state in RUNNING_STATES:
+        return Accepted(view.task_id)
+    said = f": {view.said}" if view.said else ""
+    return Failed(f"the agent's task {view.task_id} ended {view.state}{said}")

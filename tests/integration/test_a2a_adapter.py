@@ -212,3 +212,23 @@ async def test_cancel_of_a_processing_message_asks_the_agent_to_cancel_its_task(
     assert result.stage is Stage.FAILED
     assert result.error is not None and "ended canceled: cancelled by request" in result.error
     assert "CANCEL_ASKED" in await stages(conn, message_id)
+
+
+async def test_a_streaming_agent_is_read_to_its_end_with_its_updates_noted(
+    conn: Connection,
+) -> None:
+    async with (
+        a2a_agent(push=False, streaming=True) as agent,
+        behind_a_sidecar(conn, agent) as (client, sidecar),
+    ):
+        result = await client.request(CAPABILITY, {"do": "slow", "s": 1.0}, timeout=30)
+        quick = await client.request(CAPABILITY, {"do": "complete"}, timeout=30)
+        failed = await client.request(CAPABILITY, {"do": "fail"}, timeout=30)
+    timeline = await MessageStore(conn).get_timeline(result.id)
+
+    assert result.ok and result.result["artifacts"][0]["parts"][0]["data"]["echo"]["do"] == "slow"
+    notes = [e.reason for e in timeline if e.stage == "AGENT_UPDATE"]
+    assert notes == ["working: step 1 of 2", "working: step 2 of 2"], notes
+    assert [str(e.stage) for e in timeline][-1] == "SUCCEEDED"  # no callback: the stream ended it
+    assert quick.ok and failed.stage is Stage.FAILED
+    assert sidecar.a2a_tasks is not None and sidecar.a2a_tasks.ended_by == {"push": 0, "asking": 0}

@@ -82,7 +82,10 @@ class Executor(AgentExecutor):
             await updater.requires_input(updater.new_agent_message([new_text_part("Which city?")]))
         else:
             if what == "slow":
-                await anyio.sleep(float(order.get("s", 0.5)))
+                for step in range(2):  # progress a streaming client sees
+                    await anyio.sleep(float(order.get("s", 0.5)) / 2)
+                    said = updater.new_agent_message([new_text_part(f"step {step + 1} of 2")])
+                    await updater.update_status(TaskState.TASK_STATE_WORKING, said)
             await updater.add_artifact([new_data_part({"echo": order})], name="result")
             await updater.complete()
 
@@ -91,7 +94,7 @@ class Executor(AgentExecutor):
         await updater.cancel(updater.new_agent_message([new_text_part("cancelled by request")]))
 
 
-def agent_card(base_url: str, *, push: bool) -> AgentCard:
+def agent_card(base_url: str, *, push: bool, streaming: bool = False) -> AgentCard:
     return AgentCard(
         name="Echo Agent",
         description="Echoes what it is given, slowly when asked",
@@ -99,7 +102,7 @@ def agent_card(base_url: str, *, push: bool) -> AgentCard:
         supported_interfaces=[
             AgentInterface(url=base_url, protocol_binding="JSONRPC", protocol_version="1.0")
         ],
-        capabilities=AgentCapabilities(streaming=True, push_notifications=push),
+        capabilities=AgentCapabilities(streaming=streaming, push_notifications=push),
         default_input_modes=["application/json", "text/plain"],
         default_output_modes=["application/json"],
         skills=[
@@ -110,13 +113,15 @@ def agent_card(base_url: str, *, push: bool) -> AgentCard:
 
 
 @asynccontextmanager
-async def a2a_agent(*, push: bool = True, port: int = 0) -> AsyncIterator[A2AAgent]:
+async def a2a_agent(
+    *, push: bool = True, port: int = 0, streaming: bool = False
+) -> AsyncIterator[A2AAgent]:
     """An SDK-built A2A agent on loopback for the block's life (``port``: the same one again,
     to restart an agent that forgot its tasks)."""
     port = port or free_port()
     base = f"http://127.0.0.1:{port}/"
     agent = A2AAgent(base)
-    card = agent_card(base, push=push)
+    card = agent_card(base, push=push, streaming=streaming)
     store = InMemoryPushNotificationConfigStore()
     async with httpx.AsyncClient() as pusher:
         handler = DefaultRequestHandler(

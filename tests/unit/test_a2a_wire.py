@@ -7,12 +7,12 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adapters.a2a import outcome_of
 from adapters.a2a_rpc import as_status
 from adapters.a2a_wire import (
     DIALECTS,
     RpcError,
     TaskView,
+    outcome_of,
     parse_card,
     push_state,
     rpc_answer,
