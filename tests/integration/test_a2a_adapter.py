@@ -232,3 +232,19 @@ async def test_a_streaming_agent_is_read_to_its_end_with_its_updates_noted(
     assert [str(e.stage) for e in timeline][-1] == "SUCCEEDED"  # no callback: the stream ended it
     assert quick.ok and failed.stage is Stage.FAILED
     assert sidecar.a2a_tasks is not None and sidecar.a2a_tasks.ended_by == {"push": 0, "asking": 0}
+
+
+async def test_an_agent_with_a_0_3_card_is_spoken_to_in_0_3(conn: Connection) -> None:
+    async with (
+        a2a_agent(protocol="0.3") as agent,
+        behind_a_sidecar(conn, agent) as (client, _),
+    ):
+        card = await fetch_card(agent.url)
+        done = await client.request(CAPABILITY, {"do": "complete", "n": 1}, timeout=20)
+        failed = await client.request(CAPABILITY, {"do": "fail"}, timeout=20)
+
+    assert card.protocol == "0.3"
+    assert done.ok and done.result["artifacts"][0]["parts"] == [
+        {"data": {"echo": {"do": "complete", "n": 1.0}}}
+    ]
+    assert failed.stage is Stage.FAILED and "something went wrong" in (failed.error or "")

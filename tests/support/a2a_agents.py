@@ -94,13 +94,15 @@ class Executor(AgentExecutor):
         await updater.cancel(updater.new_agent_message([new_text_part("cancelled by request")]))
 
 
-def agent_card(base_url: str, *, push: bool, streaming: bool = False) -> AgentCard:
+def agent_card(
+    base_url: str, *, push: bool, streaming: bool = False, protocol: str = "1.0"
+) -> AgentCard:
     return AgentCard(
         name="Echo Agent",
         description="Echoes what it is given, slowly when asked",
         version="2.1.0",
         supported_interfaces=[
-            AgentInterface(url=base_url, protocol_binding="JSONRPC", protocol_version="1.0")
+            AgentInterface(url=base_url, protocol_binding="JSONRPC", protocol_version=protocol)
         ],
         capabilities=AgentCapabilities(streaming=streaming, push_notifications=push),
         default_input_modes=["application/json", "text/plain"],
@@ -114,14 +116,15 @@ def agent_card(base_url: str, *, push: bool, streaming: bool = False) -> AgentCa
 
 @asynccontextmanager
 async def a2a_agent(
-    *, push: bool = True, port: int = 0, streaming: bool = False
+    *, push: bool = True, port: int = 0, streaming: bool = False, protocol: str = "1.0"
 ) -> AsyncIterator[A2AAgent]:
     """An SDK-built A2A agent on loopback for the block's life (``port``: the same one again,
-    to restart an agent that forgot its tasks)."""
+    to restart an agent that forgot its tasks; ``protocol`` "0.3": a card and an endpoint of
+    that version)."""
     port = port or free_port()
     base = f"http://127.0.0.1:{port}/"
     agent = A2AAgent(base)
-    card = agent_card(base, push=push, streaming=streaming)
+    card = agent_card(base, push=push, streaming=streaming, protocol=protocol)
     store = InMemoryPushNotificationConfigStore()
     async with httpx.AsyncClient() as pusher:
         handler = DefaultRequestHandler(
@@ -131,6 +134,8 @@ async def a2a_agent(
             push_config_store=store if push else None,
             push_sender=BasePushNotificationSender(pusher, store) if push else None,
         )
-        routes = [*create_agent_card_routes(card), *create_jsonrpc_routes(handler, rpc_url="/")]
+        compat = protocol == "0.3"  # the SDK serves 0.3 clients when asked to
+        rpc = create_jsonrpc_routes(handler, rpc_url="/", enable_v0_3_compat=compat)
+        routes = [*create_agent_card_routes(card), *rpc]
         async with serve_app(Starlette(routes=routes), "127.0.0.1", port):
             yield agent
