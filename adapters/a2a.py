@@ -123,6 +123,11 @@ class A2ATransport:
         )
 
     @property
+    def streams(self) -> bool:
+        """Whether attempts are streamed: the card offers it, over JSON-RPC."""
+        return self.card.streaming and not self.dialect.rest
+
+    @property
     def pushes(self) -> bool:
         """Whether the agent tells the sidecar when a task ends (else the sidecar asks)."""
         return self.card.push and bool(self.callback_base)
@@ -152,9 +157,9 @@ class A2ATransport:
             payload=bytes(envelope.payload),
             metadata=metadata,
             push=push,
-            streaming=self.card.streaming,
+            streaming=self.streams,
         )
-        if self.card.streaming:
+        if self.streams:
             return await self._streamed(message_id, params, reach_headers(envelope, attempt))
         answer = await self._call(self.dialect.send, params, reach_headers(envelope, attempt))
         return self._answered(answer) if isinstance(answer, AgentAnswer) else answer

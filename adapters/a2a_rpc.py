@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -42,9 +43,11 @@ async def json_rpc(
     none) is its outcome already."""
     method, params, extra = call
     headers = {**extra, **dialect.headers(), "Content-Type": "application/json"}
-    body = rpc(method, params, uuid.uuid4().hex)
+    verb, body = "POST", rpc(method, params, uuid.uuid4().hex)
+    if dialect.rest:
+        verb, url, body = rest_request(dialect, url, method, params)
     try:
-        request = client.build_request("POST", url, content=body, headers=headers)
+        request = client.build_request(verb, url, content=body, headers=headers)
     except Exception as exc:  # before anything was sent
         return Failed(f"cannot build the request to {url}: {exc!r}", fault=False)
     try:
@@ -60,7 +63,31 @@ async def json_rpc(
     status = response.status_code
     if raw is None:
         return Failed(f"agent answered {status} with a body over {max_bytes} bytes")
-    return http_outcome(AgentAnswer(status, response.headers, raw))
+    answer = AgentAnswer(status, response.headers, raw)
+    return http_outcome(rest_answer(answer) if dialect.rest else answer)
+
+
+def rest_request(
+    dialect: Dialect, base: str, method: str, params: dict[str, Any]
+) -> tuple[str, str, bytes]:
+    """The HTTP+JSON binding's request for a method: ``(verb, URL, body)``."""
+    base = base.rstrip("/")
+    if method == dialect.get:
+        return "GET", f"{base}/tasks/{quote(str(params.get('id', '')), safe='')}", b""
+    if method == dialect.cancel:
+        return "POST", f"{base}/tasks/{quote(str(params.get('id', '')), safe='')}:cancel", b"{}"
+    return "POST", f"{base}/message:send", msgspec.json.encode(params)
+
+
+def rest_answer(answer: AgentAnswer) -> AgentAnswer:
+    """An HTTP+JSON answer as a JSON-RPC one (the rest of the adapter reads those): 200 is the
+    result; 404 is "task not found"."""
+    if answer.status == 200:
+        return AgentAnswer(200, answer.headers, b'{"result":' + (answer.body or b"null") + b"}")
+    if answer.status == 404:
+        error = {"error": {"code": TASK_NOT_FOUND, "message": "Task not found"}}
+        return AgentAnswer(200, answer.headers, msgspec.json.encode(error))
+    return answer
 
 
 def http_outcome(answer: AgentAnswer) -> AgentAnswer | Outcome:

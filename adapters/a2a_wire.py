@@ -32,6 +32,7 @@ TERMINAL_STATES = frozenset({"completed", "failed", "canceled", "rejected"})
 PARKED_STATES = frozenset({"input-required", "auth-required"})
 RUNNING_STATES = frozenset({"submitted", "working"})
 TASK_NOT_FOUND = -32001
+HTTP_JSON = "1.0+http"  # protocol 1.0 over the HTTP+JSON binding
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +66,10 @@ class Dialect:
     get: str
     cancel: str
     user_role: str
+    rest: bool = False  # the HTTP+JSON binding: a path per method, no JSON-RPC envelope
 
     def headers(self) -> dict[str, str]:
-        return {"A2A-Version": "1.0"} if self.version == "1.0" else {}
+        return {"A2A-Version": "1.0"} if self.version.startswith("1.0") else {}
 
 
 DIALECTS = {
@@ -75,6 +77,9 @@ DIALECTS = {
         "1.0", "SendMessage", "SendStreamingMessage", "GetTask", "CancelTask", "ROLE_USER"
     ),
     "0.3": Dialect("0.3", "message/send", "message/stream", "tasks/get", "tasks/cancel", "user"),
+    HTTP_JSON: Dialect(
+        HTTP_JSON, "SendMessage", "SendStreamingMessage", "GetTask", "CancelTask", "ROLE_USER", True
+    ),
 }
 
 
@@ -114,24 +119,30 @@ def parse_card(raw: bytes) -> AgentCardView | str:
 
 
 def _interface(card: Mapping[str, Any]) -> tuple[str, str] | str:
-    """The JSON-RPC endpoint and its protocol version: a 1.x interface first, then 0.3."""
+    """The endpoint and its protocol: the first 1.x interface the card lists (JSON-RPC, or
+    HTTP+JSON where the card lists that first), then a 0.3 JSON-RPC one."""
     interfaces = card.get("supportedInterfaces")
     found: dict[str, str] = {}
     if isinstance(interfaces, list):
         for interface in interfaces:
-            if not isinstance(interface, dict) or interface.get("protocolBinding") != "JSONRPC":
+            if not isinstance(interface, dict):
                 continue
+            binding = interface.get("protocolBinding")
             url, version = interface.get("url"), _text(interface.get("protocolVersion"))
-            if isinstance(url, str) and url.startswith(("http://", "https://")):
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                continue
+            if binding == "HTTP+JSON" and version.startswith("1") and "1.0" not in found:
+                found.setdefault(HTTP_JSON, url)
+            elif binding == "JSONRPC" and HTTP_JSON not in found:
                 found.setdefault("1.0" if version.startswith("1") else "0.3", url)
     url = card.get("url")
     transport = card.get("preferredTransport", "JSONRPC")
     if isinstance(url, str) and url.startswith(("http://", "https://")) and transport == "JSONRPC":
         found.setdefault("0.3", url)
-    for version in ("1.0", "0.3"):
+    for version in ("1.0", HTTP_JSON, "0.3"):
         if version in found:
             return found[version], version
-    return "the agent card names no JSON-RPC endpoint (supportedInterfaces or url)"
+    return "the agent card names no JSON-RPC or HTTP+JSON endpoint (supportedInterfaces or url)"
 
 
 def _skill(raw: Any) -> Skill | None:

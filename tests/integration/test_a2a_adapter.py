@@ -248,3 +248,21 @@ async def test_an_agent_with_a_0_3_card_is_spoken_to_in_0_3(conn: Connection) ->
         {"data": {"echo": {"do": "complete", "n": 1.0}}}
     ]
     assert failed.stage is Stage.FAILED and "something went wrong" in (failed.error or "")
+
+
+async def test_an_agent_that_prefers_http_json_is_reached_over_it(conn: Connection) -> None:
+    async with (
+        a2a_agent(protocol="rest", push=False) as agent,
+        behind_a_sidecar(conn, agent) as (client, _),
+    ):
+        card = await fetch_card(agent.url)
+        done = await client.request(CAPABILITY, {"do": "complete", "n": 2}, timeout=20)
+        slow = await client.request(CAPABILITY, {"do": "slow", "s": 0.5}, timeout=20)
+        failed = await client.request(CAPABILITY, {"do": "fail"}, timeout=20)
+
+    assert card.protocol == "1.0+http"
+    assert done.ok and done.result["artifacts"][0]["parts"] == [
+        {"data": {"echo": {"do": "complete", "n": 2.0}}}
+    ]
+    assert slow.ok  # accepted, then ended by GetTask over the same binding
+    assert failed.stage is Stage.FAILED and "something went wrong" in (failed.error or "")

@@ -31,7 +31,11 @@ from a2a.helpers import (
 from a2a.server.agent_execution import AgentExecutor, RequestContext
 from a2a.server.events import EventQueue
 from a2a.server.request_handlers import DefaultRequestHandler
-from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
+from a2a.server.routes import (
+    create_agent_card_routes,
+    create_jsonrpc_routes,
+    create_rest_routes,
+)
 from a2a.server.tasks import (
     BasePushNotificationSender,
     InMemoryPushNotificationConfigStore,
@@ -102,7 +106,11 @@ def agent_card(
         description="Echoes what it is given, slowly when asked",
         version="2.1.0",
         supported_interfaces=[
-            AgentInterface(url=base_url, protocol_binding="JSONRPC", protocol_version=protocol)
+            AgentInterface(
+                url=base_url,
+                protocol_binding="HTTP+JSON" if protocol == "rest" else "JSONRPC",
+                protocol_version="1.0" if protocol == "rest" else protocol,
+            )
         ],
         capabilities=AgentCapabilities(streaming=streaming, push_notifications=push),
         default_input_modes=["application/json", "text/plain"],
@@ -120,7 +128,7 @@ async def a2a_agent(
 ) -> AsyncIterator[A2AAgent]:
     """An SDK-built A2A agent on loopback for the block's life (``port``: the same one again,
     to restart an agent that forgot its tasks; ``protocol`` "0.3": a card and an endpoint of
-    that version)."""
+    that version; "rest": protocol 1.0 over the HTTP+JSON binding only)."""
     port = port or free_port()
     base = f"http://127.0.0.1:{port}/"
     agent = A2AAgent(base)
@@ -135,7 +143,11 @@ async def a2a_agent(
             push_sender=BasePushNotificationSender(pusher, store) if push else None,
         )
         compat = protocol == "0.3"  # the SDK serves 0.3 clients when asked to
-        rpc = create_jsonrpc_routes(handler, rpc_url="/", enable_v0_3_compat=compat)
+        rpc = (
+            create_rest_routes(handler)
+            if protocol == "rest"
+            else create_jsonrpc_routes(handler, rpc_url="/", enable_v0_3_compat=compat)
+        )
         routes = [*create_agent_card_routes(card), *rpc]
         async with serve_app(Starlette(routes=routes), "127.0.0.1", port):
             yield agent

@@ -44,15 +44,14 @@ CARD_0_3 = {
 }
 
 
-def test_a_1_0_card_names_its_json_rpc_interface_and_skills() -> None:
+def test_a_1_0_card_names_its_preferred_interface_and_skills() -> None:
     card = parse_card(msgspec.json.encode(CARD_1_0))
     assert not isinstance(card, str)
-    assert (card.rpc_url, card.protocol, card.push, card.streaming) == (
-        "http://a/",
-        "1.0",
-        True,
-        True,
-    )
+    assert (card.rpc_url, card.protocol) == ("http://a/rest", "1.0+http")  # listed first
+    assert card.push and card.streaming
+    rpc_first = {**CARD_1_0, "supportedInterfaces": CARD_1_0["supportedInterfaces"][::-1]}
+    again = parse_card(msgspec.json.encode(rpc_first))
+    assert not isinstance(again, str) and (again.rpc_url, again.protocol) == ("http://a/", "1.0")
     assert [s.id for s in card.skills] == ["echo"]  # the malformed skill left out
 
 
@@ -63,7 +62,7 @@ def test_a_0_3_card_is_read_too() -> None:
 
 def test_cards_that_cannot_be_used_say_why() -> None:
     assert parse_card(b"[]") == "the agent card is not a JSON object"
-    assert "no JSON-RPC endpoint" in str(parse_card(b'{"name":"x","skills":[]}'))
+    assert "no JSON-RPC or HTTP+JSON endpoint" in str(parse_card(b'{"name":"x","skills":[]}'))
     assert "not JSON" in str(parse_card(b"\xff"))
 
 
