@@ -10,6 +10,7 @@ from typing import Any
 
 import anyio
 import httpx
+import msgspec
 import pytest
 from a2a.client import A2ACardResolver, ClientConfig, ClientFactory
 from a2a.client.client import Client as A2AClient
@@ -23,12 +24,21 @@ from a2a.types import (
     SendMessageConfiguration,
     SendMessageRequest,
     Task,
+    TaskPushNotificationConfig,
     TaskState,
 )
 
+from broker.config import Settings
 from broker.connection import Connection
 from tests.support.agents import Gate, http_agent
-from tests.support.harness import running_dispatcher, running_sidecar
+from tests.support.harness import (
+    connected,
+    eventually,
+    running_dispatcher,
+    running_notifier,
+    running_sidecar,
+)
+from tests.support.webhooks import SECRET, Receiver, serving, signature_ok
 from workers.a2a_gateway import gateway_endpoint
 
 API_KEY = "k" * 24
@@ -162,3 +172,34 @@ async def test_a_request_without_the_api_key_is_refused(conn: Connection) -> Non
             keyed = await http.post(url, json=body, headers={"X-API-Key": API_KEY})
     assert refused.status_code == 401
     assert keyed.json()["error"]["code"] == -32001
+
+
+async def test_a_push_config_given_with_the_send_becomes_the_signed_webhook(
+    settings: Settings,
+) -> None:
+    hooked = msgspec.structs.replace(
+        settings, webhook_secret=SECRET, callback_hosts=["127.0.0.1"], webhook_backoff_ms=50
+    )
+    receiver = Receiver()
+    async with connected(hooked) as conn, serving(receiver) as hook_url:
+        gate = Gate()
+        gate.open()
+        async with front_door(conn, gate) as (card, http), running_notifier(conn):
+            push = TaskPushNotificationConfig(url=hook_url, token="client-token")
+            client = ClientFactory(
+                ClientConfig(streaming=False, httpx_client=http, push_notification_config=push)
+            ).create(card)
+            task = await only_task(
+                client, SendMessageRequest(message=user_message("text.echo", {"n": 9}))
+            )
+
+            async def delivered() -> bool:
+                return bool(receiver.accepted)
+
+            await eventually(delivered, timeout_s=20)
+
+    (hit,) = receiver.accepted
+    body = msgspec.json.decode(hit.body)
+    assert body["id"] == task.id and body["stage"] == "SUCCEEDED"
+    assert body["result"] == {"agent": "echo", "echo": {"n": 9.0}}
+    assert signature_ok(hit)
