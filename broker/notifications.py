@@ -73,7 +73,8 @@ class Notifications:
         wanted = frozenset(instances)
         if wanted != self._instances:
             self._instances = wanted
-            self._changed.set()
+            if sharded(self._conn):  # classic channels do not depend on the instances
+                self._changed.set()
 
     async def next(self, *, timeout_s: float) -> tuple[str, bytes] | None:
         """The next hint, or ``None`` after ``timeout_s`` of quiet."""
