@@ -13,6 +13,7 @@ from broker.envelope import Envelope
 from broker.keyspace import ingress_for, ingress_streams
 from broker.slots import key_slot
 from broker.stages import Stage
+from broker.store import MessageStore
 from tests.support.agents import http_agent
 from tests.support.cluster import LocalCluster
 from tests.support.harness import collect_replies, running_dispatcher, running_sidecar
@@ -44,7 +45,11 @@ async def test_five_thousand_messages_each_once_over_three_masters(
             running_dispatcher(conn, "d2", reaper=False),
         ):
             ids = await client.submit_many(envelopes)
-            results = await collect_replies(conn, reply_to, MESSAGES, timeout_s=300)
+            try:
+                results = await collect_replies(conn, reply_to, MESSAGES, timeout_s=200)
+            except TimeoutError:  # say where the unanswered ones are, not just that they are
+                stages = Counter(map(str, await MessageStore(conn).stages(ids)))
+                raise AssertionError(f"not all answered in 200 s; stages: {stages}") from None
 
     assert set(results) == set(ids)
     assert all(r.stage is Stage.SUCCEEDED for r in results.values())
