@@ -14,6 +14,7 @@ ends it, as for a non-streaming agent); only a stream that never named its task 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +30,12 @@ from .a2a_wire import (
     rpc_answer,
     sent_task,
     state_name,
+    wrapped,
 )
 from .outcome import Accepted, Ambiguous, Failed, Outcome
+from .sse import sse_data
 
 Update = Callable[[str], Awaitable[None]]
-MAX_EVENT_BYTES = 1024 * 1024
 
 
 @dataclass
@@ -55,6 +57,7 @@ def read_event(data: bytes, reading: StreamReading) -> str | None:
         return None
     if not isinstance(result, dict):
         return None
+    result = wrapped(result)
     if isinstance(result.get("message"), dict) or isinstance(result.get("task"), dict):
         view = sent_task(result)
         if isinstance(view, TaskView):
@@ -87,25 +90,14 @@ async def consume(
     response: httpx.Response, reading: StreamReading, on_update: Update | None, time_s: float
 ) -> None:
     """Read the events until one ends the task, the stream closes, or ``time_s`` passes."""
-    data: list[str] = []
-    size = 0
     with anyio.move_on_after(time_s):
-        async for line in response.aiter_lines():
-            size += len(line)
-            if size > MAX_EVENT_BYTES:
-                reading.failure = reading.failure or "the agent's event stream is over 1 MB"
-                return
-            if line.startswith("data:"):
-                data.append(line[5:].lstrip(" "))
-                continue
-            if line or not data:
-                continue  # a comment, an event name, or a blank line between events
-            said = read_event("\n".join(data).encode(), reading)
-            data, size = [], 0
-            if said and on_update is not None and reading.task_id:
-                await on_update(said)
-            if reading.failure or reading.final_state:
-                return
+        async with aclosing(sse_data(response)) as events:  # let go of it on leaving
+            async for data in events:
+                said = read_event(data, reading)
+                if said and on_update is not None and reading.task_id:
+                    await on_update(said)
+                if reading.failure or reading.final_state:
+                    return
 
 
 def stream_outcome(reading: StreamReading) -> Outcome | str:

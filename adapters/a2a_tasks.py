@@ -140,14 +140,21 @@ class A2ATasks:
         if isinstance(outcome, Succeeded | Failed):
             return await self.desk.on_callback(message_id, token, outcome)
         if isinstance(outcome, NeedsInput):
-            return await self._park(message_id, outcome.reason)
+            return await self._park(message_id, token, view.task_id, outcome.reason)
         return Answer(200, {"id": message_id, "state": view.state})
 
-    async def _park(self, message_id: str, reason: str) -> Answer:
+    async def _park(self, message_id: str, token: str, task_id: str, reason: str) -> Answer:
+        """Park the attempt the token was made for, when it is the one held here and the
+        question is its own task's (a retried attempt's old task may still ask)."""
         taken = self.desk.holdings.holding(message_id)
         record = await self.desk.store.get_record(message_id)
         if taken is None or record is None or record.stage is not Stage.PROCESSING:
             return Answer(409, {"error": "not awaited here"})
+        assert self.desk.tokens is not None
+        attempt = self.desk.tokens.attempt_of(token, message_id, record.attempt)
+        current = attempt == taken.attempt == record.attempt
+        if not current or (record.agent_task and record.agent_task != task_id):
+            return Answer(409, {"error": "that task is no longer the message's current one"})
         self.desk.awaiting.pop(message_id, None)
         envelope = load_envelope(record.envelope)
         self.desk.finisher.settle(taken, envelope, Stage.NEEDS_CONFIRMATION, reason)

@@ -329,6 +329,22 @@ def _words(message: Any) -> str:
     return " ".join(texts)[:2000]
 
 
+_WRAPPERS = {
+    "task": "task",
+    "message": "message",
+    "status-update": "statusUpdate",
+    "artifact-update": "artifactUpdate",
+}
+
+
+def wrapped(event: dict[str, Any]) -> dict[str, Any]:
+    """A 0.3 event (the object itself, with its ``kind``) as 1.0 writes it (inside a member
+    named for its kind); a 1.0 event as it is."""
+    kind = event.get("kind")
+    member = _WRAPPERS.get(kind) if isinstance(kind, str) else None
+    return {member: event} if member is not None else event
+
+
 def push_state(body: bytes) -> tuple[str, str] | str:
     """``(task id, state)`` of a push notification (the A2A 1.0 ``StreamResponse`` JSON: a
     ``task`` or a ``statusUpdate``), or why the body is not one. An artifact update carries
@@ -339,6 +355,7 @@ def push_state(body: bytes) -> tuple[str, str] | str:
         return "body is not JSON"
     if not isinstance(event, dict):
         return "body is not a JSON object"
+    event = wrapped(event)
     if isinstance(event.get("task"), dict):
         view = task_view(event["task"])
         return view if isinstance(view, str) else (view.task_id, view.state)

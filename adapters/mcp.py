@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from contextlib import aclosing
 from typing import Any
 
 import anyio
@@ -39,6 +40,7 @@ from .mcp_wire import (
     VERSION_HEADER,
     Tool,
     answer_of,
+    answers,
     call_params,
     call_result,
     error_text,
@@ -47,6 +49,7 @@ from .mcp_wire import (
     tools_of,
 )
 from .outcome import Ambiguous, Backoff, Failed, NotReached, Outcome, Succeeded
+from .sse import sse_data
 from .transport import reach_headers
 
 LIST_LIMIT_BYTES = 4 * 1024 * 1024
@@ -85,6 +88,7 @@ class McpSession:
         max_answer_bytes: int = LIST_LIMIT_BYTES,
     ) -> None:
         self.url = url
+        self.timeout_s = timeout_s
         self.max_answer_bytes = max_answer_bytes
         self.session_id: str | None = None
         self.sessions_made = 0
@@ -107,7 +111,7 @@ class McpSession:
             if not isinstance(used, str | None):
                 return used  # the session could not be made: that outcome
             request_id = next(self._ids)
-            sent = await self._post(request(method, params, request_id), headers, used)
+            sent = await self._post(request(method, params, request_id), headers, used, request_id)
             if isinstance(sent, AgentAnswer) and sent.status == 404 and used:
                 self.session_id = None if self.session_id == used else self.session_id
                 continue
@@ -119,9 +123,8 @@ class McpSession:
             if self.session_id is not None:
                 return self.session_id
             request_id = next(self._ids)
-            sent = await self._post(
-                request("initialize", initialize_params(), request_id), {}, None
-            )
+            hello = request("initialize", initialize_params(), request_id)
+            sent = await self._post(hello, {}, None, request_id)
             if not isinstance(sent, AgentAnswer):
                 return sent
             answer = _answer(sent, request_id)
@@ -130,31 +133,53 @@ class McpSession:
             if (error := error_text(answer)) is not None:
                 return Failed(f"initialize: {error}")
             session = sent.headers.get(SESSION_HEADER)
-            await self._post(request("notifications/initialized", None, None), {}, session)
+            initialized = request("notifications/initialized", None, None)
+            await self._post(initialized, {}, session, None)
             self.session_id = session or ""  # "": a stateless server
             self.sessions_made += 1
             return self.session_id
 
     async def _post(
-        self, body: bytes, headers: Mapping[str, str], session: str | None
+        self, body: bytes, headers: Mapping[str, str], session: str | None, request_id: int | None
     ) -> AgentAnswer | Outcome:
+        """One POST, its answer read within the call's time: an event stream only until the
+        frame answering ``request_id`` (a server may keep the stream open after it)."""
         sent = {**headers, "Accept": ACCEPT, "Content-Type": "application/json"}
         if session:
             sent[SESSION_HEADER] = session
             sent[VERSION_HEADER] = "2025-11-25"
-        try:
-            response = await self._client.send(
-                self._client.build_request("POST", self.url, content=body, headers=sent),
-                stream=True,
-            )
+        answer: AgentAnswer | Outcome | None = None
+        with anyio.move_on_after(self.timeout_s):
             try:
-                raw = await read_limited(response, self.max_answer_bytes)
-            finally:
-                await response.aclose()
-        except _NOT_SENT as exc:
-            return NotReached(f"MCP server unreachable at {self.url}: {type(exc).__name__}: {exc}")
-        except httpx.HTTPError as exc:
-            return Ambiguous(f"no answer from {self.url}: {type(exc).__name__}: {exc}")
+                answer = await self._send(sent, body, request_id)
+            except _NOT_SENT as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                return NotReached(f"MCP server unreachable at {self.url}: {why}")
+            except httpx.HTTPError as exc:
+                return Ambiguous(f"no answer from {self.url}: {type(exc).__name__}: {exc}")
+        if answer is None:
+            return Ambiguous(f"no answer from {self.url} within {self.timeout_s:g} s")
+        return answer
+
+    async def _send(
+        self, headers: dict[str, str], body: bytes, request_id: int | None
+    ) -> AgentAnswer | Outcome:
+        request = self._client.build_request("POST", self.url, content=body, headers=headers)
+        response = await self._client.send(request, stream=True)
+        try:
+            streamed = response.headers.get("content-type", "").startswith("text/event-stream")
+            if streamed and request_id is not None and response.status_code == 200:
+                # closed on leaving, so that the response (and its connection) is let go of
+                async with aclosing(sse_data(response)) as events:
+                    async for data in events:
+                        if answers(data, request_id):
+                            plain = httpx.Headers(response.headers)  # Mcp-Session-Id kept
+                            plain["content-type"] = "application/json"
+                            return AgentAnswer(200, plain, data)
+                return Ambiguous("the MCP server's event stream ended without the answer")
+            raw = await read_limited(response, self.max_answer_bytes)
+        finally:
+            await response.aclose()
         if raw is None:
             return Failed(f"the MCP server's answer is over {self.max_answer_bytes} bytes")
         return AgentAnswer(response.status_code, response.headers, raw)

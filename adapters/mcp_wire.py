@@ -70,19 +70,34 @@ def answer_of(content_type: str, body: bytes, request_id: int) -> dict[str, Any]
 
 
 def _events(body: bytes) -> list[Any]:
-    """The JSON of each ``data:`` event of a server-sent-event stream (comments skipped)."""
+    """The JSON of each ``data:`` event of a server-sent-event stream (comments skipped).
+    Lines are split as bytes: on ``\n`` and ``\r`` only, never at a U+2028 that JSON may
+    hold unescaped."""
     messages: list[Any] = []
-    data: list[str] = []
-    for line in [*body.decode("utf-8", "replace").splitlines(), ""]:
-        if line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))
-        elif line == "" and data:
+    data: list[bytes] = []
+    for line in [*body.splitlines(), b""]:
+        if line.startswith(b"data:"):
+            data.append(line[5:].lstrip(b" "))
+        elif line == b"" and data:
             try:
-                messages.append(msgspec.json.decode("\n".join(data)))
+                messages.append(msgspec.json.decode(b"\n".join(data)))
             except (msgspec.DecodeError, RecursionError):
                 pass  # one frame we cannot read: the answer may be in another
             data = []
     return messages
+
+
+def answers(data: bytes, request_id: int) -> bool:
+    """Whether an event's data is the answer (result or error) to ``request_id``."""
+    try:
+        message = msgspec.json.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    return (
+        isinstance(message, dict)
+        and message.get("id") == request_id
+        and ("result" in message or "error" in message)
+    )
 
 
 def error_text(answer: Mapping[str, Any]) -> str | None:

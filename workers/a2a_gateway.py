@@ -60,6 +60,7 @@ from .a2a_front import (
     status_update,
     task_json,
 )
+from .console.security import Guard, cross_site
 from .task_cancel import cancel_agent_task
 
 log = logging.getLogger("agent_reach.a2a_gateway")
@@ -111,6 +112,9 @@ class Gateway:
             request.headers.get(API_KEY_HEADER, "").encode(), self.api_key.encode()
         ):
             return JSONResponse({"error": f"missing or wrong {API_KEY_HEADER}"}, status_code=401)
+        refused = self._browser_refusal(request)
+        if refused is not None:
+            return JSONResponse({"error": refused}, status_code=403)
         body = await read_body(request, MAX_BODY_BYTES)
         if isinstance(body, Answer):
             return JSONResponse(body.body, status_code=body.status)
@@ -129,6 +133,22 @@ class Gateway:
         except ReachError as exc:  # an envelope refused, Redis unavailable: said as it is
             answer = rpc_error(request_id, INVALID_PARAMS, str(exc))
         return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+    def _browser_refusal(self, request: Request) -> str | None:
+        """Why a request that a web page could have sent is refused, without an API key to
+        prove otherwise: a JSON body only (a form or text/plain needs no preflight), from no
+        other site, to a loopback name (against DNS rebinding)."""
+        if self.api_key:
+            return None
+        headers = request.headers
+        if not headers.get("content-type", "").startswith("application/json"):
+            return "send the request as application/json"
+        host = headers.get("host", "")
+        if cross_site(headers.get("origin"), headers.get("sec-fetch-site"), host):
+            return "a request from another site is refused"
+        if not Guard(None).host_allowed(host):
+            return "without an API key only a loopback name is served"
+        return None
 
     # -- methods -------------------------------------------------------------------------------
 

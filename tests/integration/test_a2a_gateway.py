@@ -203,3 +203,25 @@ async def test_a_push_config_given_with_the_send_becomes_the_signed_webhook(
     assert body["id"] == task.id and body["stage"] == "SUCCEEDED"
     assert body["result"] == {"agent": "echo", "echo": {"n": 9.0}}
     assert signature_ok(hit)
+
+
+async def test_without_a_key_only_json_from_no_other_site_to_loopback_is_served(
+    conn: Connection,
+) -> None:
+    """What a web page could send to a keyless gateway on loopback is refused."""
+    body = msgspec.json.encode(
+        {"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": "x"}}
+    )
+    async with gateway_endpoint(conn, "127.0.0.1", 0, None) as url, httpx.AsyncClient() as http:
+        form = await http.post(url, content=body, headers={"Content-Type": "text/plain"})
+        cross = await http.post(
+            url,
+            content=body,
+            headers={"Content-Type": "application/json", "Origin": "http://evil.example"},
+        )
+        rebound = await http.post(
+            url, content=body, headers={"Content-Type": "application/json", "Host": "evil.example"}
+        )
+        plain = await http.post(url, content=body, headers={"Content-Type": "application/json"})
+    assert [form.status_code, cross.status_code, rebound.status_code] == [403, 403, 403]
+    assert plain.status_code == 200 and plain.json()["error"]["code"] == -32001

@@ -6,13 +6,23 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
+import msgspec
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
+from adapters.asgi import serve_app
 from adapters.factory import SidecarOptionError, mcp_tool_parts
 from adapters.mcp import McpTransport, ServerError, fetch_tools
+from adapters.mcp_wire import Tool
+from adapters.outcome import Succeeded
 from broker.client import Client
 from broker.connection import Connection
 from broker.embedded import free_port
+from broker.envelope import Envelope, complete
 from broker.stages import Stage
 from tests.support.harness import running_dispatcher, running_sidecar
 from tests.support.mcp_servers import mcp_http_server
@@ -97,3 +107,35 @@ async def test_tools_map_to_capabilities_and_hints_to_idempotency() -> None:
         mcp_tool_parts(tools, ["nope=calc.nope"], None)
     with pytest.raises(ServerError, match="cannot list the tools"):
         await fetch_tools(f"http://127.0.0.1:{free_port()}/mcp")
+
+
+async def test_an_answer_on_a_stream_the_server_keeps_open_is_taken_at_once() -> None:
+    """The specification lets a server keep its event stream open after the answer: the
+    call ends at the answer's frame, not when the stream closes."""
+
+    async def mcp(request: Request) -> Response:
+        call = await request.json()
+        if "id" not in call:
+            return Response(status_code=202)
+        answer = {"jsonrpc": "2.0", "id": call["id"]}
+        if call["method"] == "initialize":
+            answer["result"] = {"protocolVersion": "2025-11-25", "capabilities": {}}
+        else:
+            answer["result"] = {"content": [], "structuredContent": {"ok": "a\u2028b"}}
+
+        async def frames() -> AsyncIterator[bytes]:
+            yield b"data: " + msgspec.json.encode(answer) + b"\r\n\r\n"
+            await anyio.sleep(60)  # and never closes
+
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/mcp", mcp, methods=["POST"])])
+    async with serve_app(app) as base:
+        tools = {"calc.add": Tool("add", "", True)}
+        url = base.rstrip("/") + "/mcp"
+        transport = McpTransport(url, tools, timeout_s=30.0, max_connections=2)
+        envelope = complete(Envelope(capability="calc.add", payload=msgspec.Raw(b"{}")))
+        with anyio.fail_after(10):
+            outcome = await transport.deliver(envelope, 1)
+        await transport.aclose()
+    assert outcome == Succeeded(msgspec.json.encode({"ok": "a\u2028b"}))
