@@ -58,7 +58,7 @@ from .a2a_wire import (
     task_view,
 )
 from .callbacks import CallbackTokens
-from .http import _NOT_SENT, AgentAnswer, read_limited
+from .http import NOT_SENT, AgentAnswer, read_limited
 from .outcome import Accepted, Ambiguous, Failed, NotReached, Outcome
 from .transport import reach_headers
 
@@ -180,7 +180,7 @@ class A2ATransport:
                     raw = await read_limited(response, self.max_result_bytes) or b""
                     return self._answered(AgentAnswer(response.status_code, response.headers, raw))
                 await consume(response, reading, note, self.timeout_s)
-        except _NOT_SENT as exc:
+        except NOT_SENT as exc:
             return NotReached(f"agent unreachable at {url}: {type(exc).__name__}: {exc}")
         except httpx.HTTPError as exc:
             if not reading.task_id:

@@ -25,8 +25,8 @@ from .a2a_wire import (
     rpc_answer,
     task_view,
 )
-from .http import _NOT_SENT, AgentAnswer, read_limited, retry_after_s
-from .outcome import Ambiguous, Backoff, Failed, NotReached, Outcome, Status
+from .http import NOT_SENT, AgentAnswer, read_limited, refusal
+from .outcome import Ambiguous, Failed, NotReached, Outcome, Status
 
 STATUS_SCHEME = "a2a:"  # an A2A agent's status URL: a2a:<protocol version>:<JSON-RPC URL>
 
@@ -56,7 +56,7 @@ async def json_rpc(
             raw = await read_limited(response, max_bytes)
         finally:
             await response.aclose()
-    except _NOT_SENT as exc:
+    except NOT_SENT as exc:
         return NotReached(f"agent unreachable at {url}: {type(exc).__name__}: {exc}")
     except httpx.HTTPError as exc:
         return Ambiguous(f"no answer from {url}: {type(exc).__name__}: {exc}")
@@ -91,17 +91,12 @@ def rest_answer(answer: AgentAnswer) -> AgentAnswer:
 
 
 def http_outcome(answer: AgentAnswer) -> AgentAnswer | Outcome:
-    """An HTTP answer other than 200 as the outcome it is; a 200 is read on."""
-    status = answer.status
-    retry_after = answer.headers.get("retry-after")
-    if status == 429 or (status == 503 and retry_after):
-        wait = retry_after_s(retry_after)
-        return Backoff(f"agent answered {status}: busy, retry after {wait:g} s", wait)
-    if status == 503:
-        return Ambiguous(f"agent answered 503 without Retry-After: {answer.snippet}")
-    if status != 200:
-        return Failed(f"agent answered {status}: {answer.snippet}", fault=status >= 500)
-    return answer
+    """An HTTP answer other than 200 as the outcome it is (:func:`adapters.http.refusal`);
+    a 200 is read on."""
+    refused = refusal(answer)
+    if refused is None and answer.status != 200:
+        refused = Failed(f"agent answered {answer.status}: {answer.snippet}", fault=False)
+    return answer if refused is None else refused
 
 
 async def a2a_status(

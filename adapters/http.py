@@ -24,7 +24,8 @@ from .callbacks import TOKEN_HEADER, URL_HEADER, CallbackTokens
 from .outcome import Accepted, Ambiguous, Backoff, Failed, NotReached, Outcome, Succeeded
 from .transport import reach_headers
 
-_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol)
+# errors that prove a request never left: not reached, a retry is always safe
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol)
 
 
 DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
@@ -68,7 +69,7 @@ class HttpTransport:
                 body = await read_limited(response, self.max_result_bytes)
             finally:
                 await response.aclose()
-        except _NOT_SENT as exc:
+        except NOT_SENT as exc:
             return NotReached(f"agent unreachable at {self.url}: {type(exc).__name__}: {exc}")
         except httpx.HTTPError as exc:
             return Ambiguous(f"no answer from {self.url}: {type(exc).__name__}: {exc}")
@@ -185,25 +186,35 @@ async def read_limited(response: httpx.Response, max_bytes: int) -> bytes | None
     return bytes(body)
 
 
-def _from_answer(answer: AgentAnswer) -> Outcome:
+def refusal(answer: AgentAnswer, who: str = "agent") -> Outcome | None:
+    """What an HTTP status other than 2xx says, for every adapter over HTTP; ``None`` for a
+    2xx, whose body the adapter reads. 429, or 503 *with* Retry-After: ``who`` refused the work
+    for now (DESIGN §7); a bare 503 may come from a proxy after it acted: not proof of
+    anything; any other status is a failure (its fault when 5xx)."""
     status = answer.status
     retry_after = answer.headers.get("retry-after")
     if status == 429 or (status == 503 and retry_after):
-        # 429, or 503 *with* Retry-After: the agent refused the work for now (DESIGN §7). A
-        # bare 503 may come from a proxy after the agent acted: not proof of anything.
         wait = retry_after_s(retry_after)
-        return Backoff(f"agent answered {status}: busy, retry after {wait:g} s", wait)
+        return Backoff(f"{who} answered {status}: busy, retry after {wait:g} s", wait)
     if status == 503:
-        return Ambiguous(f"agent answered 503 without Retry-After: {answer.snippet}")
+        return Ambiguous(f"{who} answered 503 without Retry-After: {answer.snippet}")
     if 200 <= status < 300:
-        body = answer.body or b"null"
-        try:
-            msgspec.json.decode(body)
-        except msgspec.DecodeError:
-            return Failed(f"agent answered {status} with a body that is not JSON")
-        except RecursionError:  # msgspec gives up on very deep nesting
-            return Failed(f"agent answered {status} with JSON nested too deeply to read")
-        return Succeeded(body)
+        return None
     snippet = answer.snippet
-    reason = f"agent answered {status}: {snippet}" if snippet else f"agent answered {status}"
+    reason = f"{who} answered {status}: {snippet}" if snippet else f"{who} answered {status}"
     return Failed(reason, fault=status >= 500)
+
+
+def _from_answer(answer: AgentAnswer) -> Outcome:
+    status = answer.status
+    refused = refusal(answer)
+    if refused is not None:
+        return refused
+    body = answer.body or b"null"  # a 2xx
+    try:
+        msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return Failed(f"agent answered {status} with a body that is not JSON")
+    except RecursionError:  # msgspec gives up on very deep nesting
+        return Failed(f"agent answered {status} with JSON nested too deeply to read")
+    return Succeeded(body)

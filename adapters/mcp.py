@@ -33,7 +33,7 @@ import msgspec
 
 from broker.envelope import Envelope
 
-from .http import _NOT_SENT, AgentAnswer, read_limited, retry_after_s
+from .http import NOT_SENT, AgentAnswer, read_limited, refusal
 from .mcp_wire import (
     ACCEPT,
     SESSION_HEADER,
@@ -48,7 +48,7 @@ from .mcp_wire import (
     request,
     tools_of,
 )
-from .outcome import Ambiguous, Backoff, Failed, NotReached, Outcome, Succeeded
+from .outcome import Ambiguous, Failed, NotReached, Outcome, Succeeded
 from .sse import sse_data
 from .transport import reach_headers
 
@@ -152,7 +152,7 @@ class McpSession:
         with anyio.move_on_after(self.timeout_s):
             try:
                 answer = await self._send(sent, body, request_id)
-            except _NOT_SENT as exc:
+            except NOT_SENT as exc:
                 why = f"{type(exc).__name__}: {exc}"
                 return NotReached(f"MCP server unreachable at {self.url}: {why}")
             except httpx.HTTPError as exc:
@@ -191,15 +191,11 @@ class McpSession:
 def _answer(sent: AgentAnswer | Outcome, request_id: int) -> dict[str, Any] | Outcome:
     if not isinstance(sent, AgentAnswer):
         return sent
-    status = sent.status
-    retry_after = sent.headers.get("retry-after")
-    if status == 429 or (status == 503 and retry_after):
-        wait = retry_after_s(retry_after)
-        return Backoff(f"MCP server answered {status}: busy, retry after {wait:g} s", wait)
-    if status == 503:
-        return Ambiguous("MCP server answered 503 without Retry-After")
-    if status != 200:
-        return Failed(f"MCP server answered {status}: {sent.snippet}", fault=status >= 500)
+    refused = refusal(sent, "MCP server")
+    if refused is None and sent.status != 200:
+        refused = Failed(f"MCP server answered {sent.status}: {sent.snippet}", fault=False)
+    if refused is not None:
+        return refused
     answer = answer_of(sent.headers.get("content-type", ""), sent.body, request_id)
     if isinstance(answer, str):
         return Ambiguous(answer)  # sent and answered, but not with the call's outcome
