@@ -12,9 +12,20 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+import msgspec.inspect
 
 from .envelope import capability_problem
 from .errors import ConfigError
+from .events import EVENT_TYPES
+from .governance import (
+    BudgetMode,
+    EventSubscription,
+    IntentRule,
+    RateLimits,
+    TenantBudget,
+    rate_problem,
+    rule_problem,
+)
 from .webhooks import Allowlist, webhook_secret_problem
 
 ENV_PREFIX = "AGENT_REACH_"
@@ -110,6 +121,26 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     reply_ttl_s: Annotated[int, msgspec.Meta(ge=60, le=365 * 86400)] = 86400
     instance_gone_after_s: Annotated[float, msgspec.Meta(gt=0, le=365 * 86400)] = 86400.0
     orphan_sweep_s: Annotated[float, msgspec.Meta(ge=0, le=365 * 86400)] = 3600.0
+    # governance (README "Govern the fleet"): usage per UTC day, kept this many days
+    usage_keep_days: Annotated[int, msgspec.Meta(ge=2, le=3660)] = 400
+    budgets: dict[str, TenantBudget] = msgspec.field(default_factory=dict)
+    budget_mode: BudgetMode = "reject"
+    # how stale a dispatcher's view of what each tenant has spent may be
+    budget_refresh_s: Positive = 1.0
+    rate_limits: RateLimits = msgspec.field(default_factory=RateLimits)
+    # the event stream P:events, trimmed to about this many entries
+    events_max: Annotated[int, msgspec.Meta(ge=100, le=100_000_000)] = 10_000
+    event_subscriptions: list[EventSubscription] = msgspec.field(default_factory=list)
+    # intent routing: rules first, then the semantic layer
+    intent_rules: list[IntentRule] = msgspec.field(default_factory=list)
+    intent_hit: Ratio = 0.85
+    intent_reject: Ratio = 0.55
+    # candidates within this much of the best score count as close: the cheapest wins
+    intent_close: Ratio = 0.05
+    intent_feedback_weight: Ratio = 0.1
+    embedding_url: str | None = None
+    embedding_model: str = "text-embedding-3-small"
+    embedding_timeout_s: Positive = 5.0
 
 
 FIELDS: tuple[str, ...] = Settings.__struct_fields__
@@ -135,7 +166,8 @@ def build_settings(layers: list[Mapping[str, Any]]) -> Settings:
     try:
         settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_key_of(str(exc)), str(exc)) from exc
+        key = _key_of(str(exc))
+        raise ConfigError(key, f"{exc}{_choices(key)}") from exc
     if found := _problem(settings):
         raise ConfigError(*found)
     return settings
@@ -155,7 +187,42 @@ def _problem(settings: Settings) -> tuple[str, str] | None:
     if unusable := Allowlist.parse(settings.callback_hosts).unusable:
         listed = ", ".join(map(repr, unusable))
         return "callback_hosts", f"{listed}: not a host, host:port, IP address or network"
+    return _governance_problem(settings)
+
+
+def _governance_problem(settings: Settings) -> tuple[str, str] | None:
+    for kind, limits in (
+        ("agent", settings.rate_limits.agent),
+        ("capability", settings.rate_limits.capability),
+        ("tenant", settings.rate_limits.tenant),
+    ):
+        for name, limit in limits.items():
+            if problem := rate_problem(limit):
+                return f"rate_limits.{kind}.{name}", problem
+    for i, rule in enumerate(settings.intent_rules):
+        if problem := rule_problem(rule) or capability_problem(rule.capability):
+            return f"intent_rules[{i}]", problem
+    if settings.intent_reject > settings.intent_hit:
+        why = f"must not be above intent_hit ({settings.intent_hit})"
+        return "intent_reject", f"{why}, got {settings.intent_reject}"
+    if settings.embedding_url and not settings.embedding_url.startswith(("http://", "https://")):
+        return "embedding_url", f"{settings.embedding_url!r}: an http:// or https:// URL"
+    for i, subscription in enumerate(settings.event_subscriptions):
+        if unknown := sorted(set(subscription.events) - set(EVENT_TYPES)):
+            return f"event_subscriptions[{i}]", (
+                f"unknown events {', '.join(unknown)}; known: {', '.join(EVENT_TYPES)}"
+            )
     return None
+
+
+def _choices(key: str) -> str:
+    """``"; one of: a, b"`` for a key that takes one of a few words, else ``""``."""
+    info = msgspec.inspect.type_info(Settings)
+    assert isinstance(info, msgspec.inspect.StructType)
+    for found in info.fields:
+        if found.name == key and isinstance(found.type, msgspec.inspect.LiteralType):
+            return f"; one of: {', '.join(map(str, found.type.values))}"
+    return ""
 
 
 def _key_of(message: str) -> str:
@@ -180,12 +247,17 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, str]:
     return layer
 
 
+_JSON_KEYS = frozenset(
+    {"capability_aliases", "budgets", "rate_limits", "event_subscriptions", "intent_rules"}
+)
+
+
 def _env_value(key: str, value: str) -> Any:
     """Maps come as JSON: ``AGENT_REACH_CAPABILITY_ALIASES='{"a.b": "c.d"}'``; lists as
     comma-separated words: ``AGENT_REACH_CALLBACK_HOSTS=hooks.example.com,127.0.0.1``."""
     if key == "callback_hosts":
         return [host.strip() for host in value.split(",") if host.strip()]
-    if key == "capability_aliases":
+    if key in _JSON_KEYS:
         try:
             return msgspec.json.decode(value)
         except msgspec.DecodeError as exc:

@@ -44,6 +44,9 @@ Tags = Annotated[dict[TagText, TagText], msgspec.Meta(max_length=64)]
 ReplyTo = Annotated[str, msgspec.Meta(max_length=MAX_REPLY_TO)]
 Target = Annotated[str, msgspec.Meta(pattern=MESSAGE_ID_PATTERN)]
 CallbackUrl = Annotated[str, msgspec.Meta(max_length=2048)]
+# Tenants label counters and name budget keys: a short printable word.
+Tenant = Annotated[str, msgspec.Meta(pattern=r"^[\x21-\x7e]{1,128}$")]
+Intent = Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
 
 _NULL = msgspec.Raw(b"null")
 
@@ -53,9 +56,15 @@ def _null_payload() -> msgspec.Raw:
 
 
 class Envelope(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """A request to run ``capability`` on ``payload``; see DESIGN §2 for each field."""
+    """A request to run ``capability`` on ``payload``; see DESIGN §2 for each field.
 
-    capability: Capability
+    ``intent`` may stand in for ``capability``: the dispatcher maps it to one
+    (:mod:`broker.intent`) before anything else reads the envelope, so every accepted
+    envelope names its capability. ``tenant`` names who pays (usage, budgets, rate limits).
+    ``budget_per_task`` caps the declared cost of the instance that may run it; ``budget``
+    is its older name, read into it."""
+
+    capability: Capability = ""
     payload: msgspec.Raw = msgspec.field(default_factory=_null_payload)
     id: MessageId | None = None
     tags: Tags = msgspec.field(default_factory=dict)
@@ -68,7 +77,10 @@ class Envelope(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     reply_to: ReplyTo | None = None
     callback_url: CallbackUrl | None = None
     max_attempts: MaxAttempts = 3
+    budget_per_task: Annotated[float, msgspec.Meta(ge=0)] | None = None
     budget: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    tenant: Tenant | None = None
+    intent: Intent | None = None
     traceparent: str | None = None
     tracestate: str | None = None  # W3C Trace Context, with traceparent
     headers: dict[str, str] = msgspec.field(default_factory=dict)
@@ -127,6 +139,8 @@ def decode_envelope(raw: bytes, *, max_bytes: int, reply_prefix: str) -> Envelop
             f"reply_to {envelope.reply_to!r} must be printable ASCII without spaces", raw
         )
     check_envelope(envelope, raw)
+    if envelope.budget is not None:  # the older name of budget_per_task
+        envelope.budget_per_task, envelope.budget = envelope.budget, None
     return envelope
 
 
@@ -147,6 +161,10 @@ def _text_problem(raw: bytes) -> str | None:
 def envelope_problem(envelope: Envelope) -> str | None:
     """Why an envelope that decoded cannot be carried to an agent (:mod:`broker.headers`),
     or ``None``: the rules msgspec's types cannot state."""
+    if not envelope.capability and envelope.intent is None:
+        return "invalid envelope: a capability (or an intent) is required - at `$.capability`"
+    if envelope.budget is not None and envelope.budget_per_task is not None:
+        return "invalid envelope: budget is the older name of budget_per_task: give one"
     if problem := headers_problem(envelope.headers):
         return f"invalid envelope: {problem}"
     if envelope.traceparent is not None and (problem := traceparent_problem(envelope.traceparent)):
@@ -239,6 +257,9 @@ def envelope_schema() -> dict[str, Any]:
     schema: dict[str, Any] = msgspec.json.schema(Envelope)
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "Agent-Reach envelope"
+    body = schema["$defs"]["Envelope"]
+    body["properties"]["capability"].pop("default", None)  # "" stands for "not given"
+    body["anyOf"] = [{"required": ["capability"]}, {"required": ["intent"]}]
     return schema
 
 

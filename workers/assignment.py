@@ -46,7 +46,7 @@ def route_request(envelope: Envelope, sessions: dict[str, str], *, avoid: str = 
         tags=envelope.tags,
         target=envelope.target,
         session_instance=sessions.get(envelope.session_id) if envelope.session_id else None,
-        budget=envelope.budget,
+        budget=envelope.budget_per_task,
         avoid=avoid or None,
     )
 

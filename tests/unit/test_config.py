@@ -279,3 +279,60 @@ def test_callback_hosts_come_from_the_environment_as_a_comma_separated_list() ->
     assert settings.callback_hosts == ["hooks.example.com", "127.0.0.1"]
     assert settings.webhook_secret == "s3cret"
     assert Settings().callback_hosts == [] and Settings().webhook_secret is None
+
+
+def test_governance_keys_load_from_toml_and_print_back(tmp_path: Path) -> None:
+    import tomllib
+
+    from click.testing import CliRunner
+
+    from workers.cli import main
+
+    path = tmp_path / "c.toml"
+    path.write_text(
+        'budgets = {"team-a" = {daily = 20.0, monthly = 300}}\n'
+        'budget_mode = "cheapest"\n'
+        'rate_limits = {tenant = {"team-a" = {rate = "600/min", burst = 5}}}\n'
+        'intent_rules = [{match = "refund|reimburs", capability = "payment.refund", '
+        "priority = 99}]\n"
+        'event_subscriptions = [{url = "http://127.0.0.1:9/h", events = ["message.dead"]}]\n'
+    )
+    settings = load_settings(path, environ={})
+    assert settings.budgets["team-a"].daily == 20.0
+    assert settings.rate_limits.tenant["team-a"].burst == 5
+    assert settings.intent_rules[0].priority == 99
+    printed = CliRunner().invoke(main, ["config", "--config", str(path)], env={})
+    assert printed.exit_code == 0, printed.output
+    shown = tomllib.loads(
+        "\n".join(line for line in printed.output.splitlines() if not line.startswith("#"))
+    )
+    assert shown["budgets"] == {"team-a": {"daily": 20.0, "monthly": 300.0}}
+    assert shown["intent_rules"][0]["match"] == "refund|reimburs"
+    assert shown["intent_hit"] == 0.85 and shown["intent_reject"] == 0.55
+
+
+@pytest.mark.parametrize(
+    ("layer", "key", "words"),
+    [
+        ({"rate_limits": {"agent": {"x": {"rate": "ten/s"}}}}, "rate_limits.agent.x", "rate is"),
+        ({"rate_limits": {"agent": {"x": {"rate": "0/s"}}}}, "rate_limits.agent.x", "above zero"),
+        ({"intent_rules": [{"match": "[", "capability": "a.b"}]}, "intent_rules[0]", "match"),
+        ({"intent_rules": [{"match": "x", "capability": "Bad"}]}, "intent_rules[0]", "lower-case"),
+        ({"intent_hit": 0.5}, "intent_reject", "intent_hit"),
+        ({"embedding_url": "ftp://x"}, "embedding_url", "http"),
+        ({"budgets": {"t": {"daily": -1}}}, "budgets", ">= 0"),
+        ({"budget_mode": "free"}, "budget_mode", "reject"),
+        ({"event_subscriptions": [{"url": "http://h", "events": ["x.y"]}]}, "event_", "known"),
+    ],
+)
+def test_governance_mistakes_name_their_key(layer: dict[str, Any], key: str, words: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        build_settings([layer])
+    assert key in str(caught.value) and words in str(caught.value)
+
+
+def test_governance_maps_come_from_the_environment_as_json() -> None:
+    env = {"AGENT_REACH_BUDGETS": '{"t": {"daily": 1.5}}', "AGENT_REACH_INTENT_RULES": "[]"}
+    assert load_settings(environ=env).budgets["t"].daily == 1.5
+    with pytest.raises(ConfigError, match=r"budgets"):
+        load_settings(environ={"AGENT_REACH_BUDGETS": "{nope"})

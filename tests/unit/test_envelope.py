@@ -273,7 +273,8 @@ def test_schema_is_draft_2020_12_with_defs() -> None:
     assert schema["title"] == "Agent-Reach envelope"
     assert schema["$ref"] == "#/$defs/Envelope"
     body = schema["$defs"]["Envelope"]
-    assert body["required"] == ["capability"]
+    assert body.get("required", []) == []
+    assert body["anyOf"] == [{"required": ["capability"]}, {"required": ["intent"]}]
     assert body["additionalProperties"] is False
     assert set(body["properties"]) == set(Envelope.__struct_fields__)
     assert jsonschema.validators.validator_for(schema) is jsonschema.Draft202012Validator
@@ -419,7 +420,9 @@ valid_fields = st.fixed_dictionaries(
         | st.from_regex(r"[!-~]{0,10}", fullmatch=True).map(lambda s: PREFIX + s),
         "callback_url": optional_text,
         "max_attempts": st.integers(1, 100),
-        "budget": st.none() | st.floats(min_value=0, allow_infinity=False),
+        "budget_per_task": st.none() | st.floats(min_value=0, allow_infinity=False),
+        "tenant": st.none() | st.from_regex(r"[!-~]{1,20}", fullmatch=True),
+        "intent": st.none() | st.text(min_size=1, max_size=40),
         "traceparent": st.none() | traceparents,
         "headers": header_maps,
         "created_at": st.none() | st.floats(allow_nan=False, allow_infinity=False),
@@ -525,3 +528,20 @@ def test_session_ids_that_would_break_hash_tags_are_rejected(session: str) -> No
     raw = msgspec.json.encode({"capability": "a.b", "session_id": session})
     with pytest.raises(InvalidEnvelope, match="session_id"):
         decode_envelope(raw, max_bytes=1 << 20, reply_prefix="r:")
+
+
+def test_budget_is_read_as_budget_per_task_and_intent_may_stand_in_for_capability() -> None:
+    old = decode(b'{"capability": "a.b", "budget": 2.5}', max_bytes=1024)
+    assert (old.budget_per_task, old.budget) == (2.5, None)
+    with pytest.raises(InvalidEnvelope, match="older name of budget_per_task"):
+        decode(b'{"capability": "a.b", "budget": 1, "budget_per_task": 2}', max_bytes=1024)
+    by_intent = decode(b'{"intent": "refund my order", "tenant": "team-a"}', max_bytes=1024)
+    assert (by_intent.capability, by_intent.intent, by_intent.tenant) == (
+        "",
+        "refund my order",
+        "team-a",
+    )
+    with pytest.raises(InvalidEnvelope, match="capability \\(or an intent\\) is required"):
+        decode(b'{"payload": 1}', max_bytes=1024)
+    with pytest.raises(InvalidEnvelope, match="tenant"):
+        decode(b'{"capability": "a.b", "tenant": "has space"}', max_bytes=1024)

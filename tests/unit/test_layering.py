@@ -22,6 +22,8 @@ PURE = [
     "acl",
     "acl_commands",
     "config",
+    "governance",
+    "events",
     "records",
     "errors",
     "failpoints",

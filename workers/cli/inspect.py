@@ -58,11 +58,18 @@ def config(settings: Settings, as_json: bool) -> None:
     for key, value in values.items():
         if value is None:
             click.echo(f"# {key} is not set")
-        elif isinstance(value, dict):
-            inline = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items())
-            click.echo(f"{key} = {{ {inline} }}")
         else:
-            click.echo(f"{key} = {json.dumps(value)}")
+            click.echo(f"{key} = {toml_value(value)}")
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as TOML: tables inline, so each key stays on one line."""
+    if isinstance(value, dict):
+        inline = ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items())
+        return f"{{ {inline} }}" if inline else "{}"
+    if isinstance(value, list):
+        return f"[{', '.join(toml_value(v) for v in value)}]"
+    return json.dumps(value)
 
 
 def trace_document(found: Trace) -> dict[str, Any]:
