@@ -31,6 +31,11 @@ key                       type    holds
 ``P:credit``              pubsub  instance ids whose credits were just released
 ``P:credit:{<inst>}``     spubsub  likewise, one instance's, sharded (a Redis 7 cluster)
 ``P:registry``            pubsub  instance ids whose card just changed
+``P:events``              stream  fleet events (capped): type, subject, ts, detail
+``P:subs``                hash    event subscription id -> JSON (url, event types)
+``P:usage:<day>``         hash    usage of a UTC day: "dimension, name, figure" -> amount
+``P:r:<scope>:{<name>}``  string  a rate limit's GCRA state (its theoretical arrival time)
+``P:fb:{<agent>}``        list    an agent's recent feedback ratings (capped)
 ========================  ======  ==========================================================
 
 Record, timeline and a broadcast's outcomes share the ``{<id>}`` hash tag; card, work stream
@@ -181,3 +186,29 @@ def outbox_for(keys: Keyspace, message_id: str) -> str:
 def outboxes(keys: Keyspace) -> list[str]:
     """Every partition of the outbox: each notifier reads all of them."""
     return [keys.outbox, *(f"{keys.outbox}:{{{n}}}" for n in range(1, keys.partitions))]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetKeys:
+    """The keys of governance: events, subscriptions, usage, rate limits, feedback."""
+
+    prefix: str = "reach"
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}:events"
+
+    @property
+    def subscriptions(self) -> str:
+        return f"{self.prefix}:subs"
+
+    def usage(self, day: str) -> str:
+        """One UTC day's usage (``day`` as ``YYYY-MM-DD``); per slot on a cluster."""
+        return f"{self.prefix}:usage:{day}"
+
+    def rate(self, scope: str, name: str) -> str:
+        """A limit's GCRA state; an instance's shares the instance's slot (``assign.lua``)."""
+        return f"{self.prefix}:r:{scope}:{{{name}}}"
+
+    def feedback(self, agent: str) -> str:
+        return f"{self.prefix}:fb:{{{agent}}}"
