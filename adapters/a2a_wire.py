@@ -25,6 +25,8 @@ from typing import Any
 
 import msgspec
 
+from broker.usage import Usage, usage_from_mapping
+
 from .outcome import Accepted, Failed, NeedsInput, Outcome, Succeeded
 
 CARD_PATH = "/.well-known/agent-card.json"
@@ -231,6 +233,7 @@ class TaskView:
     state: str
     said: str
     result: bytes
+    usage: Usage | None = None  # reported in the task's (or message's) metadata
 
 
 def state_name(raw: Any) -> str:
@@ -285,13 +288,16 @@ def task_view(task: Any) -> TaskView | str:
     artifacts = _field(task, "artifacts", list)
     result = {"task_id": task["id"], "artifacts": [_artifact(a) for a in artifacts]}
     said = _words(status.get("message"))
-    return TaskView(task["id"], state_name(status.get("state")), said, msgspec.json.encode(result))
+    usage = usage_from_mapping(_field(task, "metadata", dict).get("usage"))
+    state = state_name(status.get("state"))
+    return TaskView(task["id"], state, said, msgspec.json.encode(result), usage)
 
 
 def _message_view(message: Mapping[str, Any]) -> TaskView:
     parts = _field(message, "parts", list)
     result = msgspec.json.encode({"parts": [_part(p) for p in parts]})
-    return TaskView("", "completed", _words(message), result)
+    usage = usage_from_mapping(_field(message, "metadata", dict).get("usage"))
+    return TaskView("", "completed", _words(message), result, usage)
 
 
 def _field(raw: Mapping[str, Any], name: str, kind: type[Any]) -> Any:
@@ -371,10 +377,10 @@ def push_state(body: bytes) -> tuple[str, str] | str:
 def outcome_of(view: TaskView) -> Outcome:
     """What a task's state means for the message."""
     if view.state == "completed":
-        return Succeeded(view.result)
+        return Succeeded(view.result, view.usage)
     if view.state in PARKED_STATES:
         return NeedsInput(f"the agent asks ({view.state}): {view.said or 'no words'}")
     if view.state in RUNNING_STATES:
         return Accepted(view.task_id)
     said = f": {view.said}" if view.said else ""
-    return Failed(f"the agent's task {view.task_id} ended {view.state}{said}")
+    return Failed(f"the agent's task {view.task_id} ended {view.state}{said}", usage=view.usage)

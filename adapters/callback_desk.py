@@ -26,6 +26,7 @@ from broker.records import MessageRecord
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
+from broker.usage import Charge, charge, usage_in_result
 
 from .asgi import serve_app
 from .callbacks import Answer, CallbackTokens, callback_app
@@ -50,6 +51,7 @@ class CallbackDesk:
         finisher: Finisher,
         vitals: Vitals,
         bind: Bind,
+        agent_id: str = "",
     ) -> None:
         self.conn = conn
         self.store = store
@@ -58,6 +60,7 @@ class CallbackDesk:
         self.finisher = finisher
         self.vitals = vitals
         self.bind = bind
+        self.agent_id = agent_id
         self.tokens: CallbackTokens | None = None
         self.url = ""
         self.awaiting: dict[str, float] = {}  # message id -> since (monotonic)
@@ -126,13 +129,14 @@ class CallbackDesk:
         if refused is not None:
             return refused
         since = self.awaiting.pop(message_id, None)
+        latency_ms = 0.0
         if since is not None:
             latency_ms = (anyio.current_time() - since) * 1000
             self.vitals.record(outcome, latency_ms=latency_ms, now_ms=now_ms())
         envelope = load_envelope(record.envelope)
         taken = self.holdings.holding(message_id)
         if taken is not None and taken.attempt == checked:
-            self.finish(taken, envelope, outcome)
+            self.finish(taken, envelope, outcome, busy_ms=latency_ms)
         else:  # parked for an operator, its entry long released: settle it here
             await self._settle_unheld(envelope, checked, outcome)
         return Answer(200, {"id": message_id, "stage": Stage.CALLBACK_RECEIVED.value})
@@ -225,9 +229,16 @@ class CallbackDesk:
             del self.awaiting[taken.message_id]
             self.finisher.done(old)
 
-    def finish(self, taken: Taken, envelope: Envelope, outcome: Succeeded | Failed) -> None:
+    def finish(
+        self,
+        taken: Taken,
+        envelope: Envelope,
+        outcome: Succeeded | Failed,
+        busy_ms: float = 0.0,
+    ) -> None:
         """CALLBACK_RECEIVED -> SUCCEEDED / FAILED in the next finishing round trip, with the
-        producer told, the credit returned and the entry acknowledged."""
+        producer told, the credit returned, the entry acknowledged and the call charged
+        (``busy_ms``: from the agent's acceptance to its callback, when this desk saw both)."""
         if taken.message_id in self.finishing:
             return  # queued already (the endpoint and the watch both saw it)
         self.finishing.add(taken.message_id)
@@ -240,9 +251,27 @@ class CallbackDesk:
             Stage.CALLBACK_RECEIVED,
             reason="result from the agent's callback",
             fields=fields,
+            charge=self._charge(taken, envelope, outcome, busy_ms),
         )
         replies = self.finisher.replies(taken, envelope, stage, result, error)
         self.finisher.queue(Finished(taken, replies, settle))
+
+    def _charge(
+        self, taken: Taken, envelope: Envelope, outcome: Succeeded | Failed, busy_ms: float
+    ) -> Charge:
+        usage = outcome.usage
+        if usage is None and isinstance(outcome, Succeeded):
+            usage = usage_in_result(outcome.result)
+        return charge(
+            self.agent_id,
+            envelope.capability,
+            envelope.tenant,
+            attempt=taken.attempt,
+            answered=isinstance(outcome, Succeeded),
+            busy_ms=busy_ms,
+            usage=usage,
+            ms=now_ms(),
+        )
 
     async def _settle_unheld(
         self, envelope: Envelope, attempt: int, outcome: Succeeded | Failed

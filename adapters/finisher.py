@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import msgspec
 
 from broker import process_metrics
 from broker.connection import Connection
@@ -31,12 +32,17 @@ from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
+from broker.usage import Charge, Usage, reported
 
 from .holdings import Finished, Holdings, Taken
 
 log = logging.getLogger("agent_reach.sidecar")
 
 RETRY_PAUSE_S = 0.5
+
+
+def usage_fields(taken: Taken, usage: Usage) -> dict[str, bytes]:
+    return {f"usage:{taken.attempt}": msgspec.json.encode(usage)}
 
 
 class Finisher:
@@ -77,15 +83,18 @@ class Finisher:
         result: bytes | None = None,
         error: str | None = None,
         counts: tuple[str, ...] = (),
+        bill: Charge | None = None,
     ) -> None:
-        """Queue ``stage`` (with its result or error, and ``counts`` counted with it) for the
-        next finishing round trip."""
+        """Queue ``stage`` (with its result or error, and ``counts`` counted and ``bill``
+        charged with it) for the next finishing round trip."""
         fields: dict[str, str | bytes] = {}
         if result is not None:
             fields["result"] = result
         if error is not None:
             fields["error"] = error
-        move = self.fenced(taken, stage, source, reason=reason, fields=fields, counts=counts)
+        move = self.fenced(
+            taken, stage, source, reason=reason, fields=fields, counts=counts, charge=bill
+        )
         replies = self.replies(taken, envelope, stage, result, error) if stage in TERMINAL else []
         self.queue(Finished(taken, replies, move, envelope.capability))
 
@@ -97,6 +106,7 @@ class Finisher:
         *,
         back_off: bool,
         counts: tuple[str, ...] = (),
+        bill: Charge | None = None,
     ) -> None:
         """Back to WAITING for another attempt, with the same idempotency key — elsewhere if
         another instance can take it, and after a back-off for a failure."""
@@ -120,6 +130,7 @@ class Finisher:
                 fields=fields,
                 return_field="accepted_ms",
                 counts=counts,
+                charge=bill,
             )
         )
         if moved.ok:
@@ -131,13 +142,24 @@ class Finisher:
         self.done(taken)
 
     async def dead(
-        self, taken: Taken, envelope: Envelope, error: str, counts: tuple[str, ...] = ()
+        self,
+        taken: Taken,
+        envelope: Envelope,
+        error: str,
+        counts: tuple[str, ...] = (),
+        bill: Charge | None = None,
     ) -> None:
         """Out of attempts: DEAD, dead-lettered with the envelope and every reason on the way."""
         fields = {"error": error}
         moved = await self.store.apply(
             self.fenced(
-                taken, Stage.DEAD, Stage.PROCESSING, reason=error, fields=fields, counts=counts
+                taken,
+                Stage.DEAD,
+                Stage.PROCESSING,
+                reason=error,
+                fields=fields,
+                counts=counts,
+                charge=bill,
             )
         )
         if moved.ok:
@@ -148,7 +170,12 @@ class Finisher:
 
     def fenced(self, taken: Taken, target: Stage, source: Stage, **options: Any) -> Move:
         """A move allowed only from ``source``, at this entry's attempt, on this instance:
-        the fence that keeps a stale delivery from ever acting on the record."""
+        the fence that keeps a stale delivery from ever acting on the record. A charge that
+        reports usage puts it on the record (``usage:<attempt>``) and the timeline."""
+        bill: Charge | None = options.get("charge")
+        if bill is not None and (usage := reported(bill)) is not None:
+            options["fields"] = {**(options.get("fields") or {}), **usage_fields(taken, usage)}
+            options["reason"] = "; ".join(filter(None, (options.get("reason"), usage.describe())))
         return Move(
             taken.message_id,
             target,

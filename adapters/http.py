@@ -19,6 +19,7 @@ import httpx
 import msgspec
 
 from broker.envelope import Envelope, encode_envelope
+from broker.usage import usage_from_headers
 
 from .callbacks import TOKEN_HEADER, URL_HEADER, CallbackTokens
 from .outcome import Accepted, Ambiguous, Backoff, Failed, NotReached, Outcome, Succeeded
@@ -205,7 +206,18 @@ def refusal(answer: AgentAnswer, who: str = "agent") -> Outcome | None:
     return Failed(reason, fault=status >= 500)
 
 
+USAGE_HEADER, COST_HEADER = "x-reach-usage", "x-reach-cost"
+
+
 def _from_answer(answer: AgentAnswer) -> Outcome:
+    outcome = _outcome_of(answer)
+    usage = usage_from_headers(answer.headers.get(USAGE_HEADER), answer.headers.get(COST_HEADER))
+    if usage is not None and isinstance(outcome, Succeeded | Failed):
+        return msgspec.structs.replace(outcome, usage=usage)
+    return outcome
+
+
+def _outcome_of(answer: AgentAnswer) -> Outcome:
     status = answer.status
     refused = refusal(answer)
     if refused is not None:

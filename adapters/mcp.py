@@ -45,6 +45,7 @@ from .mcp_wire import (
     call_result,
     error_text,
     initialize_params,
+    reported_usage,
     request,
     tools_of,
 )
@@ -245,9 +246,10 @@ class McpTransport:
         if isinstance(result, str):
             return Ambiguous(result)
         ok, body = result
+        usage = reported_usage(answer)
         if ok:
-            return Succeeded(body)
-        return Failed(f"tool {tool.name}: {msgspec.json.decode(body)}")
+            return Succeeded(body, usage)
+        return Failed(f"tool {tool.name}: {msgspec.json.decode(body)}", usage=usage)
 
     async def aclose(self) -> None:
         await self.session.aclose()

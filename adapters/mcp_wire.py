@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from broker.envelope import capability_problem
+from broker.usage import Usage, usage_from_mapping
 
 PROTOCOL_VERSION = "2025-11-25"
 SESSION_HEADER = "Mcp-Session-Id"
@@ -177,6 +178,13 @@ def call_result(answer: Mapping[str, Any]) -> tuple[bool, bytes] | str:
     if "structuredContent" in result:
         return True, msgspec.json.encode(result["structuredContent"])
     return True, msgspec.json.encode({"content": content})
+
+
+def reported_usage(answer: Mapping[str, Any]) -> Usage | None:
+    """Usage a tool reported in its result's ``_meta.usage``, if any."""
+    result = answer.get("result")
+    meta = result.get("_meta") if isinstance(result, dict) else None
+    return usage_from_mapping(meta.get("usage")) if isinstance(meta, dict) else None
 
 
 def _listed(value: Any) -> list[Any]:

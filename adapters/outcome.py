@@ -14,14 +14,18 @@ from typing import Literal
 
 import msgspec
 
+from broker.usage import Usage
+
 
 class Succeeded(msgspec.Struct, frozen=True, tag=True):
     result: bytes  # JSON
+    usage: Usage | None = None  # reported apart from the result (headers, metadata)
 
 
 class Failed(msgspec.Struct, frozen=True, tag=True):
     reason: str
     fault: bool = True  # the agent's own failure (5xx, an exception), not a refused request
+    usage: Usage | None = None
 
 
 class NotReached(msgspec.Struct, frozen=True, tag=True):

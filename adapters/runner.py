@@ -29,6 +29,7 @@ from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore
 from broker.timekeeping import now_ms
 from broker.timeline import note_command
+from broker.usage import Charge, charge, usage_in_result
 
 from .callback_desk import CallbackDesk, callback_outcome
 from .finisher import Finisher
@@ -69,6 +70,8 @@ _CALL: dict[type, str] = {  # the outcome label of agent_reach_agent_calls_total
     Accepted: "accepted",
     NeedsInput: "needs_input",
 }
+# whether a call counts as succeeded, failed or neither (broker.usage.charge)
+_ANSWERED: dict[type, bool] = {Succeeded: True, Failed: False, Ambiguous: False}
 _STAGE_AFTER: dict[Action, Stage] = {  # what an attempt's trace span says it ended as
     Action.SUCCEED: Stage.SUCCEEDED,
     Action.FAIL: Stage.FAILED,
@@ -271,7 +274,29 @@ class Runner:
         call = metric_fields.agent_call(
             self.card.agent_id, envelope.capability, _CALL[type(outcome)]
         )
-        return await self.record(taken, envelope, outcome, counts=(call,))
+        bill = self._charge(taken, envelope, outcome, latency_ms)
+        return await self.record(taken, envelope, outcome, counts=(call,), bill=bill)
+
+    def _charge(
+        self, taken: Taken, envelope: Envelope, outcome: Outcome, busy_ms: float
+    ) -> Charge | None:
+        """What this call is charged (:mod:`broker.usage`); an accepted call is charged when
+        its callback settles it."""
+        if isinstance(outcome, Accepted):
+            return None
+        usage = getattr(outcome, "usage", None)
+        if usage is None and isinstance(outcome, Succeeded):
+            usage = usage_in_result(outcome.result)
+        return charge(
+            self.card.agent_id,
+            envelope.capability,
+            envelope.tenant,
+            attempt=taken.attempt,
+            answered=_ANSWERED.get(type(outcome)),
+            busy_ms=busy_ms,
+            usage=usage,
+            ms=now_ms(),
+        )
 
     async def _deliver(self, taken: Taken, envelope: Envelope) -> Outcome:
         """The transport's outcome; a transport that raises instead of answering is a
@@ -312,6 +337,7 @@ class Runner:
         outcome: Outcome,
         signal: Signal | None = None,
         counts: tuple[str, ...] = (),
+        bill: Charge | None = None,
     ) -> Action:
         """Carry out what the recovery policy says ``outcome`` means (``signal``: what it
         stands for, when it came from a status answer), counting ``counts`` with the move
@@ -323,35 +349,50 @@ class Runner:
         retry = (*counts, metric_fields.retry(envelope.capability, signal.name.lower()))
         match action:
             case Action.ASK_STATUS:
-                return await self._ask_status(taken, envelope, reason, counts)
+                return await self._ask_status(taken, envelope, reason, counts, bill)
             case Action.AWAIT_CALLBACK if isinstance(outcome, Accepted) and self.desk:
                 await self.desk.await_callback(taken, outcome.task_id)
                 await self.conn.run_all(count_commands(self.conn, *counts))
             case Action.SUCCEED if isinstance(outcome, Succeeded):
                 self.finisher.settle(
-                    taken, envelope, Stage.SUCCEEDED, "", result=outcome.result, counts=counts
+                    taken,
+                    envelope,
+                    Stage.SUCCEEDED,
+                    "",
+                    result=outcome.result,
+                    counts=counts,
+                    bill=bill,
                 )
             case Action.FAIL:
                 self.finisher.settle(
-                    taken, envelope, Stage.FAILED, reason, error=reason, counts=counts
+                    taken, envelope, Stage.FAILED, reason, error=reason, counts=counts, bill=bill
                 )
             case Action.REQUEUE:  # it did not take the work: no failure, no back-off
-                await self.finisher.requeue(taken, envelope, reason, back_off=False, counts=retry)
+                await self.finisher.requeue(
+                    taken, envelope, reason, back_off=False, counts=retry, bill=bill
+                )
             case Action.RETRY:
-                await self.finisher.requeue(taken, envelope, reason, back_off=True, counts=retry)
+                await self.finisher.requeue(
+                    taken, envelope, reason, back_off=True, counts=retry, bill=bill
+                )
             case Action.PARK:
                 self.finisher.settle(
-                    taken, envelope, Stage.NEEDS_CONFIRMATION, reason, counts=counts
+                    taken, envelope, Stage.NEEDS_CONFIRMATION, reason, counts=counts, bill=bill
                 )
             case Action.GIVE_UP:  # out of attempts
                 error = f"gave up after {taken.attempt} attempts: {reason}"
-                await self.finisher.dead(taken, envelope, error, counts)
+                await self.finisher.dead(taken, envelope, error, counts, bill)
             case _:  # a defect: counted against the entry like any other (guarded)
                 raise RuntimeError(f"{action} for {type(outcome).__name__}: not for a sidecar")
         return action
 
     async def _ask_status(
-        self, taken: Taken, envelope: Envelope, reason: str, counts: tuple[str, ...]
+        self,
+        taken: Taken,
+        envelope: Envelope,
+        reason: str,
+        counts: tuple[str, ...],
+        bill: Charge | None,
     ) -> Action:
         """No answer in time: before guessing, ask the agent what became of the message."""
         status = await self.status.query(self.card.status_url, taken.message_id)
@@ -366,4 +407,4 @@ class Runner:
             outcome = Failed(status.error or why)
         else:
             outcome = Ambiguous(why)
-        return await self.record(taken, envelope, outcome, signal, counts)
+        return await self.record(taken, envelope, outcome, signal, counts, bill)

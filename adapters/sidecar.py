@@ -78,6 +78,7 @@ class Sidecar:
                 finisher=self.finisher,
                 vitals=self.vitals,
                 bind=(callback_host, callback_port, callback_public_url),
+                agent_id=card.agent_id,
             )
             if wants_callbacks
             else None

@@ -51,7 +51,7 @@ from .acl_commands import (
     TELL_COMMANDS,
 )
 from .envelope import MESSAGE_ID_PATTERN
-from .keyspace import Keyspace, due_sets, ingress_streams, outboxes
+from .keyspace import FleetKeys, Keyspace, due_sets, ingress_streams, outboxes
 
 ROLES = ("producer", "sidecar", "broker", "operator-read", "operator")
 REDIS_VERSIONS = ("6.2", "7")
@@ -207,6 +207,7 @@ def sidecar(keys: Keyspace, version: str, agent: str) -> User:
         keys.registry_channel,
     )
     records = [keys.record("*"), keys.timeline("*"), keys.outcomes("*"), f"{keys.counters}*"]
+    records.append(FleetKeys(keys.prefix).usage("*"))  # charged with an attempt's outcome
     root = Grant((*CONNECT, "script|load", *RECORD_COMMANDS), _rw(records))
     selectors = (
         Grant(INSTANCE_COMMANDS, _rw(own), channels),

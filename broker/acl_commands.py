@@ -37,6 +37,9 @@ RECORD_COMMANDS = (
     "persist",
     # the counters, in the same scripts (lua/count.lua: HINCRBY; HLEN and HDEL past the cap)
     "hincrby",
+    # an attempt's usage, charged in the script that records it (lua/transition.lua)
+    "hincrbyfloat",
+    "hexists",
 )
 # a sidecar's own card, work stream, in-flight set and callback key (heartbeat.lua,
 # release.lua, registering, draining, trimming its stream)
@@ -83,6 +86,7 @@ BROKER_COMMANDS = (
     "hget",
     "hgetall",
     "hincrby",
+    "hincrbyfloat",
     "hlen",
     "hmget",
     "hset",

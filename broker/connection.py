@@ -26,11 +26,12 @@ from .cluster_pipeliner import ClusterPipeliner
 from .cluster_setup import detect, preload, without_db
 from .config import Settings
 from .errors import RedisReplyError, RedisUnavailable
-from .keyspace import Keyspace
+from .keyspace import FleetKeys, Keyspace
 from .metric_fields import Counting, capped, counter_keys
 from .pipeliner import Pipeliner
 from .resp import RespConnection, describe, parse_redis_url
 from .scripts import Script, ScriptName, load_scripts
+from .slots import SLOTS, key_slot, slot_tag
 from .streams import GroupReader
 
 log = logging.getLogger("agent_reach.connection")
@@ -51,6 +52,7 @@ class Connection:
     settings: Settings
     url: str
     _counting: Counting = field(init=False)
+    fleet: FleetKeys = field(init=False)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -59,6 +61,7 @@ class Connection:
             s.metrics_max_series,
             per_slot=self.cluster,
         )
+        self.fleet = FleetKeys(self.keys.prefix)
 
     @property
     def cluster(self) -> bool:
@@ -91,6 +94,15 @@ class Connection:
                     total[raw[i]] = total.get(raw[i], 0) + int(value)
         total = capped(total, self.settings.metrics_max_series)
         return {name: str(n).encode() for name, n in total.items()}
+
+    def per_slot(self, key: str, near: str) -> str:
+        """``key`` as a script on ``near``'s slot may write it: on a cluster the copy tagged
+        with that slot (:func:`every_slot` lists them all for a reader), else ``key``."""
+        return f"{key}:{{{slot_tag(key_slot(near))}}}" if self.cluster else key
+
+    def every_slot(self, key: str) -> list[str]:
+        """Every copy of a per-slot ``key`` (:meth:`per_slot`)."""
+        return [f"{key}:{{{slot_tag(s)}}}" for s in range(SLOTS)] if self.cluster else [key]
 
     async def call(self, *command: Any) -> Any:
         """One command through the pipeliner (raw RESP reply); failures raise

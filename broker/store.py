@@ -26,6 +26,7 @@ from .records import Accepted, MessageRecord, Moved, TimelineEntry
 from .scripts import ScriptName
 from .stages import TERMINAL, Stage, sources_for
 from .timekeeping import now_ms
+from .usage import Charge, utc_day, utc_month
 from .waiting_sets import WaitingSets
 
 __all__ = ["Acceptance", "MessageStore", "Move", "accept_command", "move_command", "now_ms"]
@@ -71,6 +72,8 @@ class Move(msgspec.Struct):
     any_of: frozenset[Stage] | None = None
     # counter fields counted if the move is made (broker/metric_fields.py: a retry, a call)
     counts: tuple[str, ...] = ()
+    # the attempt's usage, charged to its day if the move is made (broker/usage.py)
+    charge: Charge | None = None
 
 
 def accept_command(conn: Connection, a: Acceptance) -> tuple[Any, ...]:
@@ -127,11 +130,30 @@ def move_command(conn: Connection, m: Move) -> tuple[Any, ...]:
         len(m.counts),
         *m.counts,
     ]
+    record = conn.keys.record(m.message_id)
+    keys: tuple[str, ...] = (record, conn.keys.timeline(m.message_id), *counting.keys(record))
+    if m.charge is None:
+        args.append("")
+    else:
+        keys += usage_keys(conn, m.charge.ms, record)
+        args += charge_args(conn, m.charge)
     for key, value in (m.fields or {}).items():
         args += [key, value]
-    record = conn.keys.record(m.message_id)
-    keys = (record, conn.keys.timeline(m.message_id), *counting.keys(record))
     return conn.script_command(ScriptName.TRANSITION, keys, args)
+
+
+def usage_keys(conn: Connection, ms: int, near: str) -> tuple[str, str]:
+    """The day's and the month's usage hashes a script on ``near``'s slot charges."""
+    day, month = conn.fleet.usage(utc_day(ms)), conn.fleet.usage(utc_month(ms))
+    return (conn.per_slot(day, near), conn.per_slot(month, near))
+
+
+def charge_args(conn: Connection, c: Charge) -> list[Any]:
+    s = conn.settings
+    keep_s = max(s.usage_keep_days, 32) * 86400
+    figures = [item for pair in c.figures.items() for item in (pair[0], repr(float(pair[1])))]
+    cap = s.metrics_max_series * 4  # each combination is a few fields
+    return [c.combination, cap, keep_s, c.tenant, repr(c.spend), len(c.figures), *figures]
 
 
 class MessageStore:

@@ -32,6 +32,8 @@ from broker.registry import Registry
 from broker.routing import factors
 from broker.stats import BacklogStats, backlog_stats
 from broker.timekeeping import now_ms
+from broker.usage import FIGURES, by_combination, utc_day
+from broker.usage_reader import day_hashes
 
 from .routing_table import routing_policy
 
@@ -63,6 +65,7 @@ async def cluster_families(conn: Connection) -> list[Metric]:
     families = list(_counter_families(counters))
     families += _waiting_families(stats)
     families += _instance_families(conn, views)
+    families += _usage_families(by_combination(await day_hashes(conn, [utc_day(now_ms())])))
     entries = dlq if isinstance(dlq, int) else 0
     families.append(
         GaugeMetricFamily("agent_reach_dlq_entries", "Entries on the dead-letter stream", entries)
@@ -86,6 +89,24 @@ def _counter_families(counters: dict[bytes, bytes]) -> Iterator[Metric]:
         for labels, value in sorted(samples.items()):
             family.add_metric(list(labels), value)
         yield family
+
+
+def _usage_families(today: dict[tuple[str, str, str], dict[str, float]]) -> list[Metric]:
+    """Today's usage (UTC), per agent, capability and tenant (``agent-reach usage``)."""
+    labels = ("agent", "capability", "tenant")
+    families = []
+    for figure in FIGURES:
+        scale = 1000.0 if figure == "busy_ms" else 1.0
+        name = "busy_seconds" if figure == "busy_ms" else figure
+        family = GaugeMetricFamily(
+            f"agent_reach_usage_{name}_today",
+            f"Agent calls' {name.replace('_', ' ')} today (UTC), as charged per attempt",
+            labels=labels,
+        )
+        for combination, figures in sorted(today.items()):
+            family.add_metric(list(combination), figures[figure] / scale)
+        families.append(family)
+    return families
 
 
 def _waiting_families(stats: BacklogStats) -> list[Metric]:

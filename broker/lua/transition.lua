@@ -3,6 +3,8 @@
 -- KEYS[1]  record    P:m:{id}   (hash)
 -- KEYS[2]  timeline  P:t:{id}   (list of JSON [ts, stage, instance, attempt, reason])
 -- KEYS[3]  counters  P:counters (hash, lua/count.lua), or absent: nothing counted
+-- KEYS[-2], KEYS[-1]  with a charge (below): the usage of its UTC day and of its month
+--          (P:usage:<day>, P:usage:<month>; broker/usage.py), the last two keys
 -- ARGV[1]  allowed source stages, comma-separated (from broker/stages.py)
 -- ARGV[2]  expected attempt, or "" for any
 -- ARGV[3]  expected instance, or "" for any
@@ -19,13 +21,28 @@
 -- ARGV[13] the counters' cap (distinct fields)
 -- ARGV[14] n: how many counter fields follow, counted on success
 -- ARGV[15..14+n] those fields (a retry, an agent call: broker/metric_fields.py)
--- ARGV[15+n..] field, value pairs to write on success; moving to a terminal stage also counts
---          "finished\t<capability>\t<stage>"
+-- ARGV[15+n] a charge's combination "agent\tcapability\ttenant", or "" for no charge; with one:
+--          [16+n] the day hash's cap (fields), [17+n] seconds to keep the usage hashes,
+--          [18+n] the tenant, [19+n] its spending (cost), [20+n] m, then m figure, amount pairs
+--          (HINCRBYFLOAT into "<combination>\t<figure>"); a new combination past the cap is
+--          charged as "~other\t~other\t~other"
+-- ARGV[after them..] field, value pairs to write on success; moving to a terminal stage also
+--          counts "finished\t<capability>\t<stage>"
 --
 -- Returns {1, stage, attempt, instance, returned_field, accepted_ms} on success,
 --         {0, stage, attempt, instance} when the record is not in an allowed state,
 --         {-1} when there is no record.
 local rec = KEYS[1]
+local n = tonumber(ARGV[14])
+local charged = ARGV[15 + n] ~= ''
+local counters = KEYS[3]
+if charged and #KEYS == 4 then
+  counters = nil  -- KEYS[3] and KEYS[4] are the usage hashes
+end
+local fields_at = 16 + n
+if charged then
+  fields_at = 21 + n + 2 * tonumber(ARGV[20 + n])
+end
 local cur = redis.call('HMGET', rec, 'stage', 'attempt', 'instance', ARGV[11], 'capability',
                        'accepted_ms')
 if not cur[1] then
@@ -45,19 +62,36 @@ elseif ARGV[5] ~= '' then
 end
 local new_instance = ARGV[6] ~= '' and ARGV[6] or instance
 redis.call('HSET', rec, 'stage', ARGV[4], 'attempt', new_attempt, 'instance', new_instance,
-           'updated_ms', ARGV[7], unpack(ARGV, 15 + tonumber(ARGV[14])))
+           'updated_ms', ARGV[7], unpack(ARGV, fields_at))
 -- A list, not a stream: a stream preallocates a whole node (4 KB) for its first entry.
 redis.call('RPUSH', KEYS[2], cjson.encode({ARGV[7], ARGV[4], new_instance, new_attempt, ARGV[8]}))
 redis.call('LTRIM', KEYS[2], -tonumber(ARGV[9]), -1)
 -- a level, not a count: e.g. the messages now waiting for an operator
-if KEYS[3] and (stage == ARGV[12]) ~= (ARGV[4] == ARGV[12]) then
-  redis.call('HINCRBY', KEYS[3], 'level\t' .. ARGV[12], ARGV[4] == ARGV[12] and 1 or -1)
+if counters and (stage == ARGV[12]) ~= (ARGV[4] == ARGV[12]) then
+  redis.call('HINCRBY', counters, 'level\t' .. ARGV[12], ARGV[4] == ARGV[12] and 1 or -1)
 end
-for i = 15, 14 + tonumber(ARGV[14]) do
-  count_in(KEYS[3], ARGV[13], ARGV[i])
+for i = 15, 14 + n do
+  count_in(counters, ARGV[13], ARGV[i])
+end
+if charged then
+  local day, month = KEYS[#KEYS - 1], KEYS[#KEYS]
+  local combo, tenant = ARGV[15 + n], ARGV[18 + n]
+  if redis.call('HEXISTS', day, combo .. '\trequests') == 0
+     and redis.call('HLEN', day) >= tonumber(ARGV[16 + n]) then
+    combo, tenant = '~other\t~other\t~other', '~other'
+  end
+  for i = 21 + n, 19 + n + 2 * tonumber(ARGV[20 + n]), 2 do
+    redis.call('HINCRBYFLOAT', day, combo .. '\t' .. ARGV[i], ARGV[i + 1])
+  end
+  if tonumber(ARGV[19 + n]) > 0 then
+    redis.call('HINCRBYFLOAT', day, 'spend\t' .. tenant, ARGV[19 + n])
+    redis.call('HINCRBYFLOAT', month, 'spend\t' .. tenant, ARGV[19 + n])
+  end
+  redis.call('EXPIRE', day, ARGV[17 + n])
+  redis.call('EXPIRE', month, ARGV[17 + n])
 end
 if ARGV[10] ~= '' then
-  count_in(KEYS[3], ARGV[13], 'finished\t' .. (cur[5] or '') .. '\t' .. ARGV[4])
+  count_in(counters, ARGV[13], 'finished\t' .. (cur[5] or '') .. '\t' .. ARGV[4])
   redis.call('EXPIRE', rec, ARGV[10])
   redis.call('EXPIRE', KEYS[2], ARGV[10])
 elseif redis.call('PERSIST', rec) == 1 then

@@ -23,6 +23,7 @@ PURE = [
     "acl_commands",
     "config",
     "governance",
+    "usage",
     "events",
     "records",
     "errors",

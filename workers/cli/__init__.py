@@ -16,6 +16,7 @@ from .repair import cancel, dlq, replay, resolve, stuck
 from .send import request, send
 from .sidecar import sidecar
 from .top import top
+from .usage import usage
 
 __all__ = ["main"]
 
@@ -55,5 +56,6 @@ for command in (
     dlq,
     cancel,
     acl,
+    usage,
 ):
     main.add_command(command)

@@ -1,0 +1,193 @@
+"""Usage and cost accounting on a real Redis, with real HTTP agents: what agents report is
+charged per attempt in the script that records the attempt, per agent, capability and tenant
+of the UTC day, and read back by ``agent-reach usage``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+import msgspec
+from click.testing import CliRunner, Result
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from broker.client import Client
+from broker.config import Settings
+from broker.connection import Connection, open_connection
+from broker.stages import Stage
+from broker.store import Acceptance, MessageStore, Move
+from broker.timekeeping import now_ms
+from broker.usage import Usage, charge, utc_day
+from broker.usage_reader import day_hashes, tenant_spending, usage_totals
+from tests.support.agents import http_agent
+from tests.support.harness import running_dispatcher, running_sidecar
+from workers.cli import main
+from workers.metrics_page import cluster_families
+
+
+async def cli(*args: str) -> Result:
+    return await anyio.to_thread.run_sync(lambda: CliRunner().invoke(main, list(args)))
+
+
+def _acceptance(message_id: str) -> Acceptance:
+    return Acceptance(
+        message_id=message_id,
+        envelope_json=b"{}",
+        capability="text.echo",
+        deadline_ms=now_ms() + 60_000,
+        reply_to="",
+        priority=0,
+        next_stage=Stage.ROUTED,
+        accepted_ms=now_ms(),
+        instance="a-1",
+    )
+
+
+def _bill(tenant: str | None, attempt: int = 1, cost: float = 0.25) -> Any:
+    return charge(
+        "a",
+        "text.echo",
+        tenant,
+        attempt=attempt,
+        answered=True,
+        busy_ms=12.4,
+        usage=Usage(input_tokens=100, output_tokens=20, cost=cost),
+        ms=now_ms(),
+    )
+
+
+async def test_a_charge_is_written_once_with_the_move_that_records_it(conn: Connection) -> None:
+    store = MessageStore(conn)
+    await store.accept(_acceptance("u1"))
+    await store.move("u1", Stage.RECEIVED)
+    await store.move("u1", Stage.PROCESSING)
+    done = Move("u1", Stage.SUCCEEDED, only_from=Stage.PROCESSING, charge=_bill("team-a"))
+    assert (await store.apply(done)).ok
+    assert not (await store.apply(done)).ok  # a repeat moves nothing and charges nothing
+    [row] = await usage_totals(conn, "tenant", 1, now_ms())
+    assert row.name == "team-a"
+    assert row.as_json() == {
+        "name": "team-a",
+        "requests": 1,
+        "succeeded": 1,
+        "failed": 0,
+        "retried": 0,
+        "busy_ms": 12,
+        "reported": 1,
+        "input_tokens": 100,
+        "output_tokens": 20,
+        "cost": 0.25,
+    }
+    day, month = await tenant_spending(conn, now_ms())
+    assert day == month == {"team-a": 0.25}
+
+
+async def test_new_combinations_past_the_cap_are_charged_as_other(settings: Settings) -> None:
+    capped = msgspec.structs.replace(settings, metrics_max_series=10)  # 40 usage fields
+    assert capped.redis_url is not None
+    async with open_connection(capped, capped.redis_url) as conn:
+        store = MessageStore(conn)
+        for i in range(30):  # a producer naming a new tenant each time
+            await store.accept(_acceptance(f"c{i}"))
+            move = Move(f"c{i}", Stage.CANCELLED, charge=_bill(f"t{i}", cost=1.0))
+            assert (await store.apply(move)).ok
+        [found] = await day_hashes(conn, [utc_day(now_ms())])
+        assert len(found) <= 40 + 8  # the cap, and one "~other" combination's fields
+        rows = {row.name: row for row in await usage_totals(conn, "tenant", 1, now_ms())}
+        assert sum(row.figures["requests"] for row in rows.values()) == 30
+        assert rows["~other"].figures["requests"] > 0
+        day, _ = await tenant_spending(conn, now_ms())
+        assert sum(day.values()) == 30.0
+
+
+async def _reporting_agent(envelope: dict[str, Any], request: Request) -> Response:
+    payload = envelope.get("payload") or {}
+    if payload.get("how") == "headers":
+        headers = {"X-Reach-Usage": "input_tokens=7, output_tokens=3", "X-Reach-Cost": "0.5"}
+        return JSONResponse({"ok": True}, headers=headers)
+    if payload.get("how") == "garbage":
+        headers = {"X-Reach-Usage": "{not json", "X-Reach-Cost": "-3"}
+        return JSONResponse({"usage": {"input_tokens": "many", "cost": 1e300}}, headers=headers)
+    if payload.get("how") == "fail":
+        return JSONResponse({"error": "boom"}, status_code=500, headers={"X-Reach-Cost": "0.125"})
+    usage = {"input_tokens": 40, "output_tokens": 60, "cost": 0.25}
+    return JSONResponse({"answer": 42, "usage": usage})
+
+
+async def test_agents_report_usage_in_the_body_and_headers(conn: Connection) -> None:
+    async with (
+        http_agent("billing", behaviour=_reporting_agent) as agent,
+        running_dispatcher(conn),
+        running_sidecar(conn, "bill-1", ("text.echo",), url=agent.url),
+        Client(conn) as client,
+    ):
+        body = await client.request("text.echo", {"how": "body"}, tenant="team-a")
+        heads = await client.request("text.echo", {"how": "headers"}, tenant="team-a")
+        junk = await client.request("text.echo", {"how": "garbage"}, tenant="team-b")
+        failed = await client.request("text.echo", {"how": "fail"}, max_attempts=1)
+    assert body.ok and heads.ok and junk.ok and not failed.ok
+    record = await MessageStore(conn).get_record(body.id)
+    assert record is not None
+    stored = await conn.call("HGET", conn.keys.record(body.id), "usage:1")
+    assert json.loads(stored) == {"input_tokens": 40, "output_tokens": 60, "cost": 0.25}
+    timeline = await MessageStore(conn).get_timeline(body.id)
+    assert any("usage in=40 out=60 cost=0.25" in entry.reason for entry in timeline)
+    assert await conn.call("HGET", conn.keys.record(junk.id), "usage:1") is None
+
+    by_tenant = {r.name: r.as_json() for r in await usage_totals(conn, "tenant", 1, now_ms())}
+    assert by_tenant["team-a"]["requests"] == 2
+    assert by_tenant["team-a"]["input_tokens"] == 47
+    assert by_tenant["team-a"]["output_tokens"] == 63
+    assert by_tenant["team-a"]["cost"] == 0.75
+    assert by_tenant["team-b"] == {**by_tenant["team-b"], "requests": 1, "cost": 0, "reported": 0}
+    assert by_tenant["-"]["failed"] == 1 and by_tenant["-"]["cost"] == 0.125
+    [by_agent] = await usage_totals(conn, "agent", 1, now_ms())
+    assert (by_agent.name, by_agent.figures["requests"]) == ("bill", 4)
+    assert by_agent.figures["busy_ms"] >= 0
+
+    families = {f.name: f for f in await cluster_families(conn)}
+    cost = {
+        tuple(s.labels.values()): s.value for s in families["agent_reach_usage_cost_today"].samples
+    }
+    assert cost[("bill", "text.echo", "team-a")] == 0.75
+
+
+async def test_a_retried_message_is_charged_per_attempt_and_says_so(conn: Connection) -> None:
+    calls = {"n": 0}
+
+    async def flaky(envelope: dict[str, Any], request: Request) -> Response:
+        calls["n"] += 1
+        usage = {"input_tokens": 10, "output_tokens": 1, "cost": 0.01}
+        if calls["n"] == 1:
+            return JSONResponse({"error": "try later", "usage": usage}, status_code=503)
+        return JSONResponse({"done": True, "usage": usage})
+
+    async with (
+        http_agent("retry", behaviour=flaky) as agent,
+        running_dispatcher(conn),
+        running_sidecar(conn, "retry-1", ("text.echo",), url=agent.url, idempotent=True),
+        running_sidecar(conn, "retry-2", ("text.echo",), url=agent.url, idempotent=True),
+        Client(conn) as client,
+    ):
+        result = await client.request("text.echo", {}, tenant="t-retry", max_attempts=3, timeout=10)
+    assert result.ok and calls["n"] == 2
+    [row] = await usage_totals(conn, "capability", 1, now_ms())
+    figures = row.as_json()
+    assert (figures["requests"], figures["failed"], figures["succeeded"]) == (2, 1, 1)
+    assert figures["retried"] == 1
+    assert figures["output_tokens"] == 1  # the 503 is no answer: only the second call reported
+
+    printed = await cli(
+        "usage", "--by", "tenant", "--redis", conn.url, "--prefix", conn.keys.prefix
+    )
+    assert printed.exit_code == 0, printed.output
+    assert "t-retry" in printed.output and "were retries" in printed.output
+    as_json = await cli(
+        "usage", "--json", "--since", "7d", "--redis", conn.url, "--prefix", conn.keys.prefix
+    )
+    document = json.loads(as_json.output)
+    assert document["days"] == 7 and document["rows"][0]["name"] == "retry"
+    bad = await cli("usage", "--since", "forever", "--redis", conn.url)
+    assert bad.exit_code == 2 and "a span like 7d" in bad.output
