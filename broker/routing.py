@@ -371,7 +371,9 @@ def _choose(
     best = max([score for _, score in scored])
     floor = (1.0 - policy.top_ratio) * best
     top = [(c, score) for c, score in scored if score >= floor]
-    if request.budget is not None:
+    if request.cheapest:
+        top = scored
+    if request.budget is not None or request.cheapest:
         cheapest = min(c.cost for c, _ in top)
         top = [(c, score) for c, score in top if c.cost == cheapest]
     weights = [score * c.weight for c, score in top]
@@ -384,6 +386,10 @@ def _choose(
     steps.append(Step("choose", len(top)))
     f = _explain_chosen(chosen, score, inflight, policy)
     reason = f"weighted random among top {len(top)} of {len(scored)} (reach {f.reach:.3f})"
+    if request.cheapest:
+        reason = (
+            f"cheapest of {len(scored)} (cost {chosen.cost:g}, over budget; reach {f.reach:.3f})"
+        )
     return Decision(Outcome.ROUTED, chosen.view, reason, steps, f)
 
 

@@ -41,6 +41,9 @@ class RouteRequest:
     session_instance: str | None = None
     budget: float | None = None
     avoid: str | None = None  # an instance that just failed this message: elsewhere if possible
+    # the tenant is over its budget and budget_mode is "cheapest": the cheapest capable
+    # instance of all that pass the funnel, not only of the top group
+    cheapest: bool = False
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ from broker.broadcast import (
     members,
     no_members_reason,
 )
+from broker.budgets import Overrun
 from broker.connection import Connection
 from broker.deadletters import Letter
 from broker.due_clock import due_at_most_command, due_command
@@ -39,6 +40,7 @@ from broker.timekeeping import now_ms
 from broker.waiting_sets import park_commands
 
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
+from .budget_watch import BudgetWatch
 from .intake import Intake
 from .routing_table import RoutingTable
 from .waiting import WaitingRoom
@@ -92,12 +94,15 @@ class Admission:
         self.waiting = waiting
         self.intake = intake
         self.on_parked = on_parked
+        self.budgets = BudgetWatch(conn)
+        self._overruns: dict[str, Overrun] = {}
 
     async def admit(self, envelopes: list[Envelope]) -> list[Routed]:
         """Route each envelope and create its record, ROUTED or WAITING (a broadcast: the
         parent FANNED_OUT, then its children): one round trip for the records, one more for
         every child of the batch's broadcasts (plus one for the sessions the batch names)."""
         now = now_ms()
+        await self.budgets.refresh(now)
         sessions = await bound_instances(
             self.store.conn, sorted({e.session_id for e in envelopes if e.session_id})
         )
@@ -126,7 +131,10 @@ class Admission:
             self.waiting.note_waiting(parked)
             self.on_parked(parked)  # at once if credits are free: behind earlier work
         for envelope, reason in admitted.rejected:
-            await self._reject_broadcast(envelope, reason)
+            await self._tell_rejected(envelope, reason)
+        overruns, self._overruns = self._overruns, {}
+        for found in overruns.values():
+            await self.budgets.announce(found)
         return admitted.routed
 
     async def _admit(self, plans: list[Plan], admitted: Admitted, now: int) -> None:
@@ -171,13 +179,23 @@ class Admission:
     ) -> Plan:
         if deadline_ms is None:
             deadline_ms = now + int(envelope.timeout_s * 1000)
+        over = self.budgets.verdict(envelope.tenant) if envelope.parent is None else None
+        if over is not None:
+            self._overruns[over.tenant] = over
+            if self.settings.budget_mode == "reject":
+                rejected = {"reply_pending": "1", "route_reason": over.reason}
+                stage = Stage.REJECTED
+                return Plan(
+                    _acceptance(envelope, now, deadline_ms, stage, over.reason, rejected), envelope
+                )
         if envelope.mode == "broadcast":
             return self._plan_broadcast(envelope, now, deadline_ms)
-        if envelope.capability in self.waiting.backlogged:
+        if envelope.capability in self.waiting.backlogged and over is None:
             decision: Decision | None = None  # earlier work waits: this one queues behind it
             instance = None
         else:
-            decision = self.table.decide(route_request(envelope, sessions), now_ms=now)
+            request = route_request(envelope, sessions, cheapest=over is not None)
+            decision = self.table.decide(request, now_ms=now)
             instance = routed_instance(decision)
         if instance and envelope.session_id:
             sessions[envelope.session_id] = instance  # later messages of the batch follow it
@@ -282,12 +300,13 @@ class Admission:
             children = decode_children(raw or b"[]")
             admitted.fan_outs.append((load_envelope(parent.envelope), children, parent.deadline_ms))
         for r in records:
-            if r.stage is Stage.REJECTED and r.reply_pending:  # a broadcast nobody could take
-                await self._reject_broadcast(load_envelope(r.envelope), r.error or "")
+            if r.stage is Stage.REJECTED and r.reply_pending:  # rejected at admission
+                await self._tell_rejected(load_envelope(r.envelope), r.error or "")
 
-    async def _reject_broadcast(self, envelope: Envelope, reason: str) -> None:
-        """A broadcast no instance could take: dead-lettered like every REJECTED envelope, its
-        producer told (reply and webhook), then the record's ``reply_pending`` cleared."""
+    async def _tell_rejected(self, envelope: Envelope, reason: str) -> None:
+        """A broadcast no instance could take, or a tenant over its budget: dead-lettered like
+        every REJECTED envelope, its producer told (reply and webhook), then the record's
+        ``reply_pending`` cleared."""
         message_id = envelope.message_id
         # Shielded: a dispatcher being stopped finishes telling; only a kill leaves it (the
         # ingress entry is still pending then: handled again, _repair tells).
@@ -303,7 +322,7 @@ class Admission:
             )
             await self.store.delivery.deliver(envelope, Stage.REJECTED, None, reason, attempt=0)
             await self.conn.call("HDEL", self.keys.record(message_id), "reply_pending")
-        log.info("broadcast %s rejected: %s", message_id, reason)
+        log.info("%s rejected: %s", message_id, reason)
 
 
 def _acceptance(

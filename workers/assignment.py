@@ -40,7 +40,9 @@ class Routed:
     accepted_ms: int
 
 
-def route_request(envelope: Envelope, sessions: dict[str, str], *, avoid: str = "") -> RouteRequest:
+def route_request(
+    envelope: Envelope, sessions: dict[str, str], *, avoid: str = "", cheapest: bool = False
+) -> RouteRequest:
     return RouteRequest(
         capability=envelope.capability,
         tags=envelope.tags,
@@ -48,6 +50,7 @@ def route_request(envelope: Envelope, sessions: dict[str, str], *, avoid: str = 
         session_instance=sessions.get(envelope.session_id) if envelope.session_id else None,
         budget=envelope.budget_per_task,
         avoid=avoid or None,
+        cheapest=cheapest,
     )
 
 

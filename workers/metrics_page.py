@@ -94,7 +94,7 @@ def _counter_families(counters: dict[bytes, bytes]) -> Iterator[Metric]:
 def _usage_families(today: dict[tuple[str, str, str], dict[str, float]]) -> list[Metric]:
     """Today's usage (UTC), per agent, capability and tenant (``agent-reach usage``)."""
     labels = ("agent", "capability", "tenant")
-    families = []
+    families: list[Metric] = []
     for figure in FIGURES:
         scale = 1000.0 if figure == "busy_ms" else 1.0
         name = "busy_seconds" if figure == "busy_ms" else figure

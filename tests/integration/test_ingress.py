@@ -67,7 +67,7 @@ async def test_raw_redis_cli_xadd_without_id_is_processed(
 
 BAD = [
     (b'{"capability": "text.echo", "payload": ', "invalid JSON"),
-    (b'{"payload": {"x": 1}}', "missing required field `capability`"),
+    (b'{"payload": {"x": 1}}', "a capability (or an intent) is required"),
     (b'{"capability": "TextEcho"}', "capability must be lower-case, dot-separated"),
 ]
 

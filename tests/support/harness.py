@@ -60,8 +60,12 @@ def card(
     idempotent: bool = False,
     endpoint: str = "",
     status_url: str = "",
+    cost: float = 0.0,
+    weight: float = 1.0,
 ) -> InstanceCard:
     return InstanceCard(
+        cost=cost,
+        weight=weight,
         agent_id=instance_id.split("-")[0],
         instance_id=instance_id,
         capabilities=capabilities,
@@ -85,6 +89,8 @@ async def running_sidecar(
     adaptive_credits: bool = True,
     status_url: str = "",
     callback_port: int = 0,
+    cost: float = 0.0,
+    weight: float = 1.0,
 ) -> AsyncIterator[Sidecar]:
     if transport is None:
         assert url is not None
@@ -100,6 +106,8 @@ async def running_sidecar(
             idempotent=idempotent,
             endpoint=url or "python",
             status_url=status_url,
+            cost=cost,
+            weight=weight,
         ),
         transport,
         grace_s=5.0,

@@ -24,6 +24,7 @@ PURE = [
     "config",
     "governance",
     "usage",
+    "budgets",
     "events",
     "records",
     "errors",

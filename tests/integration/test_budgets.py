@@ -1,0 +1,113 @@
+"""Tenant budgets on a real Redis with real HTTP agents: a tenant over its budget is REJECTED
+``budget_exhausted`` (or, with ``budget_mode = "cheapest"``, routed to the cheapest capable
+instance), and one ``budget.exceeded`` event says so."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from broker.client import Client
+from broker.config import Settings
+from broker.connection import Connection
+from broker.governance import TenantBudget
+from broker.stages import Stage
+from broker.timekeeping import now_ms
+from broker.usage_reader import tenant_spending
+from tests.support.agents import http_agent
+from tests.support.harness import connected, dead_letters, running_dispatcher, running_sidecar
+
+
+async def _costly(envelope: dict[str, Any], request: Request) -> Response:
+    return JSONResponse({"done": True, "usage": {"cost": 0.3}})
+
+
+@asynccontextmanager
+async def governed(settings: Settings, mode: str) -> AsyncIterator[Connection]:
+    budgets = {"team-a": TenantBudget(daily=0.5), "team-m": TenantBudget(monthly=100.0)}
+    changed = msgspec.structs.replace(
+        settings, budgets=budgets, budget_mode=mode, budget_refresh_s=0.01
+    )
+    async with connected(changed) as conn:
+        yield conn
+
+
+async def past_the_refresh(conn: Connection) -> None:
+    """The spending is charged before the answer is sent; a dispatcher's view of it may be
+    ``budget_refresh_s`` old (a brake, not an invoice): let that window pass."""
+    spent, _ = await tenant_spending(conn, now_ms())
+    assert spent["team-a"] >= 0.5
+    await anyio.sleep(conn.settings.budget_refresh_s * 3)
+
+
+async def _events(conn: Connection, kind: str) -> list[dict[bytes, bytes]]:
+    entries = await conn.call("XRANGE", conn.fleet.events, "-", "+")
+    found = [dict(zip(flat[::2], flat[1::2], strict=True)) for _, flat in entries]
+    return [e for e in found if e[b"type"] == kind.encode()]
+
+
+async def test_a_tenant_over_its_daily_budget_is_rejected(settings: Settings) -> None:
+    async with (
+        governed(settings, "reject") as conn,
+        http_agent("dear", behaviour=_costly) as agent,
+        running_dispatcher(conn),
+        running_sidecar(conn, "dear-1", ("text.echo",), url=agent.url),
+        Client(conn) as client,
+    ):
+        first = await client.request("text.echo", 1, tenant="team-a")
+        second = await client.request("text.echo", 2, tenant="team-a")
+        assert first.ok and second.ok  # 0.3, then 0.6: over the 0.5 only after the second
+        await past_the_refresh(conn)
+        refused = [await client.request("text.echo", n, tenant="team-a") for n in range(3)]
+        other = await client.request("text.echo", 3, tenant="team-m")
+        untenanted = await client.request("text.echo", 4)
+        events = await _events(conn, "budget.exceeded")
+        letters = await dead_letters(conn)
+    for result in refused:
+        assert result.stage is Stage.REJECTED
+        assert result.error is not None and result.error.startswith("budget_exhausted")
+        assert "0.6 of its daily budget 0.5" in result.error
+    assert other.ok and untenanted.ok
+    assert agent.log.total == 4
+    [event] = events
+    assert event[b"subject"] == b"team-a"
+    assert msgspec.json.decode(event[b"detail"]) == {
+        "period": "daily",
+        "spent": 0.6,
+        "budget": 0.5,
+        "mode": "reject",
+    }
+    assert sum(1 for d in letters if d["reason"].startswith(b"budget_exhausted")) == 3
+
+
+async def test_with_budget_mode_cheapest_an_overspender_goes_to_the_cheapest(
+    settings: Settings,
+) -> None:
+    async with (
+        governed(settings, "cheapest") as conn,
+        http_agent("dear", behaviour=_costly) as dear,
+        http_agent("cheap", behaviour=_costly) as cheap,
+        running_dispatcher(conn),
+        running_sidecar(conn, "dear-1", ("text.echo",), url=dear.url, cost=5.0),
+        running_sidecar(conn, "cheap-1", ("text.echo",), url=cheap.url, cost=1.0, weight=0.01),
+        Client(conn) as client,
+    ):
+        for n in range(2):  # within budget: the weight keeps the cheap one nearly unused
+            assert (await client.request("text.echo", n, tenant="team-a")).ok
+        await past_the_refresh(conn)
+        before = cheap.log.total
+        over = [await client.request("text.echo", n, tenant="team-a") for n in range(6)]
+        normal = [await client.request("text.echo", n, tenant="team-m") for n in range(6)]
+        reason = await conn.call("HGET", conn.keys.record(over[-1].id), "route_reason")
+        events = await _events(conn, "budget.exceeded")
+    assert all(r.ok for r in over + normal)
+    assert cheap.log.total - before == 6 + sum(1 for r in normal if r.result == "cheap")
+    assert reason.startswith(b"cheapest of 2 (cost 1")
+    [event] = events
+    assert msgspec.json.decode(event[b"detail"])["mode"] == "cheapest"
