@@ -133,6 +133,7 @@ OPERATOR_READS = (
     "xlen",
     "xrange",
     "xrevrange",
+    "xread",  # agent-reach events --follow
     "zcard",
     "zrange",
     "zrangebyscore",
