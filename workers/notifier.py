@@ -40,6 +40,9 @@ at any point loses nothing: its entries stay pending, and its restart (same cons
 reads them back at once, or another notifier claims them after ``claim_idle_s``. One that
 stalled longer than that finds at its next renewal what was taken over and lets go of it;
 a POST it had already sent is sent again by the new holder (at least once, as promised).
+
+It also relays fleet events to their subscriptions (:mod:`workers.event_relay`): each as
+outbox entries like the ones above, so they are delivered the same way.
 """
 
 from __future__ import annotations
