@@ -12,12 +12,13 @@ producer       ``XADD`` to ``P:in``; read, and on Redis 7 delete, its own reply 
                ``agent-reach send`` and ``Client.submit`` / ``request`` need
 sidecar        its agent's instance keys (``P:a:``, ``P:q:``, ``P:f:``, ``P:k:{<agent>-*}``)
                and what finishing a message takes: records, timelines, broadcast outcomes,
-               reply streams, the outbox, the due index, waiting sets, dead letters, the
-               credit and registry channels
+               reply streams, the outbox, the due index, waiting sets, dead letters, events,
+               the credit and registry channels
 broker         the dispatcher, reaper and notifier: every ``P:*`` key and channel, with the
                commands they run
-operator-read  reads only: ``trace``, ``agents``, ``stats``, ``stuck``, ``dlq``
-operator       those, and ``replay``, ``resolve``, ``cancel``, ``drain``, ``weight``
+operator-read  reads only: ``trace``, ``agents``, ``stats``, ``stuck``, ``dlq``, ``events``
+operator       those, and ``replay``, ``resolve``, ``cancel``, ``drain``, ``weight``,
+               ``subscribe``, ``unsubscribe``
 =============  ==========================================================================
 
 Redis 7 has key permissions (``%R~`` read, ``%W~`` write) and selectors (rules that hold
@@ -209,9 +210,10 @@ def sidecar(keys: Keyspace, version: str, agent: str) -> User:
     records = [keys.record("*"), keys.timeline("*"), keys.outcomes("*"), f"{keys.counters}*"]
     records.append(FleetKeys(keys.prefix).usage("*"))  # charged with an attempt's outcome
     root = Grant((*CONNECT, "script|load", *RECORD_COMMANDS), _rw(records))
+    events = FleetKeys(keys.prefix).events  # what it registers, beats, parks, dead-letters
     selectors = (
         Grant(INSTANCE_COMMANDS, _rw(own), channels),
-        Grant(TELL_COMMANDS, _w([keys.reply("*"), *outboxes(keys), keys.dlq], version)),
+        Grant(TELL_COMMANDS, _w([keys.reply("*"), *outboxes(keys), keys.dlq, events], version)),
         Grant(
             PARK_COMMANDS,
             _w([*due_sets(keys), keys.waiting("*"), keys.waiting_index], version),
@@ -272,7 +274,8 @@ def operator(keys: Keyspace, version: str) -> User:
     if version == "7":
         moved = [keys.record("*"), keys.timeline("*"), keys.outcomes("*"), keys.card("*")]
         moved.append(f"{keys.counters}*")  # and, on a cluster, every slot's
-        told = [keys.reply("*"), *outboxes(keys), keys.dlq]
+        told = [keys.reply("*"), *outboxes(keys), keys.dlq, FleetKeys(keys.prefix).events]
+        moved.append(FleetKeys(keys.prefix).subscriptions)  # subscribe, unsubscribe
         indexed = [*due_sets(keys), keys.waiting("*"), keys.unmatched("*")]
         indexed.append(keys.waiting_index)
         root = Grant(

@@ -137,6 +137,7 @@ OPERATOR_READS = (
     "xlen",
     "xrange",
     "xrevrange",
+    "xread",  # agent-reach events --follow
     "zcard",
     "zrange",
     "zrangebyscore",

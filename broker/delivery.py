@@ -8,9 +8,11 @@ from typing import Any
 import msgspec
 
 from .connection import Connection
-from .deadletters import Letter, dead_letter_command, letter_kind
+from .deadletters import Letter, cap_text, dead_letter_command, letter_kind
 from .envelope import Envelope, load_envelope
 from .errors import RedisUnavailable
+from .event_log import event_command
+from .events import is_event_delivery
 from .keyspace import due_for
 from .metric_fields import field
 from .record_codec import pairs, raised, readable_record, timeline_entry
@@ -20,17 +22,29 @@ from .stages import Stage
 from .timekeeping import now_ms
 from .wire import ReplyEntry, reply_fields
 
+EVENT_REASON_BYTES = 512  # of a dead letter's reason, in its event
+
 
 def dead_letter_commands(conn: Connection, letter: Letter) -> list[Command]:
-    """The capped ``XADD`` of ``letter`` to ``P:dlq`` (:mod:`broker.deadletters`), and its
-    count (``agent_reach_dead_letters_total``)."""
+    """The capped ``XADD`` of ``letter`` to ``P:dlq`` (:mod:`broker.deadletters`), its
+    count (``agent_reach_dead_letters_total``) and its ``message.dead`` event — the one place
+    every dead letter is written from. An event delivery's own letter reports no event: a
+    subscription whose receiver is down must not feed itself."""
     s = conn.settings
+    kind = letter_kind(letter)
     commands = [
         dead_letter_command(
             conn.keys, letter, max_entries=s.dlq_max_entries, max_bytes=s.dlq_entry_max_bytes
         )
     ]
-    return commands + count_commands(conn, field("dead_letters", letter_kind(letter)))
+    if not is_event_delivery(letter.id):
+        reason = cap_text(letter.reason, EVENT_REASON_BYTES)
+        commands.append(
+            event_command(
+                conn, "message.dead", letter.id, reason=reason, stage=letter.stage, label=kind
+            )
+        )
+    return commands + count_commands(conn, field("dead_letters", kind))
 
 
 def count_commands(conn: Connection, *fields: str) -> list[Command]:

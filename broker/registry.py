@@ -11,6 +11,8 @@ import msgspec
 
 from .connection import Connection
 from .envelope import MESSAGE_ID_PATTERN
+from .event_log import emit, event_command
+from .events import heartbeat_events
 from .keyspace import SIDECAR_GROUP
 from .record_codec import pairs
 from .records import CircuitState, InstanceCard, InstanceState, InstanceStats, InstanceView
@@ -133,11 +135,21 @@ class Registry:
         fields = card_fields(card, credits=credits, state=InstanceState.UP, hb_ms=hb)
         inst = card.instance_id
         flat = [item for pair in fields.items() for item in pair]
+        registered = event_command(
+            self.conn,
+            "instance.registered",
+            inst,
+            agent=card.agent_id,
+            capabilities=list(card.capabilities),
+            endpoint=card.endpoint,
+            max_inflight=card.max_inflight,
+        )
         await self._all(
             [
                 ("HSET", self.keys.card(inst), *flat),
                 ("ZADD", self.keys.agents, hb, inst),
                 ("PUBLISH", self.keys.registry_channel, inst),
+                registered,
             ]
         )
 
@@ -160,7 +172,14 @@ class Registry:
             ScriptName.HEARTBEAT, (self.keys.card(instance_id),), [*args, *fields]
         )
         replies = await self._all([script, ("ZADD", self.keys.agents, hb, instance_id)])
-        return InstanceState(replies[0].decode()) if replies[0] else None
+        if not replies[0]:
+            return None
+        now, before, circuit_before = (value.decode() for value in replies[0])
+        changes = heartbeat_events(before, now, circuit_before, stats)
+        await emit(
+            self.conn, [event_command(self.conn, kind, instance_id, **d) for kind, d in changes]
+        )
+        return InstanceState(now)
 
     async def set_weight(self, instance_id: str, weight: float) -> bool:
         """Change an instance's routing weight at run time; false for an unknown instance."""
@@ -185,11 +204,15 @@ class Registry:
         await self.conn.call("PUBLISH", self.keys.registry_channel, instance_id)
 
     async def deregister(self, instance_id: str) -> None:
+        """Remove the card, after a drain (a sidecar always drains before it deregisters):
+        ``instance.drained``, then ``instance.gone``."""
         await self._all(
             [
                 ("ZREM", self.keys.agents, instance_id),
                 ("DEL", self.keys.card(instance_id)),
                 ("PUBLISH", self.keys.registry_channel, instance_id),
+                event_command(self.conn, "instance.drained", instance_id),
+                event_command(self.conn, "instance.gone", instance_id, reason="deregistered"),
             ]
         )
 

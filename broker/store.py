@@ -21,6 +21,7 @@ from .connection import Connection
 from .credits import Credits
 from .delivery import Delivery
 from .due_clock import DueClock
+from .event_log import emit, event_command
 from .record_codec import STAGE_OF, accepted, moved, pairs, raised, readable_record, timeline_entry
 from .records import Accepted, MessageRecord, Moved, TimelineEntry
 from .scripts import ScriptName
@@ -156,6 +157,23 @@ def charge_args(conn: Connection, c: Charge) -> list[Any]:
     return [c.combination, cap, keep_s, c.tenant, repr(c.spend), len(c.figures), *figures]
 
 
+def parked_events(conn: Connection, moves: list[Move], done: list[Moved]) -> list[Any]:
+    """A ``message.needs_confirmation`` event for each move made into NEEDS_CONFIRMATION:
+    every such move is one of :class:`MessageStore`'s, so this is where they are told."""
+    return [
+        event_command(
+            conn,
+            "message.needs_confirmation",
+            m.message_id,
+            reason=m.reason,
+            attempt=d.attempt,
+            instance=d.instance,
+        )
+        for m, d in zip(moves, done, strict=True)
+        if d.ok and m.target is Stage.NEEDS_CONFIRMATION
+    ]
+
+
 class MessageStore:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -181,11 +199,15 @@ class MessageStore:
 
     async def apply(self, move: Move) -> Moved:
         """One prepared :class:`Move`."""
-        return moved(await self.conn.call(*move_command(self.conn, move)))
+        done = moved(await self.conn.call(*move_command(self.conn, move)))
+        await emit(self.conn, parked_events(self.conn, [move], [done]))
+        return done
 
     async def move_many(self, moves: list[Move]) -> list[Moved]:
         replies = await self.conn.call_many([move_command(self.conn, m) for m in moves])
-        return [moved(raised(r)) for r in replies]
+        done = [moved(raised(r)) for r in replies]
+        await emit(self.conn, parked_events(self.conn, moves, done))
+        return done
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import logging
 from broker.budgets import Overrun, overrun
 from broker.connection import Connection
 from broker.errors import RedisReplyError, RedisUnavailable
-from broker.events import append_event, event_fields
+from broker.event_log import event_command
 from broker.timekeeping import now_ms
 from broker.usage import utc_day, utc_month
 from broker.usage_reader import tenant_spending
@@ -61,17 +61,16 @@ class BudgetWatch:
         claim = f"{self.conn.fleet.events}:budget:{{{found.tenant}}}:{period}"
         try:
             if await self.conn.call("SET", claim, "1", "NX", "EX", _PERIOD_S[found.period]):
-                fields = event_fields(
+                event = event_command(
+                    self.conn,
                     "budget.exceeded",
                     found.tenant,
-                    now,
                     period=found.period,
                     spent=found.spent,
                     budget=found.budget,
                     mode=self.conn.settings.budget_mode,
                 )
-                events = self.conn.fleet.events
-                await self.conn.call(*append_event(events, self.conn.settings.events_max, fields))
+                await self.conn.call(*event)
         except (RedisUnavailable, RedisReplyError) as exc:
             log.warning("budget.exceeded for %s not written: %s", found.tenant, exc)
             return

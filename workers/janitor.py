@@ -23,6 +23,7 @@ from typing import Any
 
 from broker.connection import Connection
 from broker.errors import RedisUnavailable
+from broker.event_log import event_command
 from broker.keyspace import SIDECAR_GROUP, due_for
 from broker.scripts import ScriptName
 from broker.stages import TERMINAL, Stage
@@ -116,7 +117,10 @@ class Janitor:
         gone = [i for i, reply in zip(instance_ids, replies, strict=True) if reply == 1]
         if gone:
             # A sidecar coming back under the same id now re-adds itself with its next beat.
-            await self.conn.call("ZREM", self.keys.agents, *gone)
+            forgotten = [
+                event_command(self.conn, "instance.gone", i, reason="forgotten") for i in gone
+            ]
+            await self.conn.run_all([("ZREM", self.keys.agents, *gone), *forgotten])
             self.forgotten += len(gone)
             log.info("forgot %d instances gone for good: %s", len(gone), ", ".join(gone[:10]))
 

@@ -40,6 +40,9 @@ at any point loses nothing: its entries stay pending, and its restart (same cons
 reads them back at once, or another notifier claims them after ``claim_idle_s``. One that
 stalled longer than that finds at its next renewal what was taken over and lets go of it;
 a POST it had already sent is sent again by the new holder (at least once, as promised).
+
+It also relays fleet events to their subscriptions (:mod:`workers.event_relay`): each as
+outbox entries like the ones above, so they are delivered the same way.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from broker.streams import GroupReader, StreamEntry, parse_entries
 from broker.timekeeping import now_ms
 
 from .dispatcher import default_consumer_name
+from .event_relay import EventRelay
 from .webhook_post import WebhookPoster
 from .webhook_settlement import Settlement, parse_delivery
 
@@ -84,6 +88,7 @@ class Notifier:
         self.outboxes = outboxes(conn.keys)
         self.poster = WebhookPoster(self.settings)
         self.settlement = Settlement(conn, rng or random.Random())
+        self.relay = EventRelay(conn, consumer=self.consumer)  # events to subscriptions
         self._held: dict[Held, anyio.CancelScope] = {}  # entry -> its task's scope
         self._room = anyio.Event()
         self._tg: TaskGroup | None = None
@@ -105,6 +110,7 @@ class Notifier:
             self._tg = tg
             for outbox in self.outboxes:  # each partition's own pending taken back first
                 await tg.start(self._lane, outbox)
+            await tg.start(self.relay.run)
             tg.start_soon(self._every, self._renew_every_s(), self.renew)
             tg.start_soon(self._every, self.settings.sweep_interval_s, self.claim_abandoned)
             task_status.started()

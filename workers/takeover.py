@@ -18,6 +18,7 @@ from broker.connection import Connection
 from broker.due_clock import due_at_most_command, due_command
 from broker.entries import parse_assignment
 from broker.errors import RedisReplyError, RedisUnavailable
+from broker.event_log import emit, event_command
 from broker.keyspace import SIDECAR_GROUP
 from broker.records import MessageRecord
 from broker.stages import AT_THE_DOOR, HOLDS_CREDIT, IN_FLIGHT, TERMINAL
@@ -50,18 +51,43 @@ class Takeover:
         self.resolver = resolver
         self.judge = judge  # the reaper's guarded resolve: one message's defect stays its own
         self.handled = handled
+        self._noticed: set[str] = set()  # instances found dead at the last look
 
     async def dead_instances(self, now: int) -> int:
         """Resolve the work of every instance that is down. Returns how many messages (and
         claimed entries) were looked at."""
         total = 0
-        for instance_id in self.instances.dead(now):
+        dead = self.instances.dead(now)
+        await self._report_silent([i for i in dead if i not in self._noticed], now)
+        self._noticed = set(dead)
+        for instance_id in dead:
             raw = await self.conn.call("SMEMBERS", self.conn.keys.inflight(instance_id))
             members = {m.decode(errors="replace") for m in raw}
             ids = sorted({m.rpartition(":")[0] for m in members})
             total += await self._resolve_now(ids, instance_id, now, members)
             total += await self._claim_pending(instance_id, now)
         return total
+
+    async def _report_silent(self, instance_ids: list[str], now: int) -> None:
+        """``instance.state_changed`` to DOWN for each instance this reaper has just found
+        silent past ``down_after_s`` (its card still says what its sidecar last wrote):
+        once per death as this reaper sees it — another reaper, or a restarted one, may say
+        it again."""
+        commands = []
+        for instance_id in instance_ids:
+            view = self.instances.view(instance_id)
+            if view is None:
+                continue  # deregistered: its sidecar said instance.gone
+            commands.append(
+                event_command(
+                    self.conn,
+                    "instance.state_changed",
+                    instance_id,
+                    **{"from": view.state.value, "to": "DOWN", "reason": "silent"},
+                    last_heartbeat_ms=view.heartbeat_ms,
+                )
+            )
+        await emit(self.conn, commands)
 
     async def _resolve_now(
         self, ids: list[str], instance_id: str, now: int, members: set[str] | None = None

@@ -22,6 +22,7 @@ from broker.connection import Connection
 from broker.deadletters import Letter
 from broker.delivery import count_commands, dead_letter_commands
 from broker.entries import fields_as_bytes
+from broker.events import is_event_delivery
 from broker.keyspace import NOTIFY_GROUP
 from broker.metric_fields import field
 from broker.retry import retry_delay_ms
@@ -85,10 +86,13 @@ class Settlement:
 
     async def _delivered(self, delivery: Delivery, attempt: Attempt) -> None:
         reason = f"webhook {delivery.url} {attempt.detail} (attempt {delivery.attempt})"
-        note = note_command(
-            self.conn, delivery.message_id, CALLBACK_DELIVERED, reason, now_ms=now_ms()
-        )
-        await self._run([note, *self._done(delivery.stream, delivery.entry_id, "delivered")])
+        done = self._done(delivery.stream, delivery.entry_id, "delivered")
+        if not is_event_delivery(delivery.message_id):  # an event's has no timeline
+            note = note_command(
+                self.conn, delivery.message_id, CALLBACK_DELIVERED, reason, now_ms=now_ms()
+            )
+            done.insert(0, note)
+        await self._run(done)
         self._count("delivered")
         log.info("message %s: %s", delivery.message_id, reason)
 

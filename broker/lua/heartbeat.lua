@@ -9,8 +9,10 @@
 -- ARGV[6..] stats field, value pairs
 --
 -- DRAINING, once set (by the sidecar or an operator), is kept: a heartbeat never undoes it.
--- Returns the state now on the card, or false when the card is gone (deregistered).
-local current = redis.call('HGET', KEYS[1], 'state')
+-- Returns {the state now on the card, the state before, the circuit before} (the caller
+-- reports a change as an event), or false when the card is gone (deregistered).
+local before = redis.call('HMGET', KEYS[1], 'state', 'circuit')
+local current = before[1]
 if not current then
   return false
 end
@@ -22,4 +24,4 @@ redis.call('HSET', KEYS[1], 'hb_ms', ARGV[2], 'state', state, unpack(ARGV, 6))
 if state ~= current or ARGV[5] == '1' then
   redis.call('PUBLISH', ARGV[4], ARGV[1])
 end
-return state
+return {state, current, before[2] or ''}

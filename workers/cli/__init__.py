@@ -8,6 +8,7 @@ import click
 from ..runtime import configure_logging
 from .acl import acl
 from .console import console
+from .events import events, subscribe, unsubscribe
 from .gateway import a2a_gateway
 from .inspect import agents, config, drain, redis_url_command, schema, stats, trace, weight
 from .notify import notifier
@@ -55,6 +56,9 @@ for command in (
     resolve,
     dlq,
     cancel,
+    events,
+    subscribe,
+    unsubscribe,
     acl,
     usage,
 ):

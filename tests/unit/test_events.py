@@ -1,0 +1,76 @@
+"""Fleet events read back without trusting a byte, heartbeat changes, subscription matching."""
+
+from __future__ import annotations
+
+import msgspec
+from hypothesis import given
+from hypothesis import strategies as st
+
+from broker.events import (
+    EVENT_TYPES,
+    Event,
+    event_body,
+    event_fields,
+    heartbeat_events,
+    parse_event,
+    types_problem,
+)
+from broker.records import CircuitState, InstanceStats
+from broker.subscriptions import Subscription, decode_subscriptions, subscription_problem
+
+
+@given(st.dictionaries(st.text(max_size=12), st.binary(max_size=64), max_size=6))
+def test_any_entry_reads_as_an_event_or_a_reason(fields: dict[str, bytes]) -> None:
+    assert isinstance(parse_event("1-0", fields), Event | str)
+
+
+@given(st.sampled_from(EVENT_TYPES), st.text(max_size=40).filter(str.isprintable))
+def test_what_event_fields_writes_reads_back(kind: str, subject: str) -> None:
+    written = {k: v.encode() for k, v in event_fields(kind, subject, 5, n=1).items()}
+    event = parse_event("5-0", written)
+    assert isinstance(event, Event)
+    body = msgspec.json.decode(event_body(event))
+    assert body == {"type": kind, "subject": subject, "ts": 5, "detail": {"n": 1}, "id": "5-0"}
+
+
+def test_a_detail_that_is_no_object_is_refused() -> None:
+    fields = {"type": b"circuit.opened", "subject": b"a", "ts": b"1", "detail": b"[1]"}
+    assert isinstance(parse_event("1-0", fields), str)
+
+
+def stats(circuit: CircuitState) -> InstanceStats:
+    return InstanceStats(error_rate=0.6, p95_ms=1.0, requests=10, successes=4, circuit=circuit)
+
+
+def test_heartbeat_changes_become_events() -> None:
+    assert heartbeat_events("UP", "UP", "closed", stats(CircuitState.CLOSED)) == []
+    opened = heartbeat_events("UP", "DOWN", "closed", stats(CircuitState.OPEN))
+    assert [kind for kind, _ in opened] == ["instance.state_changed", "circuit.opened"]
+    assert opened[0][1]["from"] == "UP" and opened[0][1]["to"] == "DOWN"
+    assert heartbeat_events("DOWN", "DOWN", "open", stats(CircuitState.HALF_OPEN)) == []
+    closed = heartbeat_events("DOWN", "DOWN", "half_open", stats(CircuitState.CLOSED))
+    assert [kind for kind, _ in closed] == ["circuit.closed"]
+
+
+def test_subscriptions_match_their_types_or_everything() -> None:
+    assert Subscription(url="http://h/").matches("message.dead")
+    only = Subscription(url="http://h/", events=("circuit.opened",))
+    assert only.matches("circuit.opened") and not only.matches("circuit.closed")
+
+
+def test_unreadable_stored_subscriptions_are_left_out_with_a_reason() -> None:
+    good = msgspec.json.encode(Subscription(url="http://h/", events=("message.dead",)))
+    found, problems = decode_subscriptions({b"s1": good, b"s2": b"{", b"s3": b"[" * 5000})
+    assert list(found) == ["s1"] and len(problems) == 2
+
+
+def test_a_subscription_is_checked_like_a_callback_url() -> None:
+    assert types_problem(["x.y"]) is not None
+    assert "instance.gone" in (subscription_problem("http://127.0.0.1/", ["x.y"], [], "k") or "")
+    assert "not allowed" in (
+        subscription_problem("http://a.example/", [], ["127.0.0.1"], "k") or ""
+    )
+    assert "webhook_secret" in (
+        subscription_problem("http://127.0.0.1/", [], ["127.0.0.1"], None) or ""
+    )
+    assert subscription_problem("http://127.0.0.1/", ["message.dead"], ["127.0.0.1"], "k") is None

@@ -1,0 +1,139 @@
+"""``agent-reach events``, ``subscribe``, ``unsubscribe``: the fleet's events, and who gets
+them as webhooks."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import anyio
+import click
+
+from broker.config import Settings
+from broker.connection import Connection
+from broker.event_log import events_key, follow_events, recent_events
+from broker.events import EVENT_TYPES, Event, detail_text, event_body
+from broker.subscription_store import SubscriptionStore
+from broker.subscriptions import STATIC_PREFIX, Subscription, subscription_problem
+
+from ..runtime import connected, stop_on_signals
+from .common import redis_options, run
+
+TYPE = click.Choice(EVENT_TYPES)
+
+
+def event_line(event: Event, *, as_json: bool) -> str:
+    """One event as a line: the webhook's JSON body, or time, type, subject and detail."""
+    if as_json:
+        return event_body(event).decode()
+    stamp = datetime.fromtimestamp(event.ts / 1000, UTC).isoformat(timespec="milliseconds")
+    detail = detail_text(bytes(event.detail))
+    return f"{stamp}  {event.type:<26} {event.subject}  {detail}".rstrip()
+
+
+@click.command()
+@redis_options
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new events until stopped.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object a line (the webhook body).")
+@click.option("--type", "types", multiple=True, type=TYPE, help="Only this type (repeatable).")
+@click.option(
+    "--count", "-n", default=50, show_default=True, type=click.IntRange(0, 100_000),
+    help="How many recent events to print first.",
+)  # fmt: skip
+def events(
+    settings: Settings, follow: bool, as_json: bool, types: tuple[str, ...], count: int
+) -> None:
+    """Print recent fleet events, oldest first (instances, circuits, dead letters, messages
+    needing confirmation, budgets, rate limits); with --follow, new ones as they come."""
+
+    async def show() -> None:
+        async with connected(settings) as conn:
+            recent, last = await recent_events(conn, count, types)
+            for event in recent:
+                click.echo(event_line(event, as_json=as_json))
+            if follow:
+                await _follow(conn, last, types, as_json)
+
+    run(show)
+
+
+async def _follow(conn: Connection, last: str, types: tuple[str, ...], as_json: bool) -> None:
+    """Print events after ``last`` until SIGTERM or Ctrl-C (a clean stop: exit 0)."""
+    async with conn.reader() as reader, anyio.create_task_group() as tg:
+        tg.start_soon(stop_on_signals, tg.cancel_scope.cancel, tg.cancel_scope)
+        stream = events_key(conn)
+        while True:
+            found, last = await follow_events(reader, stream, last, types)
+            for event in found:
+                click.echo(event_line(event, as_json=as_json))
+
+
+def subscription_line(sub_id: str, sub: Subscription, *, as_json: bool) -> str:
+    source = "config" if sub_id.startswith(STATIC_PREFIX) else "stored"
+    if as_json:
+        fields = {"id": sub_id, "source": source, "url": sub.url, "events": list(sub.events)}
+        return json.dumps(fields | {"created_ms": sub.created_ms})
+    return f"{sub_id}  {source:<6}  {sub.url}  {','.join(sub.events) or 'all events'}"
+
+
+@click.command()
+@redis_options
+@click.option("--url", default=None, help="Where to POST the events (http or https).")
+@click.option(
+    "--event", "event_types", multiple=True, metavar="TYPE",
+    help=f"An event type (repeatable; none: every type). Types: {', '.join(EVENT_TYPES)}.",
+)  # fmt: skip
+@click.option("--list", "listing", is_flag=True, help="List the subscriptions instead.")
+@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+def subscribe(
+    settings: Settings,
+    url: str | None,
+    event_types: tuple[str, ...],
+    listing: bool,
+    as_json: bool,
+) -> None:
+    """Subscribe a URL to fleet events: the notifier POSTs each matching event to it, signed
+    as result webhooks are (webhook_secret), with retries. Remove one with `unsubscribe`."""
+    if listing:
+        run(_list, settings, as_json)
+        return
+    if url is None:
+        raise click.UsageError("give --url URL (and --event TYPE ...), or --list")
+    problem = subscription_problem(
+        url, event_types, settings.callback_hosts, settings.webhook_secret
+    )
+    if problem:
+        raise click.UsageError(problem)
+
+    async def add() -> None:
+        async with connected(settings) as conn:
+            sub_id, sub = await SubscriptionStore(conn).add(url, tuple(dict.fromkeys(event_types)))
+        click.echo(subscription_line(sub_id, sub, as_json=as_json))
+
+    run(add)
+
+
+async def _list(settings: Settings, as_json: bool) -> None:
+    async with connected(settings) as conn:
+        found = await SubscriptionStore(conn).all()
+    for sub_id, sub in found.items():
+        click.echo(subscription_line(sub_id, sub, as_json=as_json))
+
+
+@click.command()
+@redis_options
+@click.argument("subscription_id")
+def unsubscribe(settings: Settings, subscription_id: str) -> None:
+    """Remove a stored subscription (one from config stays until config changes)."""
+    if subscription_id.startswith(STATIC_PREFIX):
+        raise click.UsageError(
+            f"{subscription_id} is in config (event_subscriptions): edit it there"
+        )
+
+    async def remove() -> None:
+        async with connected(settings) as conn:
+            if not await SubscriptionStore(conn).remove(subscription_id):
+                raise click.ClickException(f"no subscription {subscription_id!r}")
+        click.echo(f"{subscription_id}: removed")
+
+    run(remove)
