@@ -17,7 +17,8 @@ sidecar        its agent's instance keys (``P:a:``, ``P:q:``, ``P:f:``, ``P:k:{<
 broker         the dispatcher, reaper and notifier: every ``P:*`` key and channel, with the
                commands they run
 operator-read  reads only: ``trace``, ``agents``, ``stats``, ``stuck``, ``dlq``
-operator       those, and ``replay``, ``resolve``, ``cancel``, ``drain``, ``weight``
+operator       those, and ``replay``, ``resolve``, ``cancel``, ``drain``, ``weight``,
+               ``feedback`` (a rating on ``P:fb:{<agent>}``)
 =============  ==========================================================================
 
 Redis 7 has key permissions (``%R~`` read, ``%W~`` write) and selectors (rules that hold
@@ -51,7 +52,7 @@ from .acl_commands import (
     TELL_COMMANDS,
 )
 from .envelope import MESSAGE_ID_PATTERN
-from .keyspace import Keyspace, due_sets, ingress_streams, outboxes
+from .keyspace import FleetKeys, Keyspace, due_sets, ingress_streams, outboxes
 
 ROLES = ("producer", "sidecar", "broker", "operator-read", "operator")
 REDIS_VERSIONS = ("6.2", "7")
@@ -263,7 +264,7 @@ def operator_read(keys: Keyspace, version: str) -> User:
 
 
 def operator(keys: Keyspace, version: str) -> User:
-    says = "operator: reads, and replay, resolve, cancel, drain, weight"
+    says = "operator: reads, and replay, resolve, cancel, drain, weight, feedback"
     everything = f"{keys.prefix}:*"
     name = f"{keys.prefix}-operator"
     commands = (*CONNECT, "script|load", *OPERATOR_READS, *OPERATOR_WRITES)
@@ -272,6 +273,7 @@ def operator(keys: Keyspace, version: str) -> User:
         moved = [keys.record("*"), keys.timeline("*"), keys.outcomes("*"), keys.card("*")]
         moved.append(f"{keys.counters}*")  # and, on a cluster, every slot's
         told = [keys.reply("*"), *outboxes(keys), keys.dlq]
+        told.append(FleetKeys(keys.prefix).feedback("*"))  # agent-reach feedback
         indexed = [*due_sets(keys), keys.waiting("*"), keys.unmatched("*")]
         indexed.append(keys.waiting_index)
         root = Grant(

@@ -157,4 +157,6 @@ OPERATOR_WRITES = (
     "sadd",
     "xadd",
     "publish",
+    # feedback: a rating on its agent's list (P:fb:*, capped)
+    "lpush",
 )

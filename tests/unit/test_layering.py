@@ -23,6 +23,7 @@ PURE = [
     "acl_commands",
     "config",
     "governance",
+    "intent",
     "events",
     "records",
     "errors",

@@ -8,6 +8,7 @@ import click
 from ..runtime import configure_logging
 from .acl import acl
 from .console import console
+from .feedback import feedback
 from .gateway import a2a_gateway
 from .inspect import agents, config, drain, redis_url_command, schema, stats, trace, weight
 from .notify import notifier
@@ -54,6 +55,7 @@ for command in (
     resolve,
     dlq,
     cancel,
+    feedback,
     acl,
 ):
     main.add_command(command)
