@@ -6,7 +6,7 @@
     {"model": embedding_model, "input": [intent, ..., capability text, ...]}
 
 answered by ``{"data": [{"index": 0, "embedding": [0.1, ...]}, ...]}``. The capabilities'
-vectors are asked once per registry snapshot and kept; later batches send their intents only.
+vectors are asked once per profile text and kept; later batches send their intents only.
 The answer is untrusted: anything but one finite vector of one shared length per input (at
 most ``MAX_ANSWER_BYTES``) is a failure, and so is a refused connection, a non-2xx status, or
 ``embedding_timeout_s`` passing (the whole exchange, however slowly the bytes drip). The
@@ -84,26 +84,25 @@ class EmbeddingScorer:
         self.model = model
         self.timeout_s = timeout_s
         self._client = httpx.AsyncClient(timeout=timeout_s, follow_redirects=False)
-        self._snapshot: object = None
-        self._vectors: dict[str, list[float]] = {}
+        self._vectors: dict[str, list[float]] = {}  # profile text -> its vector
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
     async def similarities(
-        self, intents: Sequence[str], profiles: Sequence[CapabilityProfile], snapshot: object
+        self, intents: Sequence[str], profiles: Sequence[CapabilityProfile]
     ) -> list[dict[str, float]]:
-        """Per intent, capability → cosine similarity (0..1). ``snapshot`` identifies the
-        profiles: the kept vectors are asked again when it changes."""
-        if snapshot is not self._snapshot:
-            self._snapshot, self._vectors = snapshot, {}
-        missing = [p for p in profiles if p.capability not in self._vectors]
-        texts = [i[:MAX_INTENT_CHARS] for i in intents] + [p.text for p in missing]
+        """Per intent, capability → cosine similarity (0..1). A profile's vector is asked
+        once, and kept while some capability has that very text."""
+        current = {p.text for p in profiles}
+        self._vectors = {t: v for t, v in self._vectors.items() if t in current}
+        missing = list(dict.fromkeys(p.text for p in profiles if p.text not in self._vectors))
+        texts = [i[:MAX_INTENT_CHARS] for i in intents] + missing
         vectors = await self._embed(texts) if texts else []
-        for profile, vector in zip(missing, vectors[len(intents) :], strict=True):
-            self._vectors[profile.capability] = vector
+        for text, vector in zip(missing, vectors[len(intents) :], strict=True):
+            self._vectors[text] = vector
         return [
-            {p.capability: cosine(vector, self._vectors[p.capability]) for p in profiles}
+            {p.capability: cosine(vector, self._vectors[p.text]) for p in profiles}
             for vector in vectors[: len(intents)]
         ]
 

@@ -172,9 +172,7 @@ class IntentResolver:
         scorer = "lexical"
         if self.embeddings is not None and self.profiles:
             try:
-                found = await self.embeddings.similarities(
-                    distinct, list(self.profiles.values()), self._snapshot
-                )
+                found = await self.embeddings.similarities(distinct, list(self.profiles.values()))
                 return dict(zip(distinct, found, strict=True)), "embeddings"
             except EmbeddingFailure as exc:
                 log.warning("embeddings unavailable, intents scored lexically: %s", exc)
