@@ -10,8 +10,14 @@ from typing import Any
 
 import anyio
 import msgspec
+import pytest
 from click.testing import CliRunner
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
+from adapters.asgi import serve_app
 from adapters.factory import make_card
 from adapters.http import HttpTransport
 from adapters.sidecar import Sidecar
@@ -21,12 +27,14 @@ from broker.connection import Connection, open_connection
 from broker.envelope import Envelope
 from broker.feedback import RATED
 from broker.governance import IntentRule
+from broker.intent import CapabilityProfile
 from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.agents import RunningAgent, http_agent
 from tests.support.embeddings import embeddings_server
 from tests.support.harness import collect_replies, eventually, running_dispatcher
 from workers.cli import main
+from workers.intent_embeddings import EmbeddingFailure, EmbeddingScorer
 
 REFUND = "Refund or reimburse a customer's payment, today or later"
 WEATHER = "Tell the weather forecast for today or tomorrow, for any city"
@@ -222,3 +230,31 @@ async def test_feedback_on_an_unknown_id_is_an_error(conn: Connection) -> None:
 async def _approved(dispatcher: Any, agent: str, rate: float) -> bool:
     """Whether the dispatcher's last registry refresh read ``agent``'s approval as ``rate``."""
     return bool(dispatcher.intents.approvals.get(agent) == rate)
+
+
+async def test_an_embeddings_endpoint_that_stalls_errs_or_babbles_is_a_failure_in_time() -> None:
+    async def stall(request: Request) -> Response:
+        await anyio.sleep(30)
+        return JSONResponse({})
+
+    async def error(request: Request) -> Response:
+        return JSONResponse({"error": "overloaded"}, status_code=503)
+
+    async def babble(request: Request) -> Response:
+        return JSONResponse({"data": [{"embedding": "not numbers"}]})
+
+    app = Starlette(
+        routes=[
+            Route("/stall/embeddings", stall, methods=["POST"]),
+            Route("/error/embeddings", error, methods=["POST"]),
+            Route("/babble/embeddings", babble, methods=["POST"]),
+        ]
+    )
+    profiles = [CapabilityProfile("payment.refund", "payment refund")]
+    async with serve_app(app) as url:
+        for path, said in [("stall", "no answer"), ("error", "503"), ("babble", "not an")]:
+            scorer = EmbeddingScorer(f"{url.rstrip('/')}/{path}", "m", timeout_s=0.5)
+            with anyio.fail_after(5):
+                with pytest.raises(EmbeddingFailure, match=said):
+                    await scorer.similarities(["refund me"], profiles)
+            await scorer.aclose()
