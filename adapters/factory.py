@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from broker.envelope import MESSAGE_ID_PATTERN, capability_problem
 from broker.errors import ReachError
 from broker.ids import new_message_id
-from broker.records import InstanceCard
+from broker.records import MAX_DESCRIPTION_CHARS, MAX_EXAMPLE_CHARS, MAX_EXAMPLES, InstanceCard
 
 from .a2a_wire import AgentCardView, skill_capabilities
 from .http import HttpAsyncTransport, HttpTransport
@@ -114,6 +114,13 @@ def a2a_card_parts(
     return served, tags
 
 
+def a2a_description(card: AgentCardView) -> str:
+    """An A2A agent's words for the intent router: its card's description and each skill's
+    name and description, within what a card may say."""
+    parts = [card.description, *(f"{s.name}: {s.description}".strip(": ") for s in card.skills)]
+    return "\n".join(p for p in parts if p.strip())[:MAX_DESCRIPTION_CHARS]
+
+
 def mcp_tool_parts(
     tools: Sequence[Tool], pairs: Sequence[str], prefix: str | None
 ) -> dict[str, Tool]:
@@ -142,6 +149,8 @@ def make_card(
     weight: float = 1.0,
     cost: float = 0.0,
     status_url: str = "",
+    description: str = "",
+    examples: Sequence[str] = (),
 ) -> InstanceCard:
     """The card an instance registers. Capabilities must read ``domain.action``; the agent id
     and the instance id (default: ``<agent_id>-`` and 8 random characters) are message-id
@@ -152,6 +161,7 @@ def make_card(
     _check_id(agent_id, "--agent-id")
     if instance_id is not None:
         _check_id(instance_id, "--instance-id")
+    _check_words(description, examples)
     return InstanceCard(
         agent_id=agent_id,
         instance_id=instance_id or f"{agent_id}-{new_message_id()[-8:]}",
@@ -164,7 +174,19 @@ def make_card(
         weight=weight,
         cost=cost,
         status_url=status_url,
+        description=description,
+        examples=tuple(examples),
     )
+
+
+def _check_words(description: str, examples: Sequence[str]) -> None:
+    """The card's words for the intent router, within what a dispatcher reads of them."""
+    if len(description) > MAX_DESCRIPTION_CHARS:
+        raise SidecarOptionError(f"at most {MAX_DESCRIPTION_CHARS} characters", "--describe")
+    if len(examples) > MAX_EXAMPLES:
+        raise SidecarOptionError(f"at most {MAX_EXAMPLES} examples", "--example")
+    if any(len(e) > MAX_EXAMPLE_CHARS for e in examples):
+        raise SidecarOptionError(f"at most {MAX_EXAMPLE_CHARS} characters each", "--example")
 
 
 def _check_id(value: str, option: str) -> None:

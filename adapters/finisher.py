@@ -173,8 +173,10 @@ class Finisher:
         the fence that keeps a stale delivery from ever acting on the record. A charge that
         reports usage puts it on the record (``usage:<attempt>``) and the timeline."""
         bill: Charge | None = options.get("charge")
+        if bill is not None:  # the agent that ran it, for feedback after its card is gone
+            options["fields"] = {**(options.get("fields") or {}), "agent": bill.agent}
         if bill is not None and (usage := reported(bill)) is not None:
-            options["fields"] = {**(options.get("fields") or {}), **usage_fields(taken, usage)}
+            options["fields"] = {**options["fields"], **usage_fields(taken, usage)}
             options["reason"] = "; ".join(filter(None, (options.get("reason"), usage.describe())))
         return Move(
             taken.message_id,

@@ -18,7 +18,8 @@ broker         the dispatcher, reaper and notifier: every ``P:*`` key and channe
                commands they run
 operator-read  reads only: ``trace``, ``agents``, ``stats``, ``stuck``, ``dlq``, ``events``
 operator       those, and ``replay``, ``resolve``, ``cancel``, ``drain``, ``weight``,
-               ``subscribe``, ``unsubscribe``
+               ``subscribe``, ``unsubscribe``,
+               ``feedback`` (a rating on ``P:fb:{<agent>}``)
 =============  ==========================================================================
 
 Redis 7 has key permissions (``%R~`` read, ``%W~`` write) and selectors (rules that hold
@@ -266,7 +267,7 @@ def operator_read(keys: Keyspace, version: str) -> User:
 
 
 def operator(keys: Keyspace, version: str) -> User:
-    says = "operator: reads, and replay, resolve, cancel, drain, weight"
+    says = "operator: reads, and replay, resolve, cancel, drain, weight, feedback"
     everything = f"{keys.prefix}:*"
     name = f"{keys.prefix}-operator"
     commands = (*CONNECT, "script|load", *OPERATOR_READS, *OPERATOR_WRITES)
@@ -276,6 +277,7 @@ def operator(keys: Keyspace, version: str) -> User:
         moved.append(f"{keys.counters}*")  # and, on a cluster, every slot's
         told = [keys.reply("*"), *outboxes(keys), keys.dlq, FleetKeys(keys.prefix).events]
         moved.append(FleetKeys(keys.prefix).subscriptions)  # subscribe, unsubscribe
+        told.append(FleetKeys(keys.prefix).feedback("*"))  # agent-reach feedback
         indexed = [*due_sets(keys), keys.waiting("*"), keys.unmatched("*")]
         indexed.append(keys.waiting_index)
         root = Grant(

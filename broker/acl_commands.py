@@ -162,4 +162,6 @@ OPERATOR_WRITES = (
     "sadd",
     "xadd",
     "publish",
+    # feedback: a rating on its agent's list (P:fb:*, capped)
+    "lpush",
 )

@@ -41,6 +41,7 @@ from .connection import Connection, open_connection
 from .embedded import embedded_redis
 from .envelope import Envelope, check_envelope, complete, encode_envelope, request_digest
 from .errors import ClientNotOpen, InvalidEnvelope, RedisReplyError, RequestTimeout, UnknownMessage
+from .feedback import record_feedback
 from .keyspace import ingress_for
 from .records import MessageRecord, TimelineEntry
 from .replies import ReplyInbox, Result, answer_in, result_from_fields
@@ -283,6 +284,13 @@ class Client:
             raise UnknownMessage(message_id)
         return Trace(record, await self.store.get_timeline(message_id))
 
+    async def feedback(self, message_id: str, good: bool) -> str:
+        """Rate the agent that ran ``message_id`` (:mod:`broker.feedback`); returns its id.
+        Its recent approval enters intent routing. Raises :class:`UnknownMessage` for an
+        unknown id, :class:`~broker.feedback.FeedbackError` when no agent ran it. Reads the
+        record and card: an ``operator`` user may, a ``producer`` may not."""
+        return await record_feedback(self.conn, message_id, good=good)
+
 
 def request_envelope(
     capability: str, payload: Any, timeout_s: float, reply_to: str, fields: Mapping[str, Any]
@@ -375,6 +383,11 @@ class SyncClient:
     def trace(self, message_id: str) -> Trace:
         with self._open() as (portal, client):
             return portal.call(client.trace, message_id)
+
+    def feedback(self, message_id: str, good: bool) -> str:
+        """:meth:`Client.feedback`, blocking."""
+        with self._open() as (portal, client):
+            return portal.call(client.feedback, message_id, good)
 
     @contextmanager
     def _open(self) -> Iterator[tuple[BlockingPortal, Client]]:

@@ -31,6 +31,12 @@ class CircuitState(StrEnum):
     HALF_OPEN = "half_open"
 
 
+# what a card may say of its agent in words (``--describe``, ``--example``)
+MAX_DESCRIPTION_CHARS = 2000
+MAX_EXAMPLES = 20
+MAX_EXAMPLE_CHARS = 300
+
+
 class InstanceCard(msgspec.Struct, frozen=True, kw_only=True):
     """What a sidecar registers for its agent instance."""
 
@@ -45,6 +51,9 @@ class InstanceCard(msgspec.Struct, frozen=True, kw_only=True):
     weight: float = 1.0
     cost: float = 0.0
     status_url: str = ""
+    # what the agent does, in words: the intent router compares intents with these
+    description: str = ""
+    examples: tuple[str, ...] = ()
 
 
 class InstanceStats(msgspec.Struct, frozen=True, kw_only=True):

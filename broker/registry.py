@@ -15,12 +15,23 @@ from .event_log import emit, event_command
 from .events import heartbeat_events
 from .keyspace import SIDECAR_GROUP
 from .record_codec import pairs
-from .records import CircuitState, InstanceCard, InstanceState, InstanceStats, InstanceView
+from .records import (
+    MAX_DESCRIPTION_CHARS,
+    MAX_EXAMPLE_CHARS,
+    MAX_EXAMPLES,
+    CircuitState,
+    InstanceCard,
+    InstanceState,
+    InstanceStats,
+    InstanceView,
+)
 from .scripts import ScriptName
 from .timekeeping import now_ms
 
 log = logging.getLogger("agent_reach.registry")
 _tags_decoder = msgspec.json.Decoder(dict[str, str])
+# a card's words for the intent router are cut on reading (a card is the sidecar's say only)
+_examples_decoder = msgspec.json.Decoder(tuple[str, ...])
 
 
 STAT_FIELDS = InstanceStats.__struct_fields__
@@ -51,6 +62,8 @@ def card_fields(
         "weight": card.weight,
         "cost": card.cost,
         "status_url": card.status_url,
+        "description": card.description,
+        "examples": msgspec.json.encode(card.examples),
         "state": state.value,
         "hb_ms": hb_ms,
     }
@@ -85,6 +98,11 @@ def _view(raw: dict[bytes, bytes], inflight: int) -> InstanceView:
         weight=float(text("weight") or 1.0),
         cost=float(text("cost") or 0.0),
         status_url=text("status_url"),
+        description=text("description")[:MAX_DESCRIPTION_CHARS],
+        examples=tuple(
+            e[:MAX_EXAMPLE_CHARS]
+            for e in _examples_decoder.decode(raw.get(b"examples") or b"[]")[:MAX_EXAMPLES]
+        ),
     )
     stats = InstanceStats(
         error_rate=float(text("error_rate") or 0.0),

@@ -31,6 +31,7 @@ from broker.connection import Connection
 from broker.deadletters import Letter
 from broker.due_clock import due_at_most_command, due_command
 from broker.envelope import Envelope, encode_envelope, load_envelope
+from broker.intent import IntentDecision
 from broker.records import MessageRecord
 from broker.routing import Decision
 from broker.sessions import bind_session_commands, bound_instances
@@ -42,6 +43,7 @@ from broker.waiting_sets import park_commands
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
 from .budget_watch import BudgetWatch
 from .intake import Intake
+from .intent_resolver import with_intent
 from .routing_table import RoutingTable
 from .waiting import WaitingRoom
 
@@ -97,17 +99,22 @@ class Admission:
         self.budgets = BudgetWatch(conn)
         self._overruns: dict[str, Overrun] = {}
 
-    async def admit(self, envelopes: list[Envelope]) -> list[Routed]:
+    async def admit(
+        self, envelopes: list[Envelope], intents: Mapping[str, IntentDecision] | None = None
+    ) -> list[Routed]:
         """Route each envelope and create its record, ROUTED or WAITING (a broadcast: the
         parent FANNED_OUT, then its children): one round trip for the records, one more for
-        every child of the batch's broadcasts (plus one for the sessions the batch names)."""
+        every child of the batch's broadcasts (plus one for the sessions the batch names).
+        ``intents``: how an envelope's intent was mapped, by message id (recorded with it)."""
         now = now_ms()
         await self.budgets.refresh(now)
         sessions = await bound_instances(
             self.store.conn, sorted({e.session_id for e in envelopes if e.session_id})
         )
         admitted = Admitted()
-        await self._admit([self._plan(e, now, sessions) for e in envelopes], admitted, now)
+        intents = intents or {}
+        plans = [self._plan(e, now, sessions, intent=intents.get(e.message_id)) for e in envelopes]
+        await self._admit(plans, admitted, now)
         if admitted.fan_outs:
             # Parents first, children after: a child never exists without the parent that
             # collects its outcome. A stop in between leaves the ingress entry pending; handled
@@ -176,6 +183,8 @@ class Admission:
         now: int,
         sessions: dict[str, str],
         deadline_ms: int | None = None,
+        *,
+        intent: IntentDecision | None = None,
     ) -> Plan:
         if deadline_ms is None:
             deadline_ms = now + int(envelope.timeout_s * 1000)
@@ -199,13 +208,18 @@ class Admission:
             instance = routed_instance(decision)
         if instance and envelope.session_id:
             sessions[envelope.session_id] = instance  # later messages of the batch follow it
+        reason = decision.reason if decision else BEHIND_WAITING
+        fields = decision_fields(decision) if decision else {}
+        if intent is not None:  # how the capability was found comes first
+            fields = with_intent(fields, reason, intent)
+            reason = fields["route_reason"]
         acceptance = _acceptance(
             envelope,
             now,
             deadline_ms,
             Stage.ROUTED if instance else Stage.WAITING,
-            decision.reason if decision else BEHIND_WAITING,
-            decision_fields(decision) if decision else {},
+            reason,
+            fields,
             instance=instance or "",
         )
         return Plan(acceptance, envelope)

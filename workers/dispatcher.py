@@ -40,6 +40,7 @@ from .admission import Admission
 from .assignment import Assigner
 from .ingress_lane import IngressLane
 from .intake import Intake
+from .intent_resolver import IntentResolver
 from .routing_table import RoutingTable, routing_policy
 from .waiting import WaitingRoom
 
@@ -66,6 +67,7 @@ class Dispatcher:
         self.table = RoutingTable(routing_policy(self.settings))
         self.assigner = Assigner(self.store, self.table)
         self.waiting = WaitingRoom(self.store, self.table, batch=self.settings.dispatch_batch)
+        self.intents = IntentResolver(conn)
         streams = ingress_streams(self.keys, self.settings.ingress_partitions)
         self.lanes = [self._lane(stream) for stream in streams]
         self._credit_freed = anyio.Event()
@@ -92,23 +94,31 @@ class Dispatcher:
             admission=admission,
             assigner=self.assigner,
             waiting=self.waiting,
+            intents=self.intents,
         )
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         for lane in self.lanes:
             await ensure_group(self.conn, lane.stream, DISPATCH_GROUP)
         await self.refresh()
-        async with anyio.create_task_group() as tg:
-            await tg.start(self._watch_notifications)
-            tg.start_soon(self._drain_loop)
-            tg.start_soon(self._trim_loop)
-            for lane in self.lanes:  # each lane's own pending entries handled before started
-                await tg.start(self._run_lane, lane)
-            task_status.started()
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(self._watch_notifications)
+                tg.start_soon(self._drain_loop)
+                tg.start_soon(self._trim_loop)
+                for lane in self.lanes:  # each lane's own pending entries handled before started
+                    await tg.start(self._run_lane, lane)
+                task_status.started()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.intents.aclose()
 
     async def refresh(self) -> None:
+        """A new registry snapshot for routing, and for the intent router (with the agents'
+        approval rates)."""
         self.table.load(await self.registry.snapshot())
         self.notifications.follow(i.instance_id for i in self.table.instances)
+        await self.intents.load(self.table.index)
 
     # -- ingress -----------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from broker.streams import GroupReader, RawEntry, raw_entries
 from .admission import Admission
 from .assignment import Assigner
 from .intake import Intake
+from .intent_resolver import IntentResolver
 from .waiting import WaitingRoom
 
 log = logging.getLogger("agent_reach.dispatcher")
@@ -47,6 +48,7 @@ class IngressLane:
         admission: Admission,
         assigner: Assigner,
         waiting: WaitingRoom,
+        intents: IntentResolver,
     ) -> None:
         self.conn = conn
         self.stream = stream
@@ -56,6 +58,7 @@ class IngressLane:
         self.admission = admission
         self.assigner = assigner
         self.waiting = waiting
+        self.intents = intents
 
     async def recover(self, reader: GroupReader) -> None:
         """Re-handle this consumer's own pending entries: a restart after a crash mid-batch."""
@@ -159,11 +162,13 @@ class IngressLane:
         await self.intake.acknowledge([entry_id], minted)
 
     async def handle_batch(self, entries: Sequence[RawEntry], *, recovering: bool = False) -> None:
-        """Take in, accept, route, assign or park, then acknowledge: a few round trips per
-        batch, whatever the entries hold (:mod:`workers.intake`)."""
+        """Take in, map intents to capabilities, accept, route, assign or park, then
+        acknowledge: a few round trips per batch, whatever the entries hold
+        (:mod:`workers.intake`, :mod:`workers.intent_resolver`)."""
         started_ns = time.time_ns()
         intaken = await self.intake.take(entries, recovering=recovering)
-        routed = await self.admission.admit(intaken.envelopes)
+        resolved = await self.intents.resolve(intaken.envelopes, self.intake)
+        routed = await self.admission.admit(resolved.envelopes, resolved.decisions)
         assigned = await self.assigner.assign(routed)
         if len(assigned) < len(routed):  # refused for want of a credit: now they wait
             taken = {r.message_id for r in assigned}

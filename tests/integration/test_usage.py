@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection, open_connection
+from broker.feedback import record_feedback
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore, Move
 from broker.timekeeping import now_ms
@@ -191,3 +192,20 @@ async def test_a_retried_message_is_charged_per_attempt_and_says_so(conn: Connec
     assert document["days"] == 7 and document["rows"][0]["name"] == "retry"
     bad = await cli("usage", "--since", "forever", "--redis", conn.url)
     assert bad.exit_code == 2 and "a span like 7d" in bad.output
+
+
+async def test_the_agent_is_recorded_with_the_outcome_so_feedback_outlives_its_card(
+    conn: Connection,
+) -> None:
+    async with (
+        http_agent("rated") as agent,
+        running_dispatcher(conn),
+        Client(conn) as client,
+    ):
+        async with running_sidecar(conn, "rated-1", ("text.echo",), url=agent.url):
+            result = await client.request("text.echo", {})
+        assert result.ok
+        assert await conn.call("DEL", conn.keys.card("rated-1")) == 1  # forgotten, gone
+        assert await record_feedback(conn, result.id, good=False) == "rated"
+        ratings = await conn.call("LRANGE", conn.fleet.feedback("rated"), 0, -1)
+        assert ratings[0].startswith(f"bad {result.id} ".encode())

@@ -19,6 +19,7 @@ PURE = [
     "ids",
     "routing",
     "routing_types",
+    "intent",
     "acl",
     "acl_commands",
     "config",

@@ -9,6 +9,7 @@ from ..runtime import configure_logging
 from .acl import acl
 from .console import console
 from .events import events, subscribe, unsubscribe
+from .feedback import feedback
 from .gateway import a2a_gateway
 from .inspect import agents, config, drain, redis_url_command, schema, stats, trace, weight
 from .notify import notifier
@@ -59,6 +60,7 @@ for command in (
     events,
     subscribe,
     unsubscribe,
+    feedback,
     acl,
     usage,
 ):

@@ -17,6 +17,7 @@ from adapters.factory import (
     AgentAddress,
     SidecarOptionError,
     a2a_card_parts,
+    a2a_description,
     agent_address,
     callback_warning,
     make_card,
@@ -38,10 +39,13 @@ def card_fields(
     tag_options: tuple[str, ...],
     status_url: str,
     idempotent: bool | None,
+    words: tuple[str, tuple[str, ...]] = ("", ()),
 ) -> dict[str, Any]:
     """What the command line says of the card, or a standard agent's card where it says
-    more (its capabilities, its version unless ``--version`` is given, its status query)."""
+    more (its capabilities, its version unless ``--version`` is given, its status query, its
+    description unless ``--describe`` is given). ``words``: ``--describe`` and ``--example``."""
     tags = parse_tags(tag_options)
+    description, examples = words
     if standard is None:
         if not capabilities:
             raise SidecarOptionError("give at least one --capability", "--capability")
@@ -51,6 +55,8 @@ def card_fields(
             "tags": tags,
             "status_url": status_url,
             "idempotent": bool(idempotent),
+            "description": description,
+            "examples": examples,
         }
     return {
         "idempotent": standard.idempotent if idempotent is None else idempotent,
@@ -58,6 +64,8 @@ def card_fields(
         "version": standard.version if version == "0" else version,
         "tags": {**standard.tags, **tags},
         "status_url": standard.status_url,
+        "description": description or standard.description,
+        "examples": examples,
     }
 
 
@@ -71,6 +79,7 @@ class StandardAgent:
     status_url: str
     transport: Transport
     idempotent: bool  # what the agent says of itself (MCP: every tool's idempotentHint)
+    description: str = ""  # A2A: the card's and its skills' descriptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +160,13 @@ def standard_agent(
                 card, timeout_s=timeout_s, max_connections=max_inflight
             )
             return StandardAgent(
-                tuple(served), card.version or "0", tags, status_url(card), transport, False
+                tuple(served),
+                card.version or "0",
+                tags,
+                status_url(card),
+                transport,
+                False,
+                a2a_description(card),
             )
         if address.adapter == "mcp":
             tools = mcp_tool_parts(anyio.run(fetch_tools, url), named.tools, named.prefix)
@@ -261,8 +276,42 @@ SIDECAR_OPTIONS = (
 )
 
 
+WORDS_OPTIONS = (
+    click.option(
+        "--describe",
+        "description",
+        default="",
+        metavar="TEXT",
+        help="What the agent does, in words: intents are routed by it (a2a: the card's).",
+    ),
+    click.option(
+        "--example",
+        "examples",
+        multiple=True,
+        metavar="TEXT",
+        help="A request the agent serves, in words, for intent routing (repeatable).",
+    ),
+)
+
+
+def words_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--describe`` and ``--example``, passed to ``command`` as one ``words`` pair: what
+    the card says of the agent for the intent router."""
+
+    @functools.wraps(command)
+    def with_words(*args: Any, description: str, examples: tuple[str, ...], **kwargs: Any) -> Any:
+        return command(*args, words=(description, examples), **kwargs)
+
+    wrapped: Callable[..., Any] = with_words
+    for option in reversed(WORDS_OPTIONS):
+        wrapped = option(wrapped)
+    return wrapped
+
+
 def sidecar_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """The ``sidecar`` command's options, in the order ``--help`` lists them."""
+    """The ``sidecar`` command's options, in the order ``--help`` lists them (the card's
+    words, ``--describe`` and ``--example``, last)."""
+    command = words_options(command)
     for option in reversed(SIDECAR_OPTIONS):
         command = option(command)
     return command
@@ -288,6 +337,7 @@ def sidecar(
     weight: float,
     tags: tuple[str, ...],
     status_url: str,
+    words: tuple[str, tuple[str, ...]],
     cost: float,
     credits_mode: str,
     callback_host: str,
@@ -308,7 +358,7 @@ def sidecar(
             instance_id=instance_id,
             weight=weight,
             cost=cost,
-            **card_fields(standard, capabilities, version, tags, status_url, idempotent),
+            **card_fields(standard, capabilities, version, tags, status_url, idempotent, words),
         )
         transport = _transport(
             settings, address, max_inflight, instance_id, callback_port, standard

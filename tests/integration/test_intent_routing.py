@@ -1,0 +1,260 @@
+"""Intent routing with a real Redis, a real dispatcher and real HTTP agents whose sidecars
+describe them (``--describe``): the lexical layer, rules, an embeddings server on loopback
+(and the fallback when it is gone), ``intent_unmatched``, and feedback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+from click.testing import CliRunner
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from adapters.asgi import serve_app
+from adapters.factory import make_card
+from adapters.http import HttpTransport
+from adapters.sidecar import Sidecar
+from broker.client import Client
+from broker.config import Settings
+from broker.connection import Connection, open_connection
+from broker.envelope import Envelope
+from broker.feedback import RATED
+from broker.governance import IntentRule
+from broker.intent import CapabilityProfile
+from broker.stages import Stage
+from broker.store import MessageStore
+from tests.support.agents import RunningAgent, http_agent
+from tests.support.embeddings import embeddings_server
+from tests.support.harness import collect_replies, eventually, running_dispatcher
+from workers.cli import main
+from workers.intent_embeddings import EmbeddingFailure, EmbeddingScorer
+
+REFUND = "Refund or reimburse a customer's payment, today or later"
+WEATHER = "Tell the weather forecast for today or tomorrow, for any city"
+
+
+def intent_envelope(intent: str, reply_to: str) -> Envelope:
+    raw = msgspec.json.encode({"intent": intent, "reply_to": reply_to, "payload": {"q": intent}})
+    return msgspec.json.decode(raw, type=Envelope)
+
+
+@asynccontextmanager
+async def described_sidecar(
+    conn: Connection,
+    instance_id: str,
+    capability: str,
+    description: str,
+    url: str,
+    *,
+    examples: tuple[str, ...] = (),
+    cost: float = 0.0,
+) -> AsyncIterator[Sidecar]:
+    """A sidecar whose card says what its agent does, as ``agent-reach sidecar --describe``
+    and ``--example`` put it there."""
+    card = make_card(
+        agent_id=instance_id.split("-")[0],
+        instance_id=instance_id,
+        capabilities=[capability],
+        endpoint=url,
+        max_inflight=4,
+        cost=cost,
+        description=description,
+        examples=examples,
+    )
+    transport = HttpTransport(url, timeout_s=30, max_connections=4)
+    sidecar = Sidecar(conn, card, transport, grace_s=2.0)
+    async with anyio.create_task_group() as tg:
+        await tg.start(sidecar.run)
+        yield sidecar
+        tg.cancel_scope.cancel()
+    await transport.aclose()
+
+
+@asynccontextmanager
+async def fleet(conn: Connection) -> AsyncIterator[tuple[RunningAgent, RunningAgent]]:
+    """Two agents, refunds and the weather, both described, and a dispatcher."""
+    async with (
+        http_agent("payments") as payments,
+        http_agent("weather") as weather,
+        described_sidecar(conn, "payments-1", "payment.refund", REFUND, payments.url),
+        described_sidecar(conn, "weather-1", "weather.forecast", WEATHER, weather.url),
+        running_dispatcher(conn),
+    ):
+        yield payments, weather
+
+
+async def ask(conn: Connection, *intents: str) -> dict[str, Any]:
+    """Submit each intent; their answers, by intent."""
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    ids = {await client.submit(intent_envelope(i, reply_to)): i for i in intents}
+    results = await collect_replies(conn, reply_to, len(ids), timeout_s=30)
+    return {ids[message_id]: result for message_id, result in results.items()}
+
+
+async def intent_step(conn: Connection, message_id: str) -> tuple[dict[str, Any], str]:
+    record = await MessageStore(conn).get_record(message_id)
+    assert record is not None and record.route_from is not None
+    steps = msgspec.json.decode(record.route_from)
+    assert steps[0]["step"] == "intent", steps
+    return steps[0], record.route_reason or ""
+
+
+@asynccontextmanager
+async def connected_with(conn: Connection, **changes: Any) -> AsyncIterator[Connection]:
+    settings: Settings = msgspec.structs.replace(conn.settings, **changes)
+    assert settings.redis_url is not None
+    async with open_connection(settings, settings.redis_url) as changed:
+        yield changed
+
+
+async def test_an_intent_is_routed_by_the_lexical_layer_and_succeeds(conn: Connection) -> None:
+    async with fleet(conn) as (payments, weather):
+        answers = await ask(conn, "can I get reimbursed today?", "what's the weather today?")
+    refund, forecast = answers["can I get reimbursed today?"], answers["what's the weather today?"]
+    assert refund.stage is Stage.SUCCEEDED and refund.result["agent"] == "payments"
+    assert forecast.stage is Stage.SUCCEEDED and forecast.result["agent"] == "weather"
+    assert payments.log.total == 1 and weather.log.total == 1
+    step, reason = await intent_step(conn, refund.id)
+    assert step["layer"] == "semantic" and step["scorer"] == "lexical"
+    assert step["capability"] == "payment.refund" and step["score"] >= 0.85
+    assert step["candidates"]["weather.forecast"] < 0.55  # "today" is in both: it weighs little
+    assert reason.startswith("intent -> payment.refund by the semantic layer (lexical): score")
+    record = await MessageStore(conn).get_record(refund.id)
+    assert record is not None and record.capability == "payment.refund"
+    url = conn.settings.redis_url
+    assert url is not None
+    traced = await anyio.to_thread.run_sync(
+        lambda: CliRunner().invoke(
+            main, ["trace", refund.id, "--redis", url, "--prefix", conn.keys.prefix]
+        )
+    )
+    assert traced.exit_code == 0, traced.output
+    assert "intent     kept 1    weather.forecast: score" in traced.output
+
+
+async def test_an_unmatched_intent_is_rejected_naming_the_nearest(conn: Connection) -> None:
+    async with fleet(conn) as (payments, weather):
+        (answer,) = (await ask(conn, "is the bank open on sunday?")).values()
+    assert answer.stage is Stage.REJECTED
+    assert answer.error is not None and answer.error.startswith("intent_unmatched")
+    assert "payment.refund" in answer.error and "weather.forecast" in answer.error
+    assert payments.log.total == weather.log.total == 0
+    record = await MessageStore(conn).get_record(answer.id)
+    assert record is not None and record.stage is Stage.REJECTED
+
+
+async def test_a_rule_beats_the_semantic_layer(conn: Connection) -> None:
+    rules = [IntentRule(match=r"\btoday\b", capability="weather.forecast", priority=5)]
+    async with connected_with(conn, intent_rules=rules) as ruled, fleet(ruled):
+        (answer,) = (await ask(ruled, "can I get reimbursed today?")).values()
+    assert answer.stage is Stage.SUCCEEDED and answer.result["agent"] == "weather"
+    step, reason = await intent_step(conn, answer.id)
+    assert step["layer"] == "rules" and step["capability"] == "weather.forecast"
+    assert reason.startswith("intent rule 0")
+
+
+async def test_the_semantic_layer_uses_embeddings_and_falls_back_when_they_are_gone(
+    conn: Connection,
+) -> None:
+    async with embeddings_server() as server:
+        url = server.url
+        async with connected_with(conn, embedding_url=url, embedding_timeout_s=2.0) as embedded:
+            async with fleet(embedded):
+                (answer,) = (await ask(embedded, "I want my money back")).values()
+        assert len(server.log.requests) >= 1
+    assert answer.stage is Stage.SUCCEEDED and answer.result["agent"] == "payments"
+    step, reason = await intent_step(conn, answer.id)
+    assert step["scorer"] == "embeddings" and step["capability"] == "payment.refund"
+    assert "(embeddings)" in reason
+    # the server stopped: the lexical scorer answers, and says why; it sees no refund here
+    async with connected_with(conn, embedding_url=url, embedding_timeout_s=2.0) as embedded:
+        async with fleet(embedded):
+            answers = await ask(embedded, "I want my money back", "can I get reimbursed today?")
+    unmatched, refund = answers["I want my money back"], answers["can I get reimbursed today?"]
+    assert unmatched.stage is Stage.REJECTED and unmatched.error is not None
+    assert unmatched.error.startswith("intent_unmatched")
+    assert "embeddings unavailable" in unmatched.error
+    assert refund.stage is Stage.SUCCEEDED
+    step, _ = await intent_step(conn, refund.id)
+    assert step["scorer"].startswith("lexical; embeddings unavailable")
+
+
+async def test_bad_feedback_turns_a_close_call(conn: Connection) -> None:
+    url = conn.settings.redis_url
+    assert url is not None
+    async with (
+        http_agent("careful") as careful,
+        http_agent("quick") as quick,
+        described_sidecar(conn, "careful-1", "translate.careful", "Translate text", careful.url),
+        described_sidecar(conn, "quick-1", "translate.quick", "Translate text", quick.url),
+        running_dispatcher(conn) as dispatcher,
+    ):
+        (first,) = (await ask(conn, "translate this text")).values()
+        assert first.result["agent"] == "careful"  # a tie: the first by name
+        said = await anyio.to_thread.run_sync(
+            lambda: CliRunner().invoke(
+                main, ["feedback", first.id, "--bad", "--redis", url, "--prefix", conn.keys.prefix]
+            )
+        )
+        assert said.exit_code == 0, said.output
+        assert "rated bad for agent careful" in said.output
+        await eventually(lambda: _approved(dispatcher, "careful", 0.0))
+        (second,) = (await ask(conn, "translate this text")).values()
+    assert second.result["agent"] == "quick"
+    step, _ = await intent_step(conn, second.id)
+    assert step["candidates"]["translate.careful"] < step["candidates"]["translate.quick"]
+    trace = await Client(conn).trace(first.id)
+    assert [e.reason for e in trace.timeline if e.stage == RATED] == ["bad"]
+    assert await conn.call("LLEN", f"{conn.keys.prefix}:fb:{{careful}}") == 1
+
+
+async def test_feedback_on_an_unknown_id_is_an_error(conn: Connection) -> None:
+    url = conn.settings.redis_url
+    assert url is not None
+    said = await anyio.to_thread.run_sync(
+        lambda: CliRunner().invoke(
+            main, ["feedback", "no-such-id", "--good", "--redis", url, "--prefix", conn.keys.prefix]
+        )
+    )
+    assert said.exit_code == 1 and "unknown message id 'no-such-id'" in said.output
+
+
+async def _approved(dispatcher: Any, agent: str, rate: float) -> bool:
+    """Whether the dispatcher's last registry refresh read ``agent``'s approval as ``rate``."""
+    return bool(dispatcher.intents.approvals.get(agent) == rate)
+
+
+async def test_an_embeddings_endpoint_that_stalls_errs_or_babbles_is_a_failure_in_time() -> None:
+    async def stall(request: Request) -> Response:
+        await anyio.sleep(30)
+        return JSONResponse({})
+
+    async def error(request: Request) -> Response:
+        return JSONResponse({"error": "overloaded"}, status_code=503)
+
+    async def babble(request: Request) -> Response:
+        return JSONResponse({"data": [{"embedding": "not numbers"}]})
+
+    app = Starlette(
+        routes=[
+            Route("/stall/embeddings", stall, methods=["POST"]),
+            Route("/error/embeddings", error, methods=["POST"]),
+            Route("/babble/embeddings", babble, methods=["POST"]),
+        ]
+    )
+    profiles = [CapabilityProfile("payment.refund", "payment refund")]
+    async with serve_app(app) as url:
+        for path, said in [("stall", "no answer"), ("error", "503"), ("babble", "not an")]:
+            scorer = EmbeddingScorer(f"{url.rstrip('/')}/{path}", "m", timeout_s=0.5)
+            with anyio.fail_after(5):
+                with pytest.raises(EmbeddingFailure, match=said):
+                    await scorer.similarities(["refund me"], profiles)
+            await scorer.aclose()
