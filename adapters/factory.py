@@ -151,6 +151,8 @@ def make_card(
     status_url: str = "",
     description: str = "",
     examples: Sequence[str] = (),
+    rate_ms: float = 0.0,
+    burst: int = 1,
 ) -> InstanceCard:
     """The card an instance registers. Capabilities must read ``domain.action``; the agent id
     and the instance id (default: ``<agent_id>-`` and 8 random characters) are message-id
@@ -176,6 +178,8 @@ def make_card(
         status_url=status_url,
         description=description,
         examples=tuple(examples),
+        rate_ms=rate_ms,
+        burst=burst,
     )
 
 

@@ -47,6 +47,7 @@ INSTANCE_COMMANDS = (
     "evalsha",
     "hset",
     "hget",
+    "hmget",  # heartbeat.lua: the state and circuit before (events report a change)
     "hgetall",
     "del",
     "xgroup|create",

@@ -21,6 +21,7 @@ def assign_command(
         conn.keys.card(instance_id),
         conn.keys.inflight(instance_id),
         conn.keys.queue(instance_id),
+        conn.fleet.rate("instance", instance_id),
     )
     down_after_ms = int(conn.settings.down_after_s * 1000)
     return conn.script_command(

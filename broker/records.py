@@ -54,6 +54,9 @@ class InstanceCard(msgspec.Struct, frozen=True, kw_only=True):
     # what the agent does, in words: the intent router compares intents with these
     description: str = ""
     examples: tuple[str, ...] = ()
+    # the instance's rate limit (agent-reach sidecar --rate/--burst): ms per call, 0 = none
+    rate_ms: float = 0.0
+    burst: int = 1
 
 
 class InstanceStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,6 +137,7 @@ class AssignResult(IntEnum):
     UNKNOWN_INSTANCE = -1
     NOT_ACCEPTING = -2
     HEARTBEAT_LAPSED = -3
+    RATE_LIMITED = -4
 
 
 class Accepted(msgspec.Struct, frozen=True):

@@ -64,6 +64,8 @@ def card_fields(
         "status_url": card.status_url,
         "description": card.description,
         "examples": msgspec.json.encode(card.examples),
+        "rate_ms": card.rate_ms,
+        "burst": card.burst,
         "state": state.value,
         "hb_ms": hb_ms,
     }
@@ -103,6 +105,8 @@ def _view(raw: dict[bytes, bytes], inflight: int) -> InstanceView:
             e[:MAX_EXAMPLE_CHARS]
             for e in _examples_decoder.decode(raw.get(b"examples") or b"[]")[:MAX_EXAMPLES]
         ),
+        rate_ms=float(text("rate_ms") or 0.0),
+        burst=int(text("burst") or 1),
     )
     stats = InstanceStats(
         error_rate=float(text("error_rate") or 0.0),
@@ -133,9 +137,11 @@ def _card_problem(view: InstanceView) -> str | None:
     card, stats = view.card, view.stats
     if not (_ID.match(card.agent_id) and _ID.match(card.instance_id)):
         return f"ids {card.agent_id!r}/{card.instance_id!r} are not ids"
-    numbers = (card.weight, card.cost, stats.error_rate, stats.p95_ms)
+    numbers = (card.weight, card.cost, stats.error_rate, stats.p95_ms, card.rate_ms)
     if not all(math.isfinite(n) and n >= 0 for n in numbers):
-        return "weight, cost, error rate and p95 must be finite and not negative"
+        return "weight, cost, error rate, p95 and rate must be finite and not negative"
+    if card.burst < 1:
+        return "burst must be at least 1"
     if min(card.max_inflight, view.credits, stats.requests, stats.successes) < 0:
         return "counts must not be negative"
     return None

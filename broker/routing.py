@@ -13,6 +13,8 @@ kept, which were excluded and why):
    better a weak route than none);
 4. **load** — instances at ≥ ``load_cut`` of their credits out, unless all are (then the
    least loaded stay);
+   then **rate** — instances over their rate limit (``sidecar --rate``) out until they may
+   be called again (the dispatcher's estimate, :mod:`broker.gcra`; ``assign.lua`` decides);
 5. **score** — ``reach = alive × health × load × latency × confidence × weight``, by
    :func:`reach_scores` (health and latency precomputed per snapshot, the weight applied at
    the pick);
@@ -107,6 +109,7 @@ class RegistryIndex:
 
     def __init__(self, instances: Iterable[InstanceView]) -> None:
         self.instances = list(instances)
+        self.by_instance = {view.instance_id: view for view in self.instances}
         self.by_capability: dict[str, list[InstanceView]] = {}
         self.candidates: dict[str, list[Candidate]] = {}
         for view in self.instances:
@@ -192,8 +195,10 @@ def route(
     now_ms: int,
     rng: random.Random,
     policy: RoutingPolicy,
+    held: Mapping[str, float] | None = None,
 ) -> Decision:
-    """Run the funnel for one request; ``inflight`` is the caller's live credit count."""
+    """Run the funnel for one request; ``inflight`` is the caller's live credit count,
+    ``held`` when instances over their rate limit may be called again (ms; only those)."""
     capability = request.capability
     if policy.mode == "loose":
         capability = policy.aliases.get(capability, capability)
@@ -220,6 +225,15 @@ def route(
         return Decision(Outcome.ALL_CANDIDATES_DOWN, None, "all_candidates_down", steps)
     if request.avoid is not None and len(live) > 1:
         live = _avoid(request.avoid, live, steps)
+    if held:
+        before = live
+        live = _rate(live, held, now_ms, steps, policy)
+        if not live:
+            ready = min(held[c.instance_id] for c in before) - now_ms
+            reason = (
+                f"rate_limited: every candidate is over its rate limit (next in {ready:.0f} ms)"
+            )
+            return Decision(Outcome.RATE_LIMITED, None, reason, steps)
     fit = _load_cut(live, inflight, steps, policy)
     if not fit:
         return Decision(Outcome.NO_FREE_CREDIT, None, "no_free_credit", steps)
@@ -324,6 +338,27 @@ def _avoid(instance_id: str, live: list[Candidate], steps: list[Step]) -> list[C
     step.exclude(instance_id, "failed this message's last attempt", 1)
     steps.append(step)
     return kept
+
+
+def _rate(
+    live: list[Candidate],
+    held: Mapping[str, float],
+    now_ms: int,
+    steps: list[Step],
+    policy: RoutingPolicy,
+) -> list[Candidate]:
+    """Out: instances over their rate limit (``sidecar --rate``) until they may be called."""
+    over = [(c, held[c.instance_id]) for c in live if held.get(c.instance_id, 0) > now_ms]
+    if not over:
+        return live
+    step = Step("rate", len(live) - len(over))
+    step.exclude_all(
+        [(c.instance_id, f"rate limited for {until - now_ms:.0f} ms") for c, until in over],
+        policy.max_listed,
+    )
+    steps.append(step)
+    out = {c.instance_id for c, _ in over}
+    return [c for c in live if c.instance_id not in out]
 
 
 def _load_cut(

@@ -18,6 +18,7 @@ class Outcome(StrEnum):
     NO_SELECTOR_MATCH = "no_selector_match"
     ALL_CANDIDATES_DOWN = "all_candidates_down"
     NO_FREE_CREDIT = "no_free_credit"
+    RATE_LIMITED = "rate_limited"  # every candidate is over its rate limit for now
 
 
 @dataclass(frozen=True, slots=True)

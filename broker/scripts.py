@@ -20,6 +20,7 @@ class ScriptName(StrEnum):
     CHILD_DONE = "child_done"
     NOTE = "note"
     FORGET_INSTANCE = "forget_instance"
+    GCRA = "gcra"
 
 
 @dataclass(frozen=True, slots=True)

@@ -169,7 +169,15 @@ class Admission:
                 admitted.fan_outs.append((plan.envelope, plan.children, a.deadline_ms))
             elif a.next_stage is Stage.ROUTED:
                 admitted.routed.append(
-                    Routed(a.message_id, a.capability, a.instance, 1, a.priority, now)
+                    Routed(
+                        a.message_id,
+                        a.capability,
+                        a.instance,
+                        1,
+                        a.priority,
+                        now,
+                        plan.envelope.tenant,
+                    )
                 )
                 if plan.envelope.session_id:
                     admitted.bindings.append((plan.envelope.session_id, a.instance))
@@ -301,7 +309,15 @@ class Admission:
         await self.store.conn.run_all(commands)
         await self.assigner.assign(
             [
-                Routed(r.id, r.capability, r.instance, r.attempt, r.priority, r.accepted_ms)
+                Routed(
+                    r.id,
+                    r.capability,
+                    r.instance,
+                    r.attempt,
+                    r.priority,
+                    r.accepted_ms,
+                    load_envelope(r.envelope).tenant,
+                )
                 for r in records
                 if r.stage is Stage.ROUTED
             ]

@@ -22,6 +22,7 @@ from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
 from broker.waiting_sets import count_assigned_commands, park_commands
 
+from .rate_gate import Limited, RateGate
 from .routing_table import RoutingTable
 
 OK = (AssignResult.ASSIGNED, AssignResult.ALREADY_ASSIGNED)
@@ -38,6 +39,7 @@ class Routed:
     attempt: int
     priority: int
     accepted_ms: int
+    tenant: str | None = None
 
 
 def route_request(
@@ -70,16 +72,26 @@ class Assigner:
     def __init__(self, store: MessageStore, table: RoutingTable) -> None:
         self.store = store
         self.table = table
+        self.gate = RateGate(store.conn, table)
 
     async def assign(self, routed: list[Routed]) -> list[Routed]:
-        """Assign each ROUTED attempt; the refused go back to WAITING (and are parked).
-        Returns the assigned ones."""
+        """Assign each ROUTED attempt within the rate limits; the refused go back to WAITING
+        (and are parked). Returns the assigned ones."""
         if not routed:
             return []
+        now = now_ms()
+        refused: list[tuple[Routed, str, int]] = []  # (attempt, why, retry at ms or 0)
+        if self.gate.active:
+            scopes = [self.gate.scopes(r.capability, r.instance_id, r.tenant) for r in routed]
+            verdicts = await self.gate.check(scopes, now)
+            refused = [self._limited(r, v, now) for r, v in zip(routed, verdicts, strict=True) if v]
+            routed = [r for r, v in zip(routed, verdicts, strict=True) if v is None]
         results = await self.store.credits.assign_many(
             [(r.instance_id, r.message_id, r.attempt) for r in routed]
         )
-        refused = [(r, res) for r, res in zip(routed, results, strict=True) if res not in OK]
+        for r, res in zip(routed, results, strict=True):
+            if res not in OK:
+                refused.append(self._refused(r, res, now))
         moved = await self.return_to_waiting(refused)
         counts = Counter(
             r.capability
@@ -92,7 +104,7 @@ class Assigner:
                 self.store.keys,
                 [
                     (r.capability, r.message_id, r.priority, r.accepted_ms)
-                    for (r, _), m in zip(refused, moved, strict=True)
+                    for (r, _, _), m in zip(refused, moved, strict=True)
                     if m.ok
                 ],
             )
@@ -100,10 +112,28 @@ class Assigner:
         )
         return [r for r, res in zip(routed, results, strict=True) if res in OK]
 
-    async def return_to_waiting(self, refused: list[tuple[Routed, AssignResult]]) -> list[Moved]:
-        """The credit was gone by the time the assignment ran: ROUTED -> WAITING."""
-        for r, _ in refused:
-            self.table.mark_full(r.instance_id)
+    def _limited(self, r: Routed, limited: Limited, now: int) -> tuple[Routed, str, int]:
+        """Over a config limit. A tenant's or capability's holds the message until the limit
+        lets it through; an agent's holds that agent's instances, so another agent may serve."""
+        self.table.unreserve(r.instance_id)
+        kind, name = limited.scope
+        if kind == "agent":
+            for view in self.table.index.instances:
+                if view.card.agent_id == name:
+                    self.table.held_until(view.instance_id, limited.retry_at_ms, now)
+            return r, limited.reason, 0
+        return r, limited.reason, limited.retry_at_ms
+
+    def _refused(self, r: Routed, res: AssignResult, now: int) -> tuple[Routed, str, int]:
+        if res is AssignResult.RATE_LIMITED:  # the instance's own limit, checked with the credit
+            self.table.rate_refused(r.instance_id, now)
+            return r, f"rate_limited: instance {r.instance_id!r} over its rate limit", 0
+        self.table.mark_full(r.instance_id)
+        return r, f"assignment to {r.instance_id} refused: {res.name.lower()}", 0
+
+    async def return_to_waiting(self, refused: list[tuple[Routed, str, int]]) -> list[Moved]:
+        """The credit was gone by the time the assignment ran, or a rate limit said not yet:
+        ROUTED -> WAITING (a rate limit's with the time to retry at)."""
         if not refused:
             return []
         return await self.store.move_many(
@@ -117,8 +147,9 @@ class Assigner:
                     # No stream entry exists for a refused attempt: give the number back, so
                     # `attempt` counts deliveries, not lost races for a credit.
                     new_attempt=r.attempt - 1,
-                    reason=f"assignment to {r.instance_id} refused: {res.name.lower()}",
+                    reason=why,
+                    fields={"retry_at_ms": retry_at} if retry_at else None,
                 )
-                for r, res in refused
+                for r, why, retry_at in refused
             ]
         )

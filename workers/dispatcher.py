@@ -35,6 +35,7 @@ from broker.notifications import Notifications
 from broker.registry import Registry
 from broker.store import MessageStore
 from broker.streams import RawEntry
+from broker.timekeeping import now_ms
 
 from .admission import Admission
 from .assignment import Assigner
@@ -66,7 +67,9 @@ class Dispatcher:
         self.consumer = consumer or default_consumer_name()
         self.table = RoutingTable(routing_policy(self.settings))
         self.assigner = Assigner(self.store, self.table)
-        self.waiting = WaitingRoom(self.store, self.table, batch=self.settings.dispatch_batch)
+        self.waiting = WaitingRoom(
+            self.store, self.table, batch=self.settings.dispatch_batch, assigner=self.assigner
+        )
         self.intents = IntentResolver(conn)
         streams = ingress_streams(self.keys, self.settings.ingress_partitions)
         self.lanes = [self._lane(stream) for stream in streams]
@@ -145,11 +148,14 @@ class Dispatcher:
         drain every capability with waiting work."""
         next_sweep = anyio.current_time()
         while True:
-            with anyio.move_on_after(max(0.0, next_sweep - anyio.current_time())):
+            ready = self._rate_ready_at()
+            with anyio.move_on_after(max(0.0, min(next_sweep, ready) - anyio.current_time())):
                 await self._credit_freed.wait()
             self._credit_freed = anyio.Event()
             capabilities, self._to_drain = self._to_drain, set()
             try:
+                if anyio.current_time() >= ready:  # a rate limit lets work through again
+                    capabilities |= set(await self.store.waiting.capabilities())
                 if anyio.current_time() >= next_sweep:
                     next_sweep = anyio.current_time() + self.settings.sweep_interval_s
                     await self.refresh()
@@ -162,6 +168,15 @@ class Dispatcher:
                 log.warning("drain failed (the next sweep retries): %s", exc)
             except Exception:  # a defect: this loop is the dispatcher's clock, it never stops
                 log.exception("drain failed unexpectedly (the next sweep retries)")
+
+    def _rate_ready_at(self) -> float:
+        """When (loop clock) the first held rate limit lets work through again (inf: none)."""
+        now = now_ms()
+        times = [self.table.next_ready_ms(now), self.assigner.gate.next_ready_ms(now)]
+        soonest = min((t for t in times if t is not None), default=None)
+        if soonest is None:
+            return float("inf")
+        return anyio.current_time() + max(0.0, soonest - now) / 1000
 
     async def drain(self, capabilities: Iterable[str]) -> int:
         return await self.waiting.drain(capabilities)

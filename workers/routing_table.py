@@ -12,6 +12,7 @@ import time
 
 from broker import process_metrics
 from broker.config import Settings
+from broker.gcra import gcra, ready_at
 from broker.health import observed_state
 from broker.records import InstanceState, InstanceView
 from broker.routing import Decision, Outcome, RegistryIndex, RouteRequest, RoutingPolicy, route
@@ -39,6 +40,11 @@ class RoutingTable:
         self.rng = rng or random.Random()
         self.index = RegistryIndex([])
         self.inflight: dict[str, int] = {}
+        # instances with a rate limit: the local GCRA state, and when each may be called
+        # again when that is later than now (broker/gcra.py; assign.lua is the real check)
+        self.rates: dict[str, tuple[float, int]] = {}
+        self.tat: dict[str, float] = {}
+        self.held: dict[str, float] = {}
 
     @property
     def instances(self) -> list[InstanceView]:
@@ -47,6 +53,10 @@ class RoutingTable:
     def load(self, instances: list[InstanceView]) -> None:
         self.index = RegistryIndex(instances)
         self.inflight = {v.instance_id: v.inflight for v in instances}
+        self.rates = {
+            v.instance_id: (v.card.rate_ms, v.card.burst) for v in instances if v.card.rate_ms > 0
+        }
+        self.held = {i: t for i, t in self.held.items() if i in self.rates}
 
     def decide(self, request: RouteRequest, *, now_ms: int) -> Decision:
         """Run the funnel; a routed decision counts one credit taken on its instance."""
@@ -54,13 +64,55 @@ class RoutingTable:
         if decision.outcome is Outcome.ROUTED and decision.instance is not None:
             inst = decision.instance.instance_id
             self.inflight[inst] = self.inflight.get(inst, 0) + 1
+            if inst in self.rates:
+                self._took(inst, now_ms)
         return decision
+
+    def _took(self, inst: str, now_ms: int) -> None:
+        interval, burst = self.rates[inst]
+        verdict = gcra(self.tat.get(inst, 0.0), now_ms, interval, burst)
+        self.tat[inst] = verdict.tat if verdict.allowed else self.tat.get(inst, 0.0) + interval
+        self.held_until(inst, ready_at(self.tat[inst], interval, burst), now_ms)
+
+    def held_until(self, inst: str, ready_ms: float, now_ms: int) -> None:
+        if ready_ms > now_ms:
+            self.held[inst] = ready_ms
+        else:
+            self.held.pop(inst, None)
+
+    def rate_refused(self, inst: str, now_ms: int) -> None:
+        """``assign.lua`` found the instance over its rate (other dispatchers call it too):
+        held for one interval, when the script is asked again."""
+        if inst in self.rates:
+            interval, burst = self.rates[inst]
+            self.tat[inst] = now_ms + burst * interval
+            self.held_until(inst, now_ms + interval, now_ms)
+
+    def agent_of(self, instance_id: str) -> str | None:
+        view = self.index.by_instance.get(instance_id)
+        return view.card.agent_id if view is not None else None
+
+    def capabilities_of(self, instance_id: str) -> tuple[str, ...]:
+        view = self.index.by_instance.get(instance_id)
+        return view.card.capabilities if view is not None else ()
+
+    def next_ready_ms(self, now_ms: int) -> float | None:
+        """The earliest time a held instance may be called again, if any is held."""
+        for inst in [i for i, t in self.held.items() if t <= now_ms]:
+            del self.held[inst]
+        return min(self.held.values(), default=None)
 
     def evaluate(self, request: RouteRequest, *, now_ms: int) -> Decision:
         """Run the funnel without taking a credit: what would happen to this request now."""
         started = time.perf_counter()
         decision = route(
-            request, self.index, self.inflight, now_ms=now_ms, rng=self.rng, policy=self.policy
+            request,
+            self.index,
+            self.inflight,
+            now_ms=now_ms,
+            rng=self.rng,
+            policy=self.policy,
+            held=self.held,
         )
         process_metrics.routing_decision(time.perf_counter() - started)
         return decision

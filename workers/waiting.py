@@ -45,10 +45,18 @@ class Pick:
 
 
 class WaitingRoom:
-    def __init__(self, store: MessageStore, table: RoutingTable, *, batch: int) -> None:
+    def __init__(
+        self,
+        store: MessageStore,
+        table: RoutingTable,
+        *,
+        batch: int,
+        assigner: Assigner | None = None,
+    ) -> None:
         self.store = store
         self.table = table
-        self.assigner = Assigner(store, table)
+        # the dispatcher's own, so admission and drain share what the rate limits said
+        self.assigner = assigner or Assigner(store, table)
         self.batch = batch
         self.rotation = Rotation()
         self.delivery_timeout_ms = int(store.conn.settings.delivery_timeout_s * 1000)
@@ -243,6 +251,7 @@ class WaitingRoom:
                         m.attempt,
                         p.envelope.priority,
                         0,
+                        p.envelope.tenant,
                     )
                 )
             else:

@@ -163,6 +163,14 @@ async def broker_and_sidecar(users: Users) -> AsyncIterator[RunningAgent]:
         connected(users.settings("sidecar")) as sidecar,
         running_sidecar(sidecar, f"{AGENT}-1", ("text.echo",), url=agent.url),
     ):
+        # the sidecar's role lets it heartbeat (else its card falls silent, and DOWN)
+        card = broker.keys.card(f"{AGENT}-1")
+        first = await broker.call("HGET", card, "hb_ms")
+
+        async def beat() -> bool:
+            return bool(await broker.call("HGET", card, "hb_ms") != first)
+
+        await eventually(beat, timeout_s=15)
         yield agent
 
 

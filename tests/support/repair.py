@@ -106,7 +106,11 @@ async def reaches(conn: Connection, message_id: str, stage: Stage) -> None:
     async def there() -> bool:
         return await stage_of(conn, message_id) is stage
 
-    await eventually(there)
+    try:
+        await eventually(there)
+    except TimeoutError:
+        timeline = await MessageStore(conn).get_timeline(message_id)
+        raise AssertionError(f"{message_id} never reached {stage}: {timeline}") from None
 
 
 async def everything(conn: Connection) -> dict[bytes, bytes]:

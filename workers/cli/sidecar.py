@@ -27,9 +27,20 @@ from adapters.factory import (
 from adapters.mcp import McpTransport, ServerError, fetch_tools
 from adapters.transport import Transport
 from broker.config import Settings
+from broker.governance import parse_rate
 
 from .common import FiniteRange, parse_tags, redis_options, run
 from .processes import metrics_options, serve_sidecar
+
+
+def _rate_option(ctx: click.Context, param: click.Parameter, value: str | None) -> float:
+    """``--rate``'s emission interval in ms (0: no limit)."""
+    if value is None:
+        return 0.0
+    try:
+        return parse_rate(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
 
 def card_fields(
@@ -238,6 +249,21 @@ SIDECAR_OPTIONS = (
         help="Cost per call, for routing under a budget.",
     ),
     click.option(
+        "--rate",
+        "rate_ms",
+        default=None,
+        callback=_rate_option,
+        metavar="N/UNIT",
+        help="Call the agent at most this often, e.g. 10/s or 600/min (default: no limit).",
+    ),
+    click.option(
+        "--burst",
+        type=click.IntRange(1, 1_000_000),
+        default=1,
+        show_default=True,
+        help="With --rate: calls that may start at once.",
+    ),
+    click.option(
         "--credits",
         "credits_mode",
         type=click.Choice(["adaptive", "static"]),
@@ -308,10 +334,24 @@ def words_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+def routing_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--weight``, ``--cost``, ``--rate`` and ``--burst``, passed to ``command`` as one
+    ``routing`` dict: what the card says to the routers."""
+
+    @functools.wraps(command)
+    def with_routing(
+        *args: Any, weight: float, cost: float, rate_ms: float, burst: int, **kwargs: Any
+    ) -> Any:
+        routing = {"weight": weight, "cost": cost, "rate_ms": rate_ms, "burst": burst}
+        return command(*args, routing=routing, **kwargs)
+
+    return with_routing
+
+
 def sidecar_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """The ``sidecar`` command's options, in the order ``--help`` lists them (the card's
     words, ``--describe`` and ``--example``, last)."""
-    command = words_options(command)
+    command = words_options(routing_options(command))
     for option in reversed(SIDECAR_OPTIONS):
         command = option(command)
     return command
@@ -334,11 +374,10 @@ def sidecar(
     idempotent: bool | None,
     instance_id: str | None,
     version: str,
-    weight: float,
     tags: tuple[str, ...],
     status_url: str,
     words: tuple[str, tuple[str, ...]],
-    cost: float,
+    routing: dict[str, Any],
     credits_mode: str,
     callback_host: str,
     callback_port: int,
@@ -356,8 +395,7 @@ def sidecar(
             endpoint=address.endpoint,
             max_inflight=max_inflight,
             instance_id=instance_id,
-            weight=weight,
-            cost=cost,
+            **routing,
             **card_fields(standard, capabilities, version, tags, status_url, idempotent, words),
         )
         transport = _transport(

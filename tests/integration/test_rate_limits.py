@@ -1,0 +1,195 @@
+"""Rate limits on a real Redis with real HTTP agents: an instance's own limit (``sidecar
+--rate``, checked with its credit in ``assign.lua``), and config limits per tenant, capability
+and agent (``lua/gcra.lua``). Over a limit a message waits — WAITING, ``rate_limited`` — and
+never fails for it; the arrivals at the agent keep to the limit."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from adapters.http import HttpTransport
+from adapters.sidecar import Sidecar
+from broker.client import Client
+from broker.config import Settings
+from broker.connection import Connection
+from broker.gcra import gcra
+from broker.governance import RateLimit, RateLimits
+from broker.scripts import ScriptName
+from broker.store import MessageStore
+from tests.support.agents import http_agent
+from tests.support.harness import card, connected, running_dispatcher, running_sidecar
+
+
+class Arrivals:
+    """When each call reached the agent (monotonic seconds)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    async def __call__(self, envelope: dict[str, Any], request: Request) -> Response | None:
+        self.times.append(time.monotonic())
+        return None
+
+    def most_in_any_second(self) -> int:
+        times = sorted(self.times)
+        most, start = 0, 0
+        for end, t in enumerate(times):
+            while t - times[start] >= 1.0:
+                start += 1
+            most = max(most, end - start + 1)
+        return most
+
+
+@asynccontextmanager
+async def limited_sidecar(
+    conn: Connection, instance_id: str, url: str, rate_ms: float, burst: int
+) -> AsyncIterator[Sidecar]:
+    transport = HttpTransport(url, timeout_s=5.0, max_connections=16)
+    limited = msgspec.structs.replace(
+        card(instance_id, ("text.echo",), endpoint=url), rate_ms=rate_ms, burst=burst
+    )
+    sidecar = Sidecar(conn, limited, transport, grace_s=5.0)
+    async with anyio.create_task_group() as tg:
+        await tg.start(sidecar.run)
+        yield sidecar
+        tg.cancel_scope.cancel()
+    await transport.aclose()
+
+
+async def _send_all(client: Client, n: int, **fields: Any) -> list[Any]:
+    results: list[Any] = [None] * n
+
+    async def one(i: int) -> None:
+        results[i] = await client.request("text.echo", i, timeout=60, **fields)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(one, i)
+    return results
+
+
+async def test_an_instance_at_10_per_second_gets_at_most_burst_plus_10_in_any_second(
+    conn: Connection,
+) -> None:
+    arrivals = Arrivals()
+    async with (
+        http_agent("slowpoke", behaviour=arrivals) as agent,
+        running_dispatcher(conn),
+        limited_sidecar(conn, "slowpoke-1", agent.url, rate_ms=100.0, burst=5),
+        Client(conn) as client,
+    ):
+        started = time.monotonic()
+        results = await _send_all(client, 200)
+        took = time.monotonic() - started
+        store = MessageStore(conn)
+        timelines = [await store.get_timeline(r.id) for r in results]
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+    assert len(arrivals.times) == 200
+    assert arrivals.most_in_any_second() <= 5 + 10
+    assert took >= (200 - 5) / 10 - 0.5  # the limit, not the agent, set the pace
+    waits = [e.reason for t in timelines for e in t if e.stage == "WAITING"]
+    assert sum(1 for w in waits if w.startswith("rate_limited")) > 0, waits[:5]
+
+
+async def test_an_unlimited_instance_takes_the_overflow(conn: Connection) -> None:
+    slow, free = Arrivals(), Arrivals()
+    async with (
+        http_agent("limited", behaviour=slow) as limited_agent,
+        http_agent("open", behaviour=free) as open_agent,
+        running_dispatcher(conn),
+        limited_sidecar(conn, "limited-1", limited_agent.url, rate_ms=100.0, burst=5),
+        running_sidecar(conn, "open-1", ("text.echo",), url=open_agent.url),
+        Client(conn) as client,
+    ):
+        started = time.monotonic()
+        results = await _send_all(client, 200)
+        took = time.monotonic() - started
+    assert all(r.ok for r in results)
+    assert len(slow.times) + len(free.times) == 200
+    assert slow.most_in_any_second() <= 5 + 10
+    assert len(slow.times) <= 5 + 10 * (took + 1)
+    assert len(free.times) >= 200 - (5 + 10 * (took + 1))
+
+
+async def test_a_tenant_limit_holds_its_messages_and_no_other(settings: Settings) -> None:
+    limits = RateLimits(tenant={"chatty": RateLimit("20/s", burst=2)})
+    changed = msgspec.structs.replace(settings, rate_limits=limits)
+    arrivals = Arrivals()
+    async with (
+        connected(changed) as conn,
+        http_agent("shared", behaviour=arrivals) as agent,
+        running_dispatcher(conn),
+        running_sidecar(conn, "shared-1", ("text.echo",), url=agent.url),
+        Client(conn) as client,
+    ):
+        started = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            chatty: list[Any] = []
+            quiet: list[Any] = []
+
+            async def run(into: list[Any], n: int, tenant: str) -> None:
+                into.extend(await _send_all(client, n, tenant=tenant))
+
+            tg.start_soon(run, chatty, 30, "chatty")
+            tg.start_soon(run, quiet, 30, "quiet")
+        took = time.monotonic() - started
+        timeline = await MessageStore(conn).get_timeline(chatty[-1].id)
+        events = await conn.call("XRANGE", conn.fleet.events, "-", "+")
+    assert all(r.ok for r in chatty + quiet)
+    assert took >= (30 - 2) / 20 - 0.2
+    reasons = [e.reason for e in timeline if e.stage == "WAITING"]
+    assert any(r.startswith("rate_limited: tenant 'chatty'") for r in reasons), reasons
+    saturated = [dict(zip(f[::2], f[1::2], strict=True)) for _, f in events]
+    saturated = [e for e in saturated if e[b"type"] == b"rate_limit.saturated"]
+    assert [e[b"subject"] for e in saturated] == [b"tenant:chatty"]
+
+
+async def test_the_script_keeps_the_rule(conn: Connection) -> None:
+    """``lua/gcra.lua`` against :func:`broker.gcra.gcra`, call by call."""
+    key = conn.fleet.rate("test", "rule")
+    tat = 0.0
+    now = 1_000_000
+    pattern = [0, 0, 0, 5, 30, 1, 1, 100, 0, 0, 0, 0, 250, 3, 3, 3, 3]
+    for step in pattern:
+        now += step
+        expected = gcra(tat, now, 50.0, 3)
+        wait = await conn.call(*conn.script_command(ScriptName.GCRA, (key,), (now, 50.0, 3)))
+        assert (wait == 0) == expected.allowed, (now, tat)
+        if expected.allowed:
+            tat = expected.tat
+        else:
+            assert abs(wait - expected.wait_ms) <= 1
+
+
+async def test_an_agent_limit_spans_its_instances_and_another_agent_serves(
+    settings: Settings,
+) -> None:
+    limits = RateLimits(agent={"twin": RateLimit("10/s", burst=3)})
+    changed = msgspec.structs.replace(settings, rate_limits=limits)
+    twin, other = Arrivals(), Arrivals()
+    async with (
+        connected(changed) as conn,
+        http_agent("twin", behaviour=twin) as twin_agent,
+        http_agent("other", behaviour=other) as other_agent,
+        running_dispatcher(conn),
+        running_sidecar(conn, "twin-1", ("text.echo",), url=twin_agent.url),
+        running_sidecar(conn, "twin-2", ("text.echo",), url=twin_agent.url),
+        running_sidecar(conn, "other-1", ("text.echo",), url=other_agent.url),
+        Client(conn) as client,
+    ):
+        started = time.monotonic()
+        results = await _send_all(client, 120)
+        took = time.monotonic() - started
+    assert all(r.ok for r in results)
+    assert len(twin.times) + len(other.times) == 120
+    assert twin.most_in_any_second() <= 3 + 10  # both instances together
+    assert len(twin.times) <= 3 + 10 * (took + 1)
+    assert len(other.times) > 0
