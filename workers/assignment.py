@@ -77,9 +77,10 @@ class Assigner:
     async def assign(self, routed: list[Routed]) -> list[Routed]:
         """Assign each ROUTED attempt within the rate limits; the refused go back to WAITING
         (and are parked). Returns the assigned ones."""
+        now = now_ms()
+        await self._saturated_instances(now)
         if not routed:
             return []
-        now = now_ms()
         refused: list[tuple[Routed, str, int]] = []  # (attempt, why, retry at ms or 0)
         if self.gate.active:
             scopes = [self.gate.scopes(r.capability, r.instance_id, r.tenant) for r in routed]
@@ -112,6 +113,17 @@ class Assigner:
         )
         return [r for r, res in zip(routed, results, strict=True) if res in OK]
 
+    async def _saturated_instances(self, now: int) -> None:
+        """``rate_limit.saturated`` for the instances routing found over their rate."""
+        if not self.table.saturated:
+            return
+        over = [
+            Limited(("instance", inst), int(self.table.held.get(inst, now)))
+            for inst in sorted(self.table.saturated)
+        ]
+        self.table.saturated.clear()
+        await self.gate.saturated(over, now)
+
     def _limited(self, r: Routed, limited: Limited, now: int) -> tuple[Routed, str, int]:
         """Over a config limit. A tenant's or capability's holds the message until the limit
         lets it through; an agent's holds that agent's instances, so another agent may serve."""
@@ -127,6 +139,7 @@ class Assigner:
     def _refused(self, r: Routed, res: AssignResult, now: int) -> tuple[Routed, str, int]:
         if res is AssignResult.RATE_LIMITED:  # the instance's own limit, checked with the credit
             self.table.rate_refused(r.instance_id, now)
+            self.table.saturated.add(r.instance_id)
             return r, f"rate_limited: instance {r.instance_id!r} over its rate limit", 0
         self.table.mark_full(r.instance_id)
         return r, f"assignment to {r.instance_id} refused: {res.name.lower()}", 0

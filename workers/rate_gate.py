@@ -113,7 +113,7 @@ class RateGate:
                 continue
             self._said[limited.scope] = now
             kind, name = limited.scope
-            interval, burst = self.limits.get(limited.scope) or self.table.rates.get(name, (0, 1))
+            interval, burst = self.limits.get(limited.scope) or self.table.rates.get(name, (0.0, 1))
             commands.append(
                 event_command(
                     self.conn,

@@ -45,6 +45,8 @@ class RoutingTable:
         self.rates: dict[str, tuple[float, int]] = {}
         self.tat: dict[str, float] = {}
         self.held: dict[str, float] = {}
+        # instances a decision found over their rate since the last look (rate_limit.saturated)
+        self.saturated: set[str] = set()
 
     @property
     def instances(self) -> list[InstanceView]:
@@ -66,6 +68,8 @@ class RoutingTable:
             self.inflight[inst] = self.inflight.get(inst, 0) + 1
             if inst in self.rates:
                 self._took(inst, now_ms)
+        elif decision.outcome is Outcome.RATE_LIMITED:
+            self.saturated.update(i for i, t in self.held.items() if t > now_ms)
         return decision
 
     def _took(self, inst: str, now_ms: int) -> None:

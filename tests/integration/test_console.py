@@ -14,7 +14,9 @@ import pytest
 from broker.connection import Connection
 from broker.registry import Registry
 from broker.stages import Stage
-from broker.store import MessageStore
+from broker.store import MessageStore, Move
+from broker.timekeeping import now_ms
+from broker.usage import Usage, charge
 from tests.support.harness import card
 from tests.support.repair import record_in
 from workers.console.app import console_endpoint
@@ -200,3 +202,29 @@ async def test_the_live_stream_sends_the_pages_region(conn: Connection) -> None:
                 update = json.loads(line.removeprefix("data: "))
                 break
     assert update["id"] == "live" and 'data-instance="live-1"' in update["html"]
+
+
+async def test_the_usage_page_shows_what_was_charged(conn: Connection) -> None:
+    store = MessageStore(conn)
+    for i, tenant in enumerate(("team-a", "team-a", "team-b")):
+        message_id = await record_in(conn, Stage.PROCESSING, reason="")
+        bill = charge(
+            "billing",
+            "text.echo",
+            tenant,
+            attempt=1 + i % 2,
+            answered=True,
+            busy_ms=1500,
+            usage=Usage(input_tokens=10, output_tokens=5, cost=0.5),
+            ms=now_ms(),
+        )
+        assert (await store.apply(Move(message_id, Stage.SUCCEEDED, charge=bill))).ok
+    async with console(conn) as http:
+        by_tenant = await http.get("/usage", params={"by": "tenant", "since": "7d"})
+        hostile = await http.get("/usage", params={"by": "<script>", "since": "forever"})
+    assert by_tenant.status_code == 200
+    rows = re.findall(r"<tr><td>([^<]+)</td><td>(\d+)</td>", by_tenant.text)
+    assert rows == [("team-a", "2"), ("team-b", "1")]
+    assert "1.0000" in by_tenant.text and "1 of these requests were retries" in by_tenant.text
+    assert hostile.status_code == 200 and "<script>" not in hostile.text
+    assert "<tr><td>billing</td><td>3</td>" in hostile.text  # by agent, today

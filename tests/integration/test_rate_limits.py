@@ -91,10 +91,14 @@ async def test_an_instance_at_10_per_second_gets_at_most_burst_plus_10_in_any_se
         took = time.monotonic() - started
         store = MessageStore(conn)
         timelines = [await store.get_timeline(r.id) for r in results]
+        events = await conn.call("XRANGE", conn.fleet.events, "-", "+")
     assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
     assert len(arrivals.times) == 200
     assert arrivals.most_in_any_second() <= 5 + 10
     assert took >= (200 - 5) / 10 - 0.5  # the limit, not the agent, set the pace
+    print(f"most calls in any second: {arrivals.most_in_any_second()}, 200 in {took:.1f} s")
+    subjects = [dict(zip(f[::2], f[1::2], strict=True))[b"subject"] for _, f in events]
+    assert b"instance:slowpoke-1" in subjects
     waits = [e.reason for t in timelines for e in t if e.stage == "WAITING"]
     assert sum(1 for w in waits if w.startswith("rate_limited")) > 0, waits[:5]
 
@@ -113,6 +117,8 @@ async def test_an_unlimited_instance_takes_the_overflow(conn: Connection) -> Non
         results = await _send_all(client, 200)
         took = time.monotonic() - started
     assert all(r.ok for r in results)
+    print(f"limited {len(slow.times)} (most in a second {slow.most_in_any_second()}),")
+    print(f"unlimited {len(free.times)}, in {took:.1f} s")
     assert len(slow.times) + len(free.times) == 200
     assert slow.most_in_any_second() <= 5 + 10
     assert len(slow.times) <= 5 + 10 * (took + 1)

@@ -132,6 +132,7 @@ def console_app(conn: Connection, guard: Guard) -> Starlette:
         Route("/messages/{message_id}/resolve", actions.resolve_message, methods=["POST"]),
         Route("/messages/{message_id}/cancel", actions.cancel_message, methods=["POST"]),
         Route("/dlq", pages.dlq),
+        Route("/usage", pages.usage),
         Route("/dlq/replay", actions.replay_letters, methods=["POST"]),
         Route("/events/{page}", pages.events),
         Route("/login", login_page),

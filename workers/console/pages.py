@@ -21,6 +21,9 @@ from broker.client import Client
 from broker.errors import UnknownMessage
 from broker.operator import Operator
 from broker.stages import IN_FLIGHT, PARKED, QUEUED, Stage
+from broker.timekeeping import now_ms
+from broker.usage import DIMENSIONS
+from broker.usage_reader import usage_totals
 
 from ..overview import broadcast_children
 from .state import ConsoleState, is_id
@@ -168,6 +171,33 @@ async def dlq(request: Request) -> Response:
     state = state_of(request)
     reason = request.query_params.get("reason", "")[:200]
     return state.render(request, "dlq.html", page="dlq", **await dlq_context(state, reason))
+
+
+# -- usage -----------------------------------------------------------------------------------
+
+USAGE_SPANS = {"1d": 1, "7d": 7, "30d": 30}
+
+
+async def usage(request: Request) -> Response:
+    """What ``agent-reach usage`` shows: requests, outcomes, busy time, tokens and cost, by
+    agent, capability or tenant, over today or the last 7 or 30 UTC days."""
+    state = state_of(request)
+    by = request.query_params.get("by", "agent")
+    by = by if by in DIMENSIONS else "agent"
+    since = request.query_params.get("since", "1d")
+    since = since if since in USAGE_SPANS else "1d"
+    rows = await usage_totals(state.conn, by, USAGE_SPANS[since], now_ms())
+    return state.render(
+        request,
+        "usage.html",
+        page="usage",
+        rows=rows,
+        by=by,
+        since=since,
+        dimensions=DIMENSIONS,
+        spans=list(USAGE_SPANS),
+        retried=sum(int(row.figures["retried"]) for row in rows),
+    )
 
 
 # -- live regions ----------------------------------------------------------------------------
