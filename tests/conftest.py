@@ -75,7 +75,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 # Run on the single server and again on the local cluster in every suite run; with
 # --redis-cluster, every test that takes `settings` runs on the cluster only.
-ON_BOTH = {"test_pipeline", "test_reaper", "test_broadcast", "test_notifier", "test_operator"}
+ON_BOTH = {
+    "test_pipeline",
+    "test_reaper",
+    "test_broadcast",
+    "test_notifier",
+    "test_operator",
+    "test_usage",
+    "test_budgets",
+}
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
