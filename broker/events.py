@@ -54,8 +54,9 @@ _TYPE = re.compile(r"[a-z][a-z_]{0,39}\.[a-z][a-z_]{0,39}")
 MAX_SUBJECT = 1024
 MAX_DETAIL_BYTES = 65_536
 # an event delivery's outbox `id` starts with this: its dead letter is no message's, and
-# reports no `message.dead` (an undeliverable subscription must not feed itself)
-DELIVERY_PREFIX = "event."
+# reports no `message.dead` (an undeliverable subscription must not feed itself). `~` is in
+# no message id (broker/envelope.py), so no producer can pass a message off as an event's.
+DELIVERY_PREFIX = "~event."
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True):

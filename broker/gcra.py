@@ -9,6 +9,10 @@ and then ``tat`` becomes ``max(tat, now) + T``. In any window of ``W`` ms at mos
 ``lua/assign.lua`` (instance limits, with the credit) and ``lua/gcra.lua`` (agent, capability
 and tenant limits) run this same arithmetic in Redis, where the state lives; a dispatcher
 runs it locally to route around an instance that would refuse (``workers/routing_table.py``).
+
+``now`` is the caller's clock: dispatchers' clocks differ a little. A state further ahead
+than any conforming call leaves it (``tat > now + B·T``) was written by a clock ahead of the
+caller's, and is read as ``now``: a skewed dispatcher can hold a limit for at most ``B·T``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ class Verdict:
 
 
 def gcra(tat: float, now: float, interval_ms: float, burst: int) -> Verdict:
+    if tat > now + burst * interval_ms:  # no call leaves it there: a clock ahead of ours did
+        tat = now
     new_tat = max(tat, now) + interval_ms
     over = new_tat - now - burst * interval_ms
     if over > EPSILON_MS:

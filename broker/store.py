@@ -154,7 +154,8 @@ def charge_args(conn: Connection, c: Charge) -> list[Any]:
     keep_s = max(s.usage_keep_days, 32) * 86400
     figures = [item for pair in c.figures.items() for item in (pair[0], repr(float(pair[1])))]
     cap = s.metrics_max_series * 4  # each combination is a few fields
-    return [c.combination, cap, keep_s, c.tenant, repr(c.spend), len(c.figures), *figures]
+    budgeted = "1" if c.tenant in s.budgets else ""  # never folded: budgets read it
+    return [c.combination, cap, keep_s, c.tenant, repr(c.spend), budgeted, len(c.figures), *figures]
 
 
 def parked_events(conn: Connection, moves: list[Move], done: list[Moved]) -> list[Any]:

@@ -19,6 +19,17 @@ RATE_WINDOW_MS = 10_000
 RATE_SPAN_WINDOWS = 6  # the assignment rate is averaged over the last minute
 
 
+def stand_aside_commands(keys: Keyspace, items: list[tuple[str, str, int, int]]) -> list[Command]:
+    """``(capability, message_id, priority, until_ms)``: a waiting message that may not go
+    before ``until_ms`` (a retry's back-off, a rate limit) takes the place of one that came
+    then, so it does not stand at the head in front of work that may go now (``XX``: only
+    if still waiting)."""
+    return [
+        ("ZADD", keys.waiting(capability), "XX", waiting_score(priority, until), message_id)
+        for capability, message_id, priority, until in items
+    ]
+
+
 def park_commands(keys: Keyspace, items: list[tuple[str, str, int, int]]) -> list[Command]:
     """``(capability, message_id, priority, accepted_ms)``: the waiting-set entries, then the
     capability index — in that order, so that a prune of the index

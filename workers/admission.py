@@ -41,7 +41,6 @@ from broker.timekeeping import now_ms
 from broker.waiting_sets import park_commands
 
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
-from .budget_watch import BudgetWatch
 from .intake import Intake
 from .intent_resolver import with_intent
 from .routing_table import RoutingTable
@@ -96,7 +95,7 @@ class Admission:
         self.waiting = waiting
         self.intake = intake
         self.on_parked = on_parked
-        self.budgets = BudgetWatch(conn)
+        self.budgets = assigner.budgets
         self._overruns: dict[str, Overrun] = {}
 
     async def admit(
@@ -207,7 +206,7 @@ class Admission:
                 )
         if envelope.mode == "broadcast":
             return self._plan_broadcast(envelope, now, deadline_ms)
-        if envelope.capability in self.waiting.backlogged and over is None:
+        if envelope.capability in self.waiting.backlogged:
             decision: Decision | None = None  # earlier work waits: this one queues behind it
             instance = None
         else:

@@ -22,6 +22,7 @@ from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
 from broker.waiting_sets import count_assigned_commands, park_commands
 
+from .budget_watch import BudgetWatch
 from .rate_gate import Limited, RateGate
 from .routing_table import RoutingTable
 
@@ -73,6 +74,7 @@ class Assigner:
         self.store = store
         self.table = table
         self.gate = RateGate(store.conn, table)
+        self.budgets = BudgetWatch(store.conn)  # one view of spending for admission and drain
 
     async def assign(self, routed: list[Routed]) -> list[Routed]:
         """Assign each ROUTED attempt within the rate limits; the refused go back to WAITING
@@ -103,9 +105,9 @@ class Assigner:
         await self.store.conn.run_all(
             park_commands(
                 self.store.keys,
-                [
-                    (r.capability, r.message_id, r.priority, r.accepted_ms)
-                    for (r, _, _), m in zip(refused, moved, strict=True)
+                [  # one held by a limit takes the place of one that comes when it may go
+                    (r.capability, r.message_id, r.priority, retry_at or r.accepted_ms)
+                    for (r, _, retry_at), m in zip(refused, moved, strict=True)
                     if m.ok
                 ],
             )
@@ -138,6 +140,7 @@ class Assigner:
 
     def _refused(self, r: Routed, res: AssignResult, now: int) -> tuple[Routed, str, int]:
         if res is AssignResult.RATE_LIMITED:  # the instance's own limit, checked with the credit
+            self.table.unreserve(r.instance_id)
             self.table.rate_refused(r.instance_id, now)
             self.table.saturated.add(r.instance_id)
             return r, f"rate_limited: instance {r.instance_id!r} over its rate limit", 0

@@ -35,6 +35,10 @@ class BudgetWatch:
     def active(self) -> bool:
         return bool(self.budgets)
 
+    @property
+    def cheapest(self) -> bool:
+        return self.conn.settings.budget_mode == "cheapest"
+
     async def refresh(self, now: int) -> None:
         """Read spending again if the last read is older than ``budget_refresh_s``. A Redis
         that does not answer keeps the last view (the round trips after this one fail too,

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import msgspec
 
 from broker.config import Settings
@@ -92,6 +93,11 @@ class Resolved:
     decisions: dict[str, IntentDecision] = field(default_factory=dict)
 
 
+# after the embeddings endpoint failed, intents are scored lexically this long before it is
+# asked again (each batch waiting up to embedding_timeout_s would slow every ingress lane)
+EMBEDDINGS_REST_S = 30.0
+
+
 class IntentResolver:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -108,17 +114,30 @@ class IntentResolver:
         self.profiles: dict[str, CapabilityProfile] = {}
         self.lexical = LexicalScorer([])
         self.approvals: dict[str, float | None] = {}
-        self._snapshot: object = None
+        self._snapshot: RegistryIndex | None = None
+        self._built: object = None  # the snapshot the profiles were built from
+        self._intents_seen = False
+        self._embeddings_back_at = 0.0  # after a failure, the lexical scorer until then
+        self._embeddings_failure = ""
 
     async def load(self, index: RegistryIndex) -> None:
-        """A new snapshot: profiles, the lexical scorer, the agents' approval rates."""
-        if index is self._snapshot:
+        """A new snapshot. Profiles, the lexical scorer and the agents' approval rates are
+        (re)built from it only once intents are in use: a dispatcher that never meets one
+        pays nothing per refresh."""
+        self._snapshot = index
+        if self._intents_seen:
+            await self._build()
+
+    async def _build(self) -> None:
+        index = self._snapshot
+        if index is None or index is self._built:
             return
         profiles = profiles_of(index)
         agents = {a for p in profiles.values() for a in p.agents}
         self.approvals = await approvals(self.conn, agents)
-        self.profiles, self.lexical = profiles, LexicalScorer(profiles.values())
-        self._snapshot = index
+        if profiles != self.profiles:
+            self.profiles, self.lexical = profiles, LexicalScorer(profiles.values())
+        self._built = index
 
     async def aclose(self) -> None:
         if self.embeddings is not None:
@@ -130,6 +149,8 @@ class IntentResolver:
         asked = [e for e in envelopes if not e.capability and e.intent]
         if not asked:
             return Resolved(list(envelopes))
+        self._intents_seen = True
+        await self._build()
         decisions = await self.decide([e.intent or "" for e in asked])
         by_id = {e.message_id: d for e, d in zip(asked, decisions, strict=True)}
         kept: list[Envelope] = []
@@ -170,13 +191,19 @@ class IntentResolver:
         if not distinct:
             return {}, "lexical"
         scorer = "lexical"
-        if self.embeddings is not None and self.profiles:
+        resting = anyio.current_time() < self._embeddings_back_at
+        if self.embeddings is not None and self.profiles and resting:
+            scorer = f"lexical; embeddings unavailable: {self._embeddings_failure}"
+        elif self.embeddings is not None and self.profiles:
             try:
                 found = await self.embeddings.similarities(distinct, list(self.profiles.values()))
                 return dict(zip(distinct, found, strict=True)), "embeddings"
             except EmbeddingFailure as exc:
+                # not asked again for a while: a stalled endpoint must not slow every batch
                 log.warning("embeddings unavailable, intents scored lexically: %s", exc)
-                scorer = f"lexical; embeddings unavailable: {str(exc)[:200]}"
+                self._embeddings_failure = str(exc)[:200]
+                self._embeddings_back_at = anyio.current_time() + EMBEDDINGS_REST_S
+                scorer = f"lexical; embeddings unavailable: {self._embeddings_failure}"
         return {i: self.lexical.similarities(i) for i in distinct}, scorer
 
 

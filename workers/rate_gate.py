@@ -95,6 +95,15 @@ class RateGate:
         await self.saturated([v for v in verdicts if v is not None], now)
         return verdicts
 
+    def holds(self, capability: str, tenant: str | None, now: int) -> int:
+        """Until when a tenant's or capability's limit is known to refuse (0: not held)."""
+        if not self.held:
+            return 0
+        until = self.held.get(("capability", capability), 0)
+        if tenant is not None:
+            until = max(until, self.held.get(("tenant", tenant), 0))
+        return until if until > now else 0
+
     def _take(self, scope: Scope, now: int) -> tuple[object, ...]:
         interval, burst = self.limits[scope]
         key = self.conn.fleet.rate(*scope)

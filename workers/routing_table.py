@@ -58,7 +58,9 @@ class RoutingTable:
         self.rates = {
             v.instance_id: (v.card.rate_ms, v.card.burst) for v in instances if v.card.rate_ms > 0
         }
-        self.held = {i: t for i, t in self.held.items() if i in self.rates}
+        # held by their own rate or their agent's: kept while the instance is registered
+        self.held = {i: t for i, t in self.held.items() if i in self.index.by_instance}
+        self.tat = {i: t for i, t in self.tat.items() if i in self.rates}
 
     def decide(self, request: RouteRequest, *, now_ms: int) -> Decision:
         """Run the funnel; a routed decision counts one credit taken on its instance."""
@@ -76,13 +78,16 @@ class RoutingTable:
         interval, burst = self.rates[inst]
         verdict = gcra(self.tat.get(inst, 0.0), now_ms, interval, burst)
         self.tat[inst] = verdict.tat if verdict.allowed else self.tat.get(inst, 0.0) + interval
-        self.held_until(inst, ready_at(self.tat[inst], interval, burst), now_ms)
-
-    def held_until(self, inst: str, ready_ms: float, now_ms: int) -> None:
-        if ready_ms > now_ms:
-            self.held[inst] = ready_ms
+        ready = ready_at(self.tat[inst], interval, burst)
+        if ready > now_ms:
+            self.held[inst] = ready
         else:
             self.held.pop(inst, None)
+
+    def held_until(self, inst: str, ready_ms: float, now_ms: int) -> None:
+        """``inst`` may not be called before ``ready_ms`` (the later of what is known)."""
+        if ready_ms > now_ms:
+            self.held[inst] = max(ready_ms, self.held.get(inst, 0.0))
 
     def rate_refused(self, inst: str, now_ms: int) -> None:
         """``assign.lua`` found the instance over its rate (other dispatchers call it too):

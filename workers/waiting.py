@@ -25,7 +25,12 @@ from broker.sessions import bind_session_commands, bound_instances
 from broker.stages import QUEUED, Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
-from broker.waiting_sets import restore_commands, set_aside_commands, unpark_commands
+from broker.waiting_sets import (
+    restore_commands,
+    set_aside_commands,
+    stand_aside_commands,
+    unpark_commands,
+)
 
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
 from .routing_table import RoutingTable
@@ -42,6 +47,7 @@ class Pick:
     envelope: Envelope
     instance_id: str
     fields: dict[str, bytes | str]
+    accepted_ms: int = 0
 
 
 class WaitingRoom:
@@ -65,6 +71,8 @@ class WaitingRoom:
         self.backlogged: set[str] = set()
         self.assigned = 0  # messages this room has assigned, over its life
         self._review_from: dict[str, int] = {}  # where the next review of unmatched starts
+        # (capability, id, priority, until): met at the head but not to go before `until`
+        self._stand_aside: list[tuple[str, str, int, int]] = []
 
     async def drain(self, capabilities: Iterable[str]) -> int:
         """Assign waiting messages of ``capabilities`` to free credits: the highest priority
@@ -106,8 +114,10 @@ class WaitingRoom:
         # Still indexed: the refused ones keep their waiting-set entry.
         removed = {c: [a.message_id for a in done if a.capability == c] + stale[c] for c in heads}
         aside = {c: [r for c2, r in unmatched if c2 == c] for c in heads}
+        aside_now, self._stand_aside = self._stand_aside, []
         await self.store.conn.run_all(
             unpark_commands(self.store.keys, removed)
+            + stand_aside_commands(self.store.keys, aside_now)
             + [
                 cmd
                 for c, records in aside.items()
@@ -166,10 +176,18 @@ class WaitingRoom:
             self.store.conn, sorted({e.session_id for _, e in envelopes if e.session_id})
         )
         picks, unmatched = [], []
+        gate, budgets = self.assigner.gate, self.assigner.budgets
+        await budgets.refresh(now)
         for (capability, envelope), (_, record) in zip(envelopes, waiting, strict=True):
-            if record.retry_at_ms > now or self.table.free_credits(capability, now_ms=now) <= 0:
-                continue  # still backing off after a failure; or no credit for it now
-            request = route_request(envelope, sessions, avoid=record.avoid)
+            until = max(record.retry_at_ms, gate.holds(capability, envelope.tenant, now))
+            if until > now:  # backing off after a failure, or held by a rate limit
+                self._stand_aside.append((capability, record.id, envelope.priority, until))
+                continue
+            if self.table.free_credits(capability, now_ms=now) <= 0:
+                continue  # no credit for it now
+            # a tenant over its budget in "cheapest" mode: the cheapest, drained as admitted
+            cheapest = budgets.verdict(envelope.tenant) is not None and budgets.cheapest
+            request = route_request(envelope, sessions, avoid=record.avoid, cheapest=cheapest)
             decision = self.table.decide(request, now_ms=now)
             instance_id = routed_instance(decision)
             if instance_id is None:
@@ -183,6 +201,7 @@ class WaitingRoom:
                     envelope,
                     instance_id,
                     decision_fields(decision),
+                    record.accepted_ms,
                 )
             )
             if envelope.session_id:
@@ -250,7 +269,7 @@ class WaitingRoom:
                         p.instance_id,
                         m.attempt,
                         p.envelope.priority,
-                        0,
+                        p.accepted_ms,
                         p.envelope.tenant,
                     )
                 )

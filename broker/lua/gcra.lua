@@ -9,6 +9,9 @@
 -- Returns 0 when the call conforms (the state moves on), else the wait in whole ms (>= 1).
 local now, interval, burst = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local tat = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+if tat > now + burst * interval then
+  tat = now  -- no call leaves it there: written by a clock ahead of this caller's
+end
 local new_tat = math.max(tat, now) + interval
 local over = new_tat - now - burst * interval
 if over > 0.001 then  -- broker/gcra.py EPSILON_MS

@@ -23,9 +23,10 @@
 -- ARGV[15..14+n] those fields (a retry, an agent call: broker/metric_fields.py)
 -- ARGV[15+n] a charge's combination "agent\tcapability\ttenant", or "" for no charge; with one:
 --          [16+n] the day hash's cap (fields), [17+n] seconds to keep the usage hashes,
---          [18+n] the tenant, [19+n] its spending (cost), [20+n] m, then m figure, amount pairs
---          (HINCRBYFLOAT into "<combination>\t<figure>"); a new combination past the cap is
---          charged as "~other\t~other\t~other"
+--          [18+n] the tenant, [19+n] its spending (cost), [20+n] "1" when the tenant has a
+--          budget (its spending is kept under its name past the cap), [21+n] m, then m
+--          figure, amount pairs (HINCRBYFLOAT into "<combination>\t<figure>"); a new
+--          combination past the cap is charged as "~other\t~other\t~other"
 -- ARGV[after them..] field, value pairs to write on success; moving to a terminal stage also
 --          counts "finished\t<capability>\t<stage>"
 --
@@ -41,7 +42,7 @@ if charged and #KEYS == 4 then
 end
 local fields_at = 16 + n
 if charged then
-  fields_at = 21 + n + 2 * tonumber(ARGV[20 + n])
+  fields_at = 22 + n + 2 * tonumber(ARGV[21 + n])
 end
 local cur = redis.call('HMGET', rec, 'stage', 'attempt', 'instance', ARGV[11], 'capability',
                        'accepted_ms')
@@ -78,9 +79,12 @@ if charged then
   local combo, tenant = ARGV[15 + n], ARGV[18 + n]
   if redis.call('HEXISTS', day, combo .. '\trequests') == 0
      and redis.call('HLEN', day) >= tonumber(ARGV[16 + n]) then
-    combo, tenant = '~other\t~other\t~other', '~other'
+    combo = '~other\t~other\t~other'
+    if ARGV[20 + n] ~= '1' then
+      tenant = '~other'
+    end
   end
-  for i = 21 + n, 19 + n + 2 * tonumber(ARGV[20 + n]), 2 do
+  for i = 22 + n, 20 + n + 2 * tonumber(ARGV[21 + n]), 2 do
     redis.call('HINCRBYFLOAT', day, combo .. '\t' .. ARGV[i], ARGV[i + 1])
   end
   if tonumber(ARGV[19 + n]) > 0 then

@@ -35,6 +35,7 @@ from tests.support.embeddings import embeddings_server
 from tests.support.harness import collect_replies, eventually, running_dispatcher
 from workers.cli import main
 from workers.intent_embeddings import EmbeddingFailure, EmbeddingScorer
+from workers.intent_resolver import IntentResolver
 
 REFUND = "Refund or reimburse a customer's payment, today or later"
 WEATHER = "Tell the weather forecast for today or tomorrow, for any city"
@@ -258,3 +259,26 @@ async def test_an_embeddings_endpoint_that_stalls_errs_or_babbles_is_a_failure_i
                 with pytest.raises(EmbeddingFailure, match=said):
                     await scorer.similarities(["refund me"], profiles)
             await scorer.aclose()
+
+
+async def test_a_failing_embeddings_endpoint_is_left_alone_for_a_while(conn: Connection) -> None:
+    """After a failure the lexical scorer answers without asking the endpoint again, so a
+    stalled endpoint does not hold every batch for its timeout."""
+    asked = {"n": 0}
+
+    async def failing(request: Request) -> Response:
+        asked["n"] += 1
+        return JSONResponse({"error": "overloaded"}, status_code=503)
+
+    app = Starlette(routes=[Route("/v1/embeddings", failing, methods=["POST"])])
+    async with serve_app(app) as url:
+        settings = msgspec.structs.replace(conn.settings, embedding_url=f"{url.rstrip('/')}/v1")
+        async with open_connection(settings, conn.url) as with_embeddings:
+            resolver = IntentResolver(with_embeddings)
+            resolver.profiles = {"payment.refund": CapabilityProfile("payment.refund", "refund")}
+            first = await resolver.decide(["refund my order"])
+            second = await resolver.decide(["refund my order please"])
+            await resolver.aclose()
+    assert asked["n"] == 1
+    for decision in (first[0], second[0]):
+        assert decision.scorer.startswith("lexical; embeddings unavailable")

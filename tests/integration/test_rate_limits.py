@@ -20,6 +20,7 @@ from adapters.sidecar import Sidecar
 from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection
+from broker.envelope import Envelope
 from broker.gcra import gcra
 from broker.governance import RateLimit, RateLimits
 from broker.scripts import ScriptName
@@ -64,11 +65,11 @@ async def limited_sidecar(
     await transport.aclose()
 
 
-async def _send_all(client: Client, n: int, **fields: Any) -> list[Any]:
+async def _send_all(client: Client, n: int, deadline_s: float = 60, **fields: Any) -> list[Any]:
     results: list[Any] = [None] * n
 
     async def one(i: int) -> None:
-        results[i] = await client.request("text.echo", i, timeout=60, **fields)
+        results[i] = await client.request("text.echo", i, timeout=deadline_s, **fields)
 
     async with anyio.create_task_group() as tg:
         for i in range(n):
@@ -199,3 +200,30 @@ async def test_an_agent_limit_spans_its_instances_and_another_agent_serves(
     assert twin.most_in_any_second() <= 3 + 10  # both instances together
     assert len(twin.times) <= 3 + 10 * (took + 1)
     assert len(other.times) > 0
+
+
+async def test_a_dispatcher_clock_an_hour_ahead_does_not_lock_the_limit(conn: Connection) -> None:
+    key = conn.fleet.rate("test", "skew")
+    take = conn.script_command
+    assert await conn.call(*take(ScriptName.GCRA, (key,), (1_000_000 + 3_600_000, 100.0, 2))) == 0
+    assert await conn.call(*take(ScriptName.GCRA, (key,), (1_000_000, 100.0, 2))) == 0
+
+
+async def test_work_held_by_a_tenant_limit_does_not_block_other_tenants(
+    settings: Settings,
+) -> None:
+    limits = RateLimits(tenant={"chatty": RateLimit("5/s", burst=1)})
+    changed = msgspec.structs.replace(settings, rate_limits=limits)
+    async with (
+        connected(changed) as conn,
+        http_agent("shared") as agent,
+        running_dispatcher(conn),
+        running_sidecar(conn, "shared-1", ("text.echo",), url=agent.url),
+        Client(conn) as client,
+    ):
+        # far more than a drain's window, all held by the limit, ahead in the waiting set
+        chatty = Envelope(capability="text.echo", tenant="chatty", timeout_s=120)
+        await client.submit_many([chatty] * 200)
+        # with a deadline long enough for the queue ahead, never for chatty's backlog (40 s)
+        quiet = await _send_all(client, 5, tenant="quiet", deadline_s=8)
+    assert all(r.ok for r in quiet), [r.error for r in quiet]

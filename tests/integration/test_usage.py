@@ -17,6 +17,7 @@ from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection, open_connection
 from broker.feedback import record_feedback
+from broker.governance import TenantBudget
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore, Move
 from broker.timekeeping import now_ms
@@ -211,3 +212,19 @@ async def test_the_agent_is_recorded_with_the_outcome_so_feedback_outlives_its_c
         assert await record_feedback(conn, result.id, good=False) == "rated"
         ratings = await conn.call("LRANGE", conn.fleet.feedback("rated"), 0, -1)
         assert ratings[0].startswith(f"bad {result.id} ".encode())
+
+
+async def test_a_budgeted_tenants_spending_is_kept_past_the_cap(settings: Settings) -> None:
+    capped = msgspec.structs.replace(
+        settings, metrics_max_series=10, budgets={"team-a": TenantBudget(daily=1.0)}
+    )
+    assert capped.redis_url is not None
+    async with open_connection(capped, capped.redis_url) as conn:
+        store = MessageStore(conn)
+        for i in range(40):  # a flood of junk tenants fills the day's hash (every slot's)
+            await store.accept(_acceptance(f"j{i}"))
+            assert (await store.apply(Move(f"j{i}", Stage.CANCELLED, charge=_bill(f"junk{i}")))).ok
+        await store.accept(_acceptance("paid"))
+        assert (await store.apply(Move("paid", Stage.CANCELLED, charge=_bill("team-a", cost=5)))).ok
+        day, month = await tenant_spending(conn, now_ms())
+    assert day["team-a"] == month["team-a"] == 5.0

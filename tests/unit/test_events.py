@@ -74,3 +74,15 @@ def test_a_subscription_is_checked_like_a_callback_url() -> None:
         subscription_problem("http://127.0.0.1/", [], ["127.0.0.1"], None) or ""
     )
     assert subscription_problem("http://127.0.0.1/", ["message.dead"], ["127.0.0.1"], "k") is None
+
+
+def test_no_message_id_passes_for_an_event_delivery() -> None:
+    import re as _re
+
+    from broker.envelope import MESSAGE_ID_PATTERN
+    from broker.events import delivery_ids, is_event_delivery
+
+    outbox_id, _ = delivery_ids("1-0", "s1")
+    assert is_event_delivery(outbox_id)
+    assert not _re.match(MESSAGE_ID_PATTERN, outbox_id)
+    assert not is_event_delivery("event.x")  # a producer's message id

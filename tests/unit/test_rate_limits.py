@@ -124,3 +124,8 @@ def test_the_sidecar_refuses_a_rate_it_cannot_read() -> None:
     )
     assert result.exit_code == 2
     assert "a rate is `<count>/<unit>`" in result.output
+
+
+def test_a_state_written_by_a_clock_ahead_holds_at_most_one_burst() -> None:
+    ahead = 3_600_000.0  # an hour ahead of ours
+    assert gcra(10_000 + ahead, 10_000, 100, 3).allowed
