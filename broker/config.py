@@ -6,6 +6,7 @@ key's name and the allowed range.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import msgspec.inspect
 
-from .envelope import capability_problem
+from .envelope import TENANT_PATTERN, capability_problem
 from .errors import ConfigError
 from .events import EVENT_TYPES
 from .governance import (
@@ -26,6 +27,7 @@ from .governance import (
     rate_problem,
     rule_problem,
 )
+from .subscriptions import subscription_problem
 from .webhooks import Allowlist, webhook_secret_problem
 
 ENV_PREFIX = "AGENT_REACH_"
@@ -190,7 +192,19 @@ def _problem(settings: Settings) -> tuple[str, str] | None:
     return _governance_problem(settings)
 
 
+_TENANT = re.compile(TENANT_PATTERN)
+
+
 def _governance_problem(settings: Settings) -> tuple[str, str] | None:
+    return (
+        _limits_problem(settings)
+        or _intent_problem(settings)
+        or _subscriptions_problem(settings)
+        or _tenants_problem(settings)
+    )
+
+
+def _limits_problem(settings: Settings) -> tuple[str, str] | None:
     for kind, limits in (
         ("agent", settings.rate_limits.agent),
         ("capability", settings.rate_limits.capability),
@@ -199,6 +213,10 @@ def _governance_problem(settings: Settings) -> tuple[str, str] | None:
         for name, limit in limits.items():
             if problem := rate_problem(limit):
                 return f"rate_limits.{kind}.{name}", problem
+    return None
+
+
+def _intent_problem(settings: Settings) -> tuple[str, str] | None:
     for i, rule in enumerate(settings.intent_rules):
         if problem := rule_problem(rule) or capability_problem(rule.capability):
             return f"intent_rules[{i}]", problem
@@ -207,11 +225,29 @@ def _governance_problem(settings: Settings) -> tuple[str, str] | None:
         return "intent_reject", f"{why}, got {settings.intent_reject}"
     if settings.embedding_url and not settings.embedding_url.startswith(("http://", "https://")):
         return "embedding_url", f"{settings.embedding_url!r}: an http:// or https:// URL"
+    return None
+
+
+def _subscriptions_problem(settings: Settings) -> tuple[str, str] | None:
+    hosts, secret = settings.callback_hosts, settings.webhook_secret
     for i, subscription in enumerate(settings.event_subscriptions):
         if unknown := sorted(set(subscription.events) - set(EVENT_TYPES)):
             return f"event_subscriptions[{i}]", (
                 f"unknown events {', '.join(unknown)}; known: {', '.join(EVENT_TYPES)}"
             )
+        if problem := subscription_problem(subscription.url, subscription.events, hosts, secret):
+            return f"event_subscriptions[{i}]", problem
+    return None
+
+
+def _tenants_problem(settings: Settings) -> tuple[str, str] | None:
+    for key, tenants in (
+        ("budgets", settings.budgets),
+        ("rate_limits", settings.rate_limits.tenant),
+    ):
+        for tenant in tenants:
+            if not _TENANT.match(tenant):
+                return key, f"{tenant!r}: a tenant is 1-128 printable ASCII characters, no spaces"
     return None
 
 

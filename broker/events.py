@@ -137,14 +137,23 @@ def types_problem(kinds: Iterable[str]) -> str | None:
 
 
 def detail_text(detail: bytes) -> str:
-    """``detail`` as ``key=value`` words, for a line a person reads."""
+    """``detail`` as ``key=value`` words, for a line a person reads — on a terminal: control
+    characters (an agent's words reach dead-letter reasons) are shown escaped, never sent."""
     try:
         decoded = msgspec.json.decode(detail)
     except (msgspec.DecodeError, RecursionError):
-        return detail.decode(errors="replace")
+        return printable(detail.decode(errors="replace"))
     if not isinstance(decoded, dict):
-        return str(decoded)
-    return " ".join(f"{key}={_word(value)}" for key, value in decoded.items())
+        return printable(str(decoded))
+    return printable(" ".join(f"{key}={_word(value)}" for key, value in decoded.items()))
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (ESC sequences, CR, ...) written as escapes."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
 
 
 def _word(value: object) -> str:

@@ -296,6 +296,8 @@ def test_governance_keys_load_from_toml_and_print_back(tmp_path: Path) -> None:
         'intent_rules = [{match = "refund|reimburs", capability = "payment.refund", '
         "priority = 99}]\n"
         'event_subscriptions = [{url = "http://127.0.0.1:9/h", events = ["message.dead"]}]\n'
+        'webhook_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"\n'
+        'callback_hosts = ["127.0.0.1"]\n'
     )
     settings = load_settings(path, environ={})
     assert settings.budgets["team-a"].daily == 20.0
@@ -323,6 +325,9 @@ def test_governance_keys_load_from_toml_and_print_back(tmp_path: Path) -> None:
         ({"budgets": {"t": {"daily": -1}}}, "budgets", ">= 0"),
         ({"budget_mode": "free"}, "budget_mode", "reject"),
         ({"event_subscriptions": [{"url": "http://h", "events": ["x.y"]}]}, "event_", "known"),
+        ({"event_subscriptions": [{"url": "http://127.0.0.1/h"}]}, "event_", "not allowed"),
+        ({"budgets": {"team a": {"daily": 1}}}, "budgets", "printable"),
+        ({"rate_limits": {"tenant": {"": {"rate": "1/s"}}}}, "rate_limits", "printable"),
     ],
 )
 def test_governance_mistakes_name_their_key(layer: dict[str, Any], key: str, words: str) -> None:

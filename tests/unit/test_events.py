@@ -86,3 +86,11 @@ def test_no_message_id_passes_for_an_event_delivery() -> None:
     assert is_event_delivery(outbox_id)
     assert not _re.match(MESSAGE_ID_PATTERN, outbox_id)
     assert not is_event_delivery("event.x")  # a producer's message id
+
+
+def test_a_detail_with_terminal_escapes_is_printed_escaped() -> None:
+    from broker.events import detail_text
+
+    shown = detail_text(b'{"reason": "agent said \\u001b[2J\\rgone"}')
+    assert "\x1b" not in shown and "\r" not in shown
+    assert "\\x1b[2J\\rgone" in shown

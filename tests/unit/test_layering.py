@@ -26,6 +26,7 @@ PURE = [
     "governance",
     "usage",
     "budgets",
+    "subscriptions",
     "events",
     "records",
     "errors",

@@ -12,7 +12,7 @@ import click
 from broker.config import Settings
 from broker.connection import Connection
 from broker.event_log import events_key, follow_events, recent_events
-from broker.events import EVENT_TYPES, Event, detail_text, event_body
+from broker.events import EVENT_TYPES, Event, detail_text, event_body, printable
 from broker.subscription_store import SubscriptionStore
 from broker.subscriptions import STATIC_PREFIX, Subscription, subscription_problem
 
@@ -28,7 +28,7 @@ def event_line(event: Event, *, as_json: bool) -> str:
         return event_body(event).decode()
     stamp = datetime.fromtimestamp(event.ts / 1000, UTC).isoformat(timespec="milliseconds")
     detail = detail_text(bytes(event.detail))
-    return f"{stamp}  {event.type:<26} {event.subject}  {detail}".rstrip()
+    return f"{stamp}  {event.type:<26} {printable(event.subject)}  {detail}".rstrip()
 
 
 @click.command()
