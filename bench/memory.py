@@ -101,15 +101,17 @@ async def measure(conn: Connection, messages: int, payload: int) -> dict[str, An
     return out
 
 
-async def main(messages: int, payload: int) -> None:
-    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-memory-")))
+async def main(messages: int, payload: int, listpack_value: int | None) -> None:
+    extra = ["--hash-max-ziplist-value", str(listpack_value)] if listpack_value else []
+    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-memory-")), extra_args=extra)
     try:
         settings = build_settings([{"redis_url": server.url, "prefix": "bench"}])
         async with open_connection(settings, server.url) as conn:
             found = await measure(conn, messages, payload)
     finally:
         server.stop()
-    print(f"{messages} messages, {payload}-byte payloads; bytes of Redis memory per message:")
+    setting = f"hash-max-ziplist-value {listpack_value}" if listpack_value else "Redis defaults"
+    print(f"{messages} messages, {payload}-byte payloads, {setting}; bytes per message:")
     for state in ("waiting", "finished"):
         record, record_kind = found[f"{state} record"]
         timeline, timeline_kind = found[f"{state} timeline"]
@@ -123,8 +125,15 @@ def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=5000)
     parser.add_argument("--payload", type=int, default=100)
+    parser.add_argument(
+        "--listpack-value",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="the server's hash-max-ziplist-value (default: Redis's, 64)",
+    )
     args = parser.parse_args()
-    anyio.run(main, args.messages, args.payload)
+    anyio.run(main, args.messages, args.payload, args.listpack_value)
 
 
 if __name__ == "__main__":
