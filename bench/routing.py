@@ -23,6 +23,7 @@ No threshold: it prints figures, CI never fails on a time.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -30,6 +31,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar
 
+from broker.gc_tuning import tune_gc
 from broker.records import CircuitState, InstanceCard, InstanceState, InstanceStats, InstanceView
 from broker.routing import Decision, RegistryIndex, RouteRequest, RoutingPolicy, route
 
@@ -157,10 +159,13 @@ def measure(size: int, decisions: int, max_seconds: float, seed: int) -> None:
     print(f"{'':>19}funnel: {steps}; {ends}; {len(chosen)} distinct instances chosen", flush=True)
 
 
-def main(sizes: list[int], decisions: int, max_seconds: float, seed: int) -> None:
+def main(sizes: list[int], decisions: int, max_seconds: float, seed: int, default_gc: bool) -> None:
+    if not default_gc:
+        tune_gc()  # as every agent-reach process does (broker/gc_tuning.py)
     print(
         f"route() over one capability: up to {decisions} decisions or {max_seconds:.0f} s per "
-        "size, after a warm-up; baseline: one max() pass for the most free credits"
+        "size, after a warm-up; baseline: one max() pass for the most free credits; "
+        f"garbage collector thresholds {gc.get_threshold()}"
     )
     for size in sizes:
         measure(size, decisions, max_seconds, seed)
@@ -172,8 +177,14 @@ def cli() -> None:
     parser.add_argument("--max-seconds", type=float, default=30.0, help="timed, per size")
     parser.add_argument("--sizes", default="10,200,2000", help="comma-separated pool sizes")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--default-gc",
+        action="store_true",
+        help="CPython's collector thresholds, not the broker's (broker/gc_tuning.py)",
+    )
     args = parser.parse_args()
-    main([int(s) for s in args.sizes.split(",")], args.decisions, args.max_seconds, args.seed)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    main(sizes, args.decisions, args.max_seconds, args.seed, args.default_gc)
 
 
 if __name__ == "__main__":

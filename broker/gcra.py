@@ -11,8 +11,9 @@ and tenant limits) run this same arithmetic in Redis, where the state lives; a d
 runs it locally to route around an instance that would refuse (``workers/routing_table.py``).
 
 ``now`` is the caller's clock: dispatchers' clocks differ a little. A state further ahead
-than any conforming call leaves it (``tat > now + B·T``) was written by a clock ahead of the
-caller's, and is read as ``now``: a skewed dispatcher can hold a limit for at most ``B·T``.
+than any conforming call leaves it (``tat > now + (B+1)·T``: one interval of slack for
+rounding) was written by a clock ahead of the caller's, and is read as ``now``: a skewed
+dispatcher can hold a limit for at most ``(B+1)·T``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Verdict:
 
 
 def gcra(tat: float, now: float, interval_ms: float, burst: int) -> Verdict:
-    if tat > now + burst * interval_ms:  # no call leaves it there: a clock ahead of ours did
+    if tat > now + (burst + 1) * interval_ms:  # no call leaves it there: a clock ahead did
         tat = now
     new_tat = max(tat, now) + interval_ms
     over = new_tat - now - burst * interval_ms

@@ -37,7 +37,7 @@ if interval > 0 and KEYS[4] then
   local now = tonumber(ARGV[3])
   local burst = tonumber(card[5] or '1') or 1
   local tat = tonumber(redis.call('GET', KEYS[4]) or '0') or 0
-  if tat > now + burst * interval then
+  if tat > now + (burst + 1) * interval then
     tat = now  -- written by a clock ahead of this caller's (broker/gcra.py)
   end
   new_tat = math.max(tat, now) + interval

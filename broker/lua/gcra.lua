@@ -9,7 +9,7 @@
 -- Returns 0 when the call conforms (the state moves on), else the wait in whole ms (>= 1).
 local now, interval, burst = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local tat = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
-if tat > now + burst * interval then
+if tat > now + (burst + 1) * interval then
   tat = now  -- no call leaves it there: written by a clock ahead of this caller's
 end
 local new_tat = math.max(tat, now) + interval

@@ -27,6 +27,7 @@ PURE = [
     "usage",
     "budgets",
     "subscriptions",
+    "gc_tuning",
     "events",
     "records",
     "errors",

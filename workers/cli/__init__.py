@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import click
 
+from broker.gc_tuning import tune_gc
+
 from ..runtime import configure_logging
 from .acl import acl
 from .console import console
@@ -29,6 +31,7 @@ __all__ = ["main"]
 def main(verbose: int) -> None:
     """Agent-Reach: an asynchronous dispatch broker for multi-agent systems, on Redis Streams."""
     configure_logging(verbose)
+    tune_gc()
 
 
 for command in (
