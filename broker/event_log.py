@@ -17,7 +17,6 @@ from typing import Any
 from .connection import Connection
 from .errors import RedisReplyError, RedisUnavailable
 from .events import Event, append_event, event_fields, parse_event
-from .keyspace import FleetKeys
 from .streams import GroupReader, parse_entries
 from .timekeeping import now_ms
 
@@ -28,7 +27,7 @@ PAGE = 500
 
 
 def events_key(conn: Connection) -> str:
-    return FleetKeys(conn.keys.prefix).events
+    return conn.fleet.events
 
 
 def event_command(conn: Connection, kind: str, subject: str, **detail: object) -> Command:

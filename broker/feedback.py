@@ -17,7 +17,6 @@ from typing import Any
 from .connection import Connection
 from .errors import ReachError, RedisReplyError, UnknownMessage
 from .intent import approval_rate
-from .keyspace import FleetKeys
 from .timekeeping import now_ms
 from .timeline import note_command
 
@@ -55,7 +54,7 @@ async def record_feedback(conn: Connection, message_id: str, *, good: bool) -> s
     agent_id: str = agent.decode(errors="replace")
     rating = "good" if good else "bad"
     now = now_ms()
-    key = FleetKeys(keys.prefix).feedback(agent_id)
+    key = conn.fleet.feedback(agent_id)
     commands: list[tuple[Any, ...]] = [
         ("LPUSH", key, f"{rating} {message_id} {now}"),
         ("LTRIM", key, 0, KEPT_RATINGS - 1),
@@ -76,7 +75,7 @@ async def approvals(conn: Connection, agents: Iterable[str]) -> dict[str, float 
     names = sorted(set(agents))
     if not names:
         return {}
-    fleet = FleetKeys(conn.keys.prefix)
+    fleet = conn.fleet
     replies = await conn.call_many([("LRANGE", fleet.feedback(a), 0, -1) for a in names])
     rates: dict[str, float | None] = {}
     for agent, reply in zip(names, replies, strict=True):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 from .connection import Connection
-from .keyspace import FleetKeys
 from .record_codec import pairs
 from .subscriptions import (
     Subscription,
@@ -22,7 +21,7 @@ log = logging.getLogger("agent_reach.events")
 class SubscriptionStore:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self.key = FleetKeys(conn.keys.prefix).subscriptions
+        self.key = conn.fleet.subscriptions
         self._reported: set[str] = set()  # unreadable ones already logged
 
     async def add(self, url: str, events: tuple[str, ...]) -> tuple[str, Subscription]:

@@ -16,6 +16,7 @@ month's (``P:usage:<YYYY-MM>``), which is what budgets read.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
@@ -181,11 +182,17 @@ def reported(c: Charge) -> Usage | None:
 
 
 def utc_day(ms: int) -> str:
-    return time.strftime("%Y-%m-%d", time.gmtime(ms / 1000))
+    return _day(ms // 86_400_000)
 
 
 def utc_month(ms: int) -> str:
-    return time.strftime("%Y-%m", time.gmtime(ms / 1000))
+    return _day(ms // 86_400_000)[:7]
+
+
+@functools.lru_cache(maxsize=64)
+def _day(days: int) -> str:
+    """``YYYY-MM-DD`` of a day number: formatted once a day, not once per recorded attempt."""
+    return time.strftime("%Y-%m-%d", time.gmtime(days * 86_400))
 
 
 def days_back(now_ms: int, days: int) -> list[str]:
