@@ -31,7 +31,13 @@ async def test_a_slowing_agent_sheds_load_to_its_healthy_peer(conn: Connection) 
     assert over_limit(run) == []
     assert run.peak_stream() >= 1  # the slow instance did hold work: the check saw something
     assert run.share_after()[FAST] >= 0.9
-    before = percentile(run.latencies(instance=FAST, after=False), 99)
-    after = percentile(run.latencies(instance=FAST, after=True), 99)
-    assert after <= 2 * before, (before, after)
+    # The healthy peer's latency is untouched: its p90 stays within twice its own before the
+    # slowdown, and no request it served waited behind the slow agent (that would cost ~2 s).
+    # p90, not p99: a single 100 ms stall of a shared 2-core machine reaches the ~4 slowest
+    # of 300 requests and says nothing about routing.
+    before = run.latencies(instance=FAST, after=False)
+    after = run.latencies(instance=FAST, after=True)
+    p90_before, p90_after = percentile(before, 90), percentile(after, 90)
+    assert p90_after <= 2 * p90_before, (p90_before, p90_after)
+    assert max(after) < run.plan.slow_ms / 2, sorted(after)[-5:]
     assert len(run.served) == int(run.plan.rate_per_s * (run.plan.before_s + run.plan.after_s))
