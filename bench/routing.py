@@ -9,8 +9,11 @@ prints the decision time p50 / p99 / mean in µs, the decisions per second, and 
 decisions ended. Same-run baseline: the rule this funnel replaced, one ``max()`` pass over the
 same candidates for the most free credits (the floor of any per-candidate Python loop).
 
-The ``inflight`` map is never incremented, so every decision sees the same snapshot (what a
-dispatcher sees between two registry refreshes, minus its own count).
+Each decision is timed with the credit bookkeeping a dispatcher does around it: a credit
+taken on the winner and one given back by the winner of a quarter-pool's decisions before (2
+at 10 candidates, 50 at 200), so loads move every decision and stay near the snapshot's. Two
+funnels: ``linear`` (every step over every candidate) and ``ranked`` (the dispatcher's:
+:mod:`broker.ranking` keeps the candidates ranked and a credit change moves one of them).
 
 Each size stops at ``--decisions`` or after ``--max-seconds`` of timed decisions, whichever
 comes first (the count measured is printed); the warm-up is 1,000 decisions or 2 s.
@@ -32,6 +35,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from broker.gc_tuning import tune_gc
+from broker.ranking import Rankings
 from broker.records import CircuitState, InstanceCard, InstanceState, InstanceStats, InstanceView
 from broker.routing import Decision, RegistryIndex, RouteRequest, RoutingPolicy, route
 
@@ -131,32 +135,69 @@ def figures(times_us: list[float], rate: float) -> str:
     )
 
 
+class Funnel:
+    """Decisions with the dispatcher's credit bookkeeping around each one."""
+
+    def __init__(self, index: RegistryIndex, rng: random.Random, *, ranked: bool) -> None:
+        self.index = index
+        self.rng = rng
+        self.policy = RoutingPolicy()
+        self.request = RouteRequest(CAPABILITY)
+        self.inflight = {v.instance_id: v.inflight for v in index.instances}
+        self.rankings = Rankings(self.policy) if ranked else None
+        self.taken: list[str] = []
+        self.depth = len(index.by_capability[CAPABILITY]) // 4  # decisions a credit stays taken
+
+    def count(self, instance_id: str, delta: int) -> None:
+        used = max(0, self.inflight[instance_id] + delta)
+        self.inflight[instance_id] = used
+        if self.rankings is not None:
+            self.rankings.moved(instance_id, used)
+
+    def __call__(self) -> Decision:
+        decision = route(
+            self.request,
+            self.index,
+            self.inflight,
+            now_ms=NOW_MS,
+            rng=self.rng,
+            policy=self.policy,
+            rankings=self.rankings,
+        )
+        if decision.instance is not None:
+            self.count(decision.instance.instance_id, 1)
+            self.taken.append(decision.instance.instance_id)
+        if len(self.taken) > self.depth:
+            self.count(self.taken.pop(0), -1)
+        return decision
+
+
 def measure(size: int, decisions: int, max_seconds: float, seed: int) -> None:
     rng = random.Random(seed)
     index = registry(size, rng)
-    policy = RoutingPolicy()
-    request = RouteRequest(CAPABILITY)
-    inflight: dict[str, int] = {}
     pool = index.by_capability[CAPABILITY]
-
-    def funnel() -> Decision:
-        return route(request, index, inflight, now_ms=NOW_MS, rng=rng, policy=policy)
+    inflight = {v.instance_id: v.inflight for v in pool}
 
     def most_free() -> InstanceView:
         """The baseline: the previous rule, one pass for the most free credits."""
         return max(pool, key=lambda v: v.credits - inflight.get(v.instance_id, v.inflight))
 
-    times_us, results, rate = timed(funnel, decisions, max_seconds)
     base_us, _, base_rate = timed(most_free, decisions, max_seconds)
-    outcomes = Counter(d.outcome.value for d in results)
-    chosen = {d.instance.instance_id for d in results if d.instance is not None}
-    steps = " → ".join(f"{s.name} {s.kept}" for s in results[-1].steps)
-    ends = ", ".join(f"{outcome} {count}" for outcome, count in outcomes.most_common())
-    ratio = percentile(times_us, 0.5) / percentile(base_us, 0.5)
-    print(f"{size:>6} candidates  route()     {figures(times_us, rate)}")
-    print(f"{'':>19}baseline    {figures(base_us, base_rate)}")
-    print(f"{'':>19}p50 ratio route() / baseline: {ratio:.1f}×")
-    print(f"{'':>19}funnel: {steps}; {ends}; {len(chosen)} distinct instances chosen", flush=True)
+    print(f"{size:>6} candidates  baseline    {figures(base_us, base_rate)}")
+    for name in ("linear", "ranked"):
+        funnel = Funnel(index, random.Random(seed), ranked=name == "ranked")
+        times_us, results, rate = timed(funnel, decisions, max_seconds)
+        outcomes = Counter(d.outcome.value for d in results)
+        chosen = {d.instance.instance_id for d in results if d.instance is not None}
+        steps = " → ".join(f"{s.name} {s.kept}" for s in results[-1].steps)
+        ends = ", ".join(f"{outcome} {count}" for outcome, count in outcomes.most_common())
+        ratio = percentile(times_us, 0.5) / percentile(base_us, 0.5)
+        print(f"{'':>19}{name:<12}{figures(times_us, rate)}")
+        print(f"{'':>19}{'':<12}p50 ratio {name} / baseline: {ratio:.1f}×")
+        print(
+            f"{'':>19}{'':<12}funnel: {steps}; {ends}; {len(chosen)} distinct instances chosen",
+            flush=True,
+        )
 
 
 def main(sizes: list[int], decisions: int, max_seconds: float, seed: int, default_gc: bool) -> None:
@@ -164,7 +205,8 @@ def main(sizes: list[int], decisions: int, max_seconds: float, seed: int, defaul
         tune_gc()  # as every agent-reach process does (broker/gc_tuning.py)
     print(
         f"route() over one capability: up to {decisions} decisions or {max_seconds:.0f} s per "
-        "size, after a warm-up; baseline: one max() pass for the most free credits; "
+        "size and funnel, after a warm-up, each with a credit taken and one given back; "
+        "baseline: one max() pass for the most free credits; "
         f"garbage collector thresholds {gc.get_threshold()}"
     )
     for size in sizes:

@@ -55,9 +55,7 @@ def members(
     is still routed to it (the funnel's panic rule keeps a lone candidate), because a
     broadcast has nowhere else to go. An instance backing off (``Retry-After``) gets its
     child once the back-off has passed."""
-    capability = request.capability
-    if policy.mode == "loose":
-        capability = policy.aliases.get(capability, capability)
+    capability = policy.resolve(request.capability)
     silent_before = now_ms - policy.down_after_ms
     return sorted(
         c.instance_id

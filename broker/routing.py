@@ -26,12 +26,11 @@ kept, which were excluded and why):
 
 from __future__ import annotations
 
-import difflib
 import random
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 
-from .records import CircuitState, InstanceState, InstanceView
+from .candidates import Candidate, RegistryIndex, explain, factors, reach_scores
+from .ranking import Rankings
 from .routing_types import Decision, Factors, Outcome, RouteRequest, RoutingPolicy, Step
 
 __all__ = [
@@ -39,152 +38,16 @@ __all__ = [
     "Decision",
     "Factors",
     "Outcome",
+    "Rankings",
     "RegistryIndex",
     "RouteRequest",
     "RoutingPolicy",
     "Step",
+    "explain",
     "factors",
     "reach_scores",
     "route",
 ]
-
-ALIVE = {InstanceState.UP: 1.0, InstanceState.DEGRADED: 0.6}
-
-
-@dataclass(slots=True)
-class Candidate:
-    """An instance with what routing needs precomputed once per snapshot: a decision then
-    touches only plain numbers (200 candidates in well under 100 µs)."""
-
-    view: InstanceView
-    instance_id: str
-    agent_id: str
-    credits: int
-    inflight: int
-    alive: float  # 1.0 UP, 0.6 DEGRADED, 0.0 otherwise (as reported)
-    heartbeat_ms: int
-    health: float  # the snapshot's factors of the reach; load and confidence are the decision's
-    latency: float
-    base: float  # health × latency: one multiplication less per candidate and decision
-    successes: int
-    weight: float
-    cost: float
-    eject_until_ms: int
-    eject_reason: str
-    backoff_until_ms: int
-    inv_credits: float  # 1 / credits: a load is one multiplication
-
-    @classmethod
-    def of(cls, view: InstanceView, state: InstanceState | None = None) -> Candidate:
-        """``view`` ready for routing; ``state`` overrides the reported one (the observed
-        state, when silence has made an instance DOWN)."""
-        stats = view.stats
-        cooldown = stats.cooldown_until_ms
-        circuit = stats.circuit_until_ms if stats.circuit is CircuitState.OPEN else 0
-        health = max(0.0, 1.0 - stats.error_rate)
-        latency = max(0.2, 1.0 - stats.p95_ms / 1000.0)
-        return cls(
-            view=view,
-            instance_id=view.card.instance_id,
-            agent_id=view.card.agent_id,
-            credits=view.credits,
-            inflight=view.inflight,
-            alive=ALIVE.get(view.state if state is None else state, 0.0),
-            heartbeat_ms=view.heartbeat_ms,
-            health=health,
-            latency=latency,
-            base=health * latency,
-            successes=stats.successes,
-            weight=view.card.weight,
-            cost=view.card.cost,
-            eject_until_ms=max(cooldown, circuit),
-            eject_reason="cooldown" if cooldown >= circuit else "circuit open",
-            backoff_until_ms=stats.backoff_until_ms,
-            inv_credits=1.0 / view.credits if view.credits > 0 else 0.0,
-        )
-
-
-class RegistryIndex:
-    """A snapshot indexed by capability, built once per refresh."""
-
-    def __init__(self, instances: Iterable[InstanceView]) -> None:
-        self.instances = list(instances)
-        self.by_instance = {view.instance_id: view for view in self.instances}
-        self.by_capability: dict[str, list[InstanceView]] = {}
-        self.candidates: dict[str, list[Candidate]] = {}
-        for view in self.instances:
-            candidate = Candidate.of(view)
-            for capability in view.card.capabilities:
-                self.by_capability.setdefault(capability, []).append(view)
-                self.candidates.setdefault(capability, []).append(candidate)
-        self.capabilities = sorted(self.by_capability)
-        # Per capability: the reported-alive candidates with credits, and the earliest time
-        # one of them falls silent. Before that time a decision skips the per-candidate
-        # state checks entirely.
-        self.alive: dict[str, list[Candidate]] = {}
-        self.first_lapse_ms: dict[str, int] = {}
-        self.first_ejection_end_ms: dict[str, int] = {}
-        for capability, pool in self.candidates.items():
-            alive = [c for c in pool if c.alive and c.credits > 0]
-            self.alive[capability] = alive
-            self.first_lapse_ms[capability] = min((c.heartbeat_ms for c in alive), default=0)
-            self.first_ejection_end_ms[capability] = max(
-                (max(c.eject_until_ms, c.backoff_until_ms) for c in alive), default=0
-            )
-
-    def nearest(self, capability: str, n: int = 3) -> list[str]:
-        """Registered capabilities closest to ``capability`` (a typo's likely intent)."""
-        return difflib.get_close_matches(capability, self.capabilities, n=n, cutoff=0.6)
-
-
-def reach_scores(
-    fit: list[tuple[Candidate, float]], policy: RoutingPolicy
-) -> list[tuple[Candidate, float]]:
-    """The reach before weight, ``alive × health × latency × load × confidence``, of each
-    ``(candidate, load share)``: the formula's one home (docs/architecture.md "Routing"), for
-    the funnel's ranking, a decision's reason and ``agent-reach agents`` alike.
-
-    ``health × latency`` come precomputed per snapshot (:attr:`Candidate.base`); load and
-    confidence are the decision's. It scores a batch, not one candidate a call: the funnel scores
-    every candidate that fits, every decision, and a call each would cost more than the
-    arithmetic. The weight multiplies in at the pick, so a canary stays in the top group."""
-    cold, cold_below = policy.cold_start_confidence, policy.cold_start_successes
-    return [
-        (
-            c,
-            c.alive
-            * c.base
-            * (1.0 - load if load < 0.9 else 0.1)
-            * (cold if c.successes < cold_below else 1.0),
-        )
-        for c, load in fit
-    ]
-
-
-def _explain(c: Candidate, load: float, before_weight: float, policy: RoutingPolicy) -> Factors:
-    """``c``'s factors for reading, around the figure :func:`reach_scores` gave it. The load
-    and confidence factors are written out again here, to be shown one by one;
-    ``tests/unit/test_routing.py`` holds their product to that figure."""
-    return Factors(
-        alive=c.alive,
-        health=c.health,
-        load=1.0 - load if load < 0.9 else 0.1,
-        latency=c.latency,
-        confidence=(
-            policy.cold_start_confidence if c.successes < policy.cold_start_successes else 1.0
-        ),
-        weight=c.weight,
-        reach=before_weight * c.weight,
-    )
-
-
-def factors(view: InstanceView, state: InstanceState, used: int, policy: RoutingPolicy) -> Factors:
-    """The reach of ``view`` in ``state`` with ``used`` credits in use (an instance without
-    credits counts as full)."""
-    candidate = Candidate.of(view, state)
-    load = used / view.credits if view.credits > 0 else 1.0
-    ((_, before_weight),) = reach_scores([(candidate, load)], policy)
-    return _explain(candidate, load, before_weight, policy)
 
 
 def route(
@@ -196,30 +59,25 @@ def route(
     rng: random.Random,
     policy: RoutingPolicy,
     held: Mapping[str, float] | None = None,
+    rankings: Rankings | None = None,
 ) -> Decision:
     """Run the funnel for one request; ``inflight`` is the caller's live credit count,
-    ``held`` when instances over their rate limit may be called again (ms; only those)."""
-    capability = request.capability
-    if policy.mode == "loose":
-        capability = policy.aliases.get(capability, capability)
+    ``held`` when instances over their rate limit may be called again (ms; only those).
+    ``rankings``, kept in step with ``inflight`` by the caller (:mod:`broker.ranking`), lets
+    the common case skip the per-candidate steps; the decision is the same."""
+    capability = policy.resolve(request.capability)
     pool = index.candidates.get(capability, [])
     steps = [Step("capability", len(pool), more=len(index.instances) - len(pool))]
     if not pool:
-        nearest = index.nearest(request.capability)
-        hint = f"; nearest registered: {', '.join(nearest)}" if nearest else ""
-        reason = f"no_capability_match: no instance serves {request.capability!r}{hint}"
-        return Decision(Outcome.NO_CAPABILITY_MATCH, None, reason, steps, nearest=nearest)
-    selected = _selectors(request, pool, steps, policy)
+        return _no_capability(request, index, steps)
+    selected = _selectors(request, pool, steps, policy, index.weighted[capability])
     if not selected:
         return Decision(Outcome.NO_SELECTOR_MATCH, None, "no_selector_match", steps)
-    fast = None
-    if (
-        selected is pool
-        and now_ms - policy.down_after_ms <= index.first_lapse_ms[capability]
-        and now_ms >= index.first_ejection_end_ms[capability]
-        and len(index.alive[capability]) == len(pool)
-    ):
-        fast = index.alive[capability]
+    fast = _unchanged(index, capability, now_ms, policy) if selected is pool else None
+    if rankings is not None and selected is pool and _plain(request, held, now_ms):
+        ranked = _ranked(capability, pool, fast, inflight, steps, rng, now_ms, policy, rankings)
+        if ranked is not None:
+            return ranked
     live = _live(selected, steps, now_ms, policy, fast)
     if not live:
         return Decision(Outcome.ALL_CANDIDATES_DOWN, None, "all_candidates_down", steps)
@@ -229,25 +87,72 @@ def route(
         before = live
         live = _rate(live, held, now_ms, steps, policy)
         if not live:
-            ready = min(held[c.instance_id] for c in before) - now_ms
-            reason = (
-                f"rate_limited: every candidate is over its rate limit (next in {ready:.0f} ms)"
-            )
-            return Decision(Outcome.RATE_LIMITED, None, reason, steps)
+            return _rate_limited(before, held, now_ms, steps)
     fit = _load_cut(live, inflight, steps, policy)
     if not fit:
         return Decision(Outcome.NO_FREE_CREDIT, None, "no_free_credit", steps)
     return _choose(request, fit, inflight, steps, rng, policy)
 
 
+def _no_capability(request: RouteRequest, index: RegistryIndex, steps: list[Step]) -> Decision:
+    nearest = index.nearest(request.capability)
+    hint = f"; nearest registered: {', '.join(nearest)}" if nearest else ""
+    reason = f"no_capability_match: no instance serves {request.capability!r}{hint}"
+    return Decision(Outcome.NO_CAPABILITY_MATCH, None, reason, steps, nearest=nearest)
+
+
+def _ranked(
+    capability: str,
+    pool: list[Candidate],
+    fast: list[Candidate] | None,
+    inflight: Mapping[str, int],
+    steps: list[Step],
+    rng: random.Random,
+    now_ms: int,
+    policy: RoutingPolicy,
+    rankings: Rankings,
+) -> Decision | None:
+    """The decision from ``rankings``, with the state step computed once per window."""
+    window = rankings.window(capability, now_ms)
+    if window is None:
+        state: list[Step] = []
+        live = _live(pool, state, now_ms, policy, fast)
+        window = rankings.remember(capability, pool, live, state[0], now_ms)
+    return rankings.decide(capability, window, inflight, steps, rng)
+
+
+def _unchanged(
+    index: RegistryIndex, capability: str, now_ms: int, policy: RoutingPolicy
+) -> list[Candidate] | None:
+    """The capability's live candidates when nobody has lapsed or is ejected or backing off
+    since the snapshot (the state step then has nothing to do), else None."""
+    if (
+        now_ms - policy.down_after_ms <= index.first_lapse_ms[capability]
+        and now_ms >= index.first_ejection_end_ms[capability]
+        and len(index.alive[capability]) == len(index.candidates[capability])
+    ):
+        return index.alive[capability]
+    return None
+
+
+def _plain(request: RouteRequest, held: Mapping[str, float] | None, now_ms: int) -> bool:
+    """Nothing but load decides: no session, retry, cheapest rule or rate hold in play."""
+    if request.session_instance or request.avoid or request.cheapest:
+        return False
+    return not (held and any(t > now_ms for t in held.values()))
+
+
 def _selectors(
-    request: RouteRequest, pool: list[Candidate], steps: list[Step], policy: RoutingPolicy
+    request: RouteRequest,
+    pool: list[Candidate],
+    steps: list[Step],
+    policy: RoutingPolicy,
+    weighted: bool,
 ) -> list[Candidate]:
-    if not (request.tags or request.target or request.budget is not None):
-        kept = [c for c in pool if c.weight > 0]
-        if len(kept) == len(pool):
-            steps.append(Step("selectors", len(pool)))
-            return pool
+    """``pool`` itself when no selector applies and every weight is above zero."""
+    if weighted and not (request.tags or request.target) and request.budget is None:
+        steps.append(Step("selectors", len(pool)))
+        return pool
     step = Step("selectors", 0)
     kept = []
     for c in pool:
@@ -361,6 +266,14 @@ def _rate(
     return [c for c in live if c.instance_id not in out]
 
 
+def _rate_limited(
+    before: list[Candidate], held: Mapping[str, float], now_ms: int, steps: list[Step]
+) -> Decision:
+    ready = min(held[c.instance_id] for c in before) - now_ms
+    reason = f"rate_limited: every candidate is over its rate limit (next in {ready:.0f} ms)"
+    return Decision(Outcome.RATE_LIMITED, None, reason, steps)
+
+
 def _load_cut(
     live: list[Candidate], inflight: Mapping[str, int], steps: list[Step], policy: RoutingPolicy
 ) -> list[tuple[Candidate, float]]:
@@ -434,4 +347,4 @@ def _explain_chosen(
     """The winner's factors, from the load share the load step measured (its state passed the
     funnel, so the reported one is the observed one)."""
     load = inflight.get(c.instance_id, c.inflight) * c.inv_credits
-    return _explain(c, load, before_weight, policy)
+    return explain(c, load, before_weight, policy)

@@ -33,6 +33,10 @@ class RoutingPolicy:
     down_after_ms: int = 15_000
     max_listed: int = 20  # exclusions listed per step; the rest are counted
 
+    def resolve(self, capability: str) -> str:
+        """The capability routing looks for: through the alias map in ``loose`` mode."""
+        return self.aliases.get(capability, capability) if self.mode == "loose" else capability
+
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:

@@ -14,6 +14,7 @@ from broker import process_metrics
 from broker.config import Settings
 from broker.gcra import gcra, ready_at
 from broker.health import observed_state
+from broker.ranking import Rankings
 from broker.records import InstanceState, InstanceView
 from broker.routing import Decision, Outcome, RegistryIndex, RouteRequest, RoutingPolicy, route
 
@@ -39,7 +40,10 @@ class RoutingTable:
         self.policy = policy
         self.rng = rng or random.Random()
         self.index = RegistryIndex([])
+        # credits in use per instance as this dispatcher counts them; every change goes
+        # through _count so the rankings (broker/ranking.py) move with it
         self.inflight: dict[str, int] = {}
+        self.rankings = Rankings(policy)
         # instances with a rate limit: the local GCRA state, and when each may be called
         # again when that is later than now (broker/gcra.py; assign.lua is the real check)
         self.rates: dict[str, tuple[float, int]] = {}
@@ -55,6 +59,7 @@ class RoutingTable:
     def load(self, instances: list[InstanceView]) -> None:
         self.index = RegistryIndex(instances)
         self.inflight = {v.instance_id: v.inflight for v in instances}
+        self.rankings = Rankings(self.policy)
         self.rates = {
             v.instance_id: (v.card.rate_ms, v.card.burst) for v in instances if v.card.rate_ms > 0
         }
@@ -67,12 +72,16 @@ class RoutingTable:
         decision = self.evaluate(request, now_ms=now_ms)
         if decision.outcome is Outcome.ROUTED and decision.instance is not None:
             inst = decision.instance.instance_id
-            self.inflight[inst] = self.inflight.get(inst, 0) + 1
+            self._count(inst, self.inflight.get(inst, 0) + 1)
             if inst in self.rates:
                 self._took(inst, now_ms)
         elif decision.outcome is Outcome.RATE_LIMITED:
             self.saturated.update(i for i, t in self.held.items() if t > now_ms)
         return decision
+
+    def _count(self, inst: str, used: int) -> None:
+        self.inflight[inst] = used
+        self.rankings.moved(inst, used)
 
     def _took(self, inst: str, now_ms: int) -> None:
         interval, burst = self.rates[inst]
@@ -122,32 +131,33 @@ class RoutingTable:
             rng=self.rng,
             policy=self.policy,
             held=self.held,
+            rankings=self.rankings,
         )
         process_metrics.routing_decision(time.perf_counter() - started)
         return decision
 
     def unreserve(self, instance_id: str) -> None:
         """Give back a credit counted by :meth:`decide` that was not used."""
-        if instance_id and self.inflight.get(instance_id, 0) > 0:
-            self.inflight[instance_id] -= 1
+        used = self.inflight.get(instance_id, 0) if instance_id else 0
+        if used > 0:
+            self._count(instance_id, used - 1)
 
     def credits_released(self, instance_id: str, in_use: int) -> tuple[str, ...]:
         """A sidecar announced its credits in use; returns the capabilities it serves."""
-        for view in self.index.instances:
-            if view.instance_id == instance_id:
-                self.inflight[instance_id] = in_use
-                return view.card.capabilities
-        return ()
+        view = self.index.by_instance.get(instance_id)
+        if view is None:
+            return ()
+        self._count(instance_id, in_use)
+        return view.card.capabilities
 
     def mark_full(self, instance_id: str) -> None:
-        for view in self.index.instances:
-            if view.instance_id == instance_id:
-                self.inflight[instance_id] = view.credits
+        view = self.index.by_instance.get(instance_id)
+        if view is not None:
+            self._count(instance_id, view.credits)
 
     def free_credits(self, capability: str, *, now_ms: int) -> int:
         """Free credits on routable instances of ``capability`` (sizes a drain)."""
-        if self.policy.mode == "loose":
-            capability = self.policy.aliases.get(capability, capability)
+        capability = self.policy.resolve(capability)
         total = 0
         for view in self.index.by_capability.get(capability, []):
             state = observed_state(view, now_ms=now_ms, down_after_ms=self.policy.down_after_ms)
