@@ -15,7 +15,7 @@ from .event_log import event_command
 from .events import is_event_delivery
 from .keyspace import due_for
 from .metric_fields import field
-from .record_codec import pairs, raised, readable_record, timeline_entry
+from .record_codec import pairs, raised, readable_record, timeline_entries
 from .results import Command, delivery_commands
 from .scripts import ScriptName
 from .stages import Stage
@@ -93,14 +93,15 @@ class Delivery:
     async def dead_letter_message(self, message_id: str, reason: str) -> None:
         """Dead-letter a record: its envelope, the final reason, and the chain of reasons on
         its timeline (JSON ``[[stage, instance, attempt, reason], ...]``)."""
-        flat, items = await self.conn.call_many(
+        flat, legacy = await self.conn.call_many(
             [
                 ("HGETALL", self.keys.record(message_id)),
                 ("LRANGE", self.keys.timeline(message_id), 0, -1),
             ]
         )
-        record = readable_record(message_id, pairs(raised(flat))) if flat else None
-        timeline = [timeline_entry(raw) for raw in raised(items)]
+        fields = pairs(raised(flat))
+        record = readable_record(message_id, fields) if flat else None
+        timeline = timeline_entries(fields.get(b"timeline"), raised(legacy))
         chain = [[e.stage, e.instance, e.attempt, e.reason] for e in timeline if e.reason]
         await self.dead_letter(
             Letter(

@@ -136,6 +136,14 @@ def wait_loaded(port: int, *, timeout_s: float, alive: Callable[[], bool] = lamb
         time.sleep(0.05)
 
 
+RECORD_LISTPACK_VALUE = 4096
+"""``hash-max-ziplist-value`` of every server started here (Redis 6.2's name; 7 reads it as
+``hash-max-listpack-value``). A message record holds its envelope, route and result, each
+often past Redis's default of 64 bytes, and one such value turns the whole hash into a
+hashtable: about 1.3 KB of overhead per record against a few bytes per field as a listpack
+(``python -m bench.memory``). Operators of their own Redis are told the same in the README."""
+
+
 @dataclass
 class RedisServer:
     """A ``redis-server`` child process on a loopback port."""
@@ -183,6 +191,8 @@ class RedisServer:
             "yes",
             "--daemonize",
             "no",
+            "--hash-max-ziplist-value",
+            str(RECORD_LISTPACK_VALUE),
             "--loglevel",
             "warning",
             "--logfile",

@@ -8,8 +8,10 @@ key                       type    holds
 ``P:e:<stream>:<entry>``  string  the message id minted for an ingress entry without one
                                   whose entry time is ahead of the clock; until acknowledged
 ``P:idkey``               string  the key of the hash in ids derived from ingress entries
-``P:m:{<id>}``            hash    message record: envelope, stage, attempt, instance, ...
-``P:t:{<id>}``            list    the message's timeline (capped): JSON items
+``P:m:{<id>}``            hash    message record: envelope, stage, attempt, instance, ...,
+                                  and its timeline (capped; field ``timeline``)
+``P:t:{<id>}``            list    a timeline as records kept it before it moved into them:
+                                  read (first) while such a record lives, never written
 ``P:b:{<id>}``            hash    a broadcast's ended children: child id -> outcome JSON
 ``P:a:{<inst>}``          hash    instance card, live stats and state
 ``P:q:{<inst>}``          stream  work for one instance; consumer group ``sidecar``
@@ -87,6 +89,8 @@ class Keyspace:
         return f"{self.prefix}:m:{{{message_id}}}"
 
     def timeline(self, message_id: str) -> str:
+        """The list older records kept their timeline in (now the record's ``timeline``
+        field): read while such a record lives, never written."""
         return f"{self.prefix}:t:{{{message_id}}}"
 
     def outcomes(self, parent_id: str) -> str:

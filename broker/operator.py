@@ -18,7 +18,7 @@ from .due_clock import due_command
 from .envelope import load_envelope
 from .errors import UnknownMessage
 from .keyspace import due_sets
-from .record_codec import timeline_entry
+from .record_codec import timeline_commands, timeline_entries
 from .records import MessageRecord
 from .registry import Registry
 from .stages import (
@@ -197,9 +197,13 @@ class Operator:
 
     async def _last_reasons(self, message_ids: list[str]) -> list[str]:
         replies = await self.conn.call_many(
-            [("LINDEX", self.keys.timeline(i), -1) for i in message_ids]
+            [c for i in message_ids for c in timeline_commands(self.keys, i)]
         )
-        return [timeline_entry(raw).reason if raw else "" for raw in replies]
+        timelines = [
+            timeline_entries(field, legacy)
+            for field, legacy in zip(replies[0::2], replies[1::2], strict=True)
+        ]
+        return [timeline[-1].reason if timeline else "" for timeline in timelines]
 
     async def _records(self, message_ids: Sequence[str]) -> list[MessageRecord]:
         """The records of ``message_ids``; :class:`UnknownMessage` naming the first id that

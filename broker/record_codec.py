@@ -1,4 +1,4 @@
-"""Reading back what the Lua scripts write: the record hash and its timeline items. Pure.
+"""Reading back what the Lua scripts write: the record hash and its timeline. Pure.
 
 Every reader of a record goes through :func:`record_from_hash`; a hash that does not read as
 a record (written by hand, say) is logged and left alone by :func:`readable_record`, never
@@ -8,9 +8,10 @@ raised into a worker's loop.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .keyspace import Keyspace
 from .records import Accepted, MessageRecord, Moved, TimelineEntry
 from .stages import Stage
 from .wire import parse_timeline_item
@@ -95,6 +96,22 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
         awaiting_callback=bool(get("awaiting_callback")),
         agent_task=text(get("agent_task")),
     )
+
+
+def timeline_commands(keys: Keyspace, message_id: str) -> list[tuple[Any, ...]]:
+    """What :func:`timeline_entries` reads, for one pipeline: the record's ``timeline`` field
+    and the list an older record kept its entries in."""
+    return [
+        ("HGET", keys.record(message_id), "timeline"),
+        ("LRANGE", keys.timeline(message_id), 0, -1),
+    ]
+
+
+def timeline_entries(field: bytes | None, legacy: Sequence[bytes] = ()) -> list[TimelineEntry]:
+    """A message's timeline, oldest first: the entries of an older record's list, then the
+    lines of its ``timeline`` field (``lua/timeline.lua``)."""
+    lines = field.split(b"\n") if field else []
+    return [timeline_entry(raw) for raw in [*legacy, *lines]]
 
 
 def timeline_entry(raw: bytes) -> TimelineEntry:

@@ -119,7 +119,6 @@ def child_done_command(
     """Record a child's outcome on its parent (``lua/child_done.lua``, the parent's slot)."""
     keyed = (
         keys.record(parent_id),
-        keys.timeline(parent_id),
         keys.outcomes(parent_id),
         *counting.keys(keys.record(parent_id)),
     )

@@ -37,11 +37,13 @@ def _script(name: ScriptName, source: str) -> Script:
 _ROOT = Path(__file__).parent / "lua"  # package data, shipped beside this module
 # These count what they do (lua/count.lua, prepended): the scripts that end or retry a message.
 COUNTING = frozenset({ScriptName.ACCEPT, ScriptName.TRANSITION, ScriptName.CHILD_DONE})
+# These write a message's timeline (lua/timeline.lua, prepended: the field and its cap).
+TIMELINE = COUNTING | {ScriptName.NOTE}
 
 
 def script_source(name: ScriptName) -> str:
-    source = (_ROOT / f"{name}.lua").read_text()
-    return (_ROOT / "count.lua").read_text() + source if name in COUNTING else source
+    preludes = [p for p, uses in (("count", COUNTING), ("timeline", TIMELINE)) if name in uses]
+    return "".join((_ROOT / f"{part}.lua").read_text() for part in [*preludes, name])
 
 
 def load_scripts() -> dict[ScriptName, Script]:

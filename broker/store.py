@@ -22,7 +22,16 @@ from .credits import Credits
 from .delivery import Delivery
 from .due_clock import DueClock
 from .event_log import emit, event_command
-from .record_codec import STAGE_OF, accepted, moved, pairs, raised, readable_record, timeline_entry
+from .record_codec import (
+    STAGE_OF,
+    accepted,
+    moved,
+    pairs,
+    raised,
+    readable_record,
+    timeline_commands,
+    timeline_entries,
+)
 from .records import Accepted, MessageRecord, Moved, TimelineEntry
 from .scripts import ScriptName
 from .stages import TERMINAL, Stage, sources_for
@@ -97,7 +106,7 @@ def accept_command(conn: Connection, a: Acceptance) -> tuple[Any, ...]:
         *(item for pair in (a.fields or {}).items() for item in pair),
     )
     record = conn.keys.record(a.message_id)
-    keys = (record, conn.keys.timeline(a.message_id), *counting.keys(record))
+    keys = (record, *counting.keys(record))
     return conn.script_command(ScriptName.ACCEPT, keys, args)
 
 
@@ -132,7 +141,7 @@ def move_command(conn: Connection, m: Move) -> tuple[Any, ...]:
         *m.counts,
     ]
     record = conn.keys.record(m.message_id)
-    keys: tuple[str, ...] = (record, conn.keys.timeline(m.message_id), *counting.keys(record))
+    keys: tuple[str, ...] = (record, *counting.keys(record))
     if m.charge is None:
         args.append("")
     else:
@@ -233,5 +242,5 @@ class MessageStore:
         return [STAGE_OF.get(raised(r)) if r else None for r in replies]
 
     async def get_timeline(self, message_id: str) -> list[TimelineEntry]:
-        entries = await self.conn.call("LRANGE", self.keys.timeline(message_id), 0, -1)
-        return [timeline_entry(raw) for raw in entries]
+        field, legacy = await self.conn.call_many(timeline_commands(self.keys, message_id))
+        return timeline_entries(raised(field), raised(legacy))

@@ -28,7 +28,7 @@ def note_command(
     keys = conn.keys
     return conn.script_command(
         ScriptName.NOTE,
-        (keys.timeline(message_id), keys.record(message_id)),
+        (keys.record(message_id),),
         (now_ms, event, reason, conn.settings.timeline_max),
     )
 

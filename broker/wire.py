@@ -12,9 +12,10 @@ it holds none, and never raises, whatever the bytes.
 - :class:`ReplyEntry` — a ``P:reply:<name>`` entry, an outcome or a notice: ``id``,
   ``stage``, ``attempt``, ``notice`` (a notice only), then ``result`` (JSON) or ``error``;
   written by :func:`reply_fields`, read by :func:`parse_reply_entry`.
-- a timeline item — a ``P:t:{id}`` list item, the JSON array
-  ``[ts, stage, instance, attempt, reason]`` of strings; written by the Lua scripts (their
-  shape in Python: :func:`timeline_item_json`), read by :func:`parse_timeline_item`.
+- a timeline item — a line of the record's ``timeline`` field (``P:m:{id}``; older records:
+  a ``P:t:{id}`` list item), the JSON array ``[ts, stage, instance, attempt, reason]`` of
+  strings; written by the Lua scripts (``lua/timeline.lua``; their shape in Python:
+  :func:`timeline_item_json`), read by :func:`parse_timeline_item`.
 - a dead letter — a ``P:dlq`` entry, capped (it holds what others sent):
   :mod:`broker.deadletters` (``Letter``, ``letter_fields``, ``parse_letter``).
 

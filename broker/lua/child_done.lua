@@ -2,9 +2,8 @@
 -- parent.
 --
 -- KEYS[1]  record    P:m:{parent}  (hash; `children`, `timeline_max`, `ttl_s` written at fan-out)
--- KEYS[2]  timeline  P:t:{parent}  (list of JSON [ts, stage, instance, attempt, reason])
--- KEYS[3]  outcomes  P:b:{parent}  (hash: child id -> outcome JSON)
--- KEYS[4]  counters  P:counters (hash, lua/count.lua), or absent: nothing counted
+-- KEYS[2]  outcomes  P:b:{parent}  (hash: child id -> outcome JSON)
+-- KEYS[3]  counters  P:counters (hash, lua/count.lua), or absent: nothing counted
 -- ARGV[1]  child id
 -- ARGV[2]  outcome JSON, starting {"stage":"<STAGE>", ... (broker/results.py ChildOutcome)
 -- ARGV[3]  now (ms)
@@ -15,7 +14,7 @@
 --
 -- A child's first outcome wins: a re-sent one changes nothing. The parent ends with `result`
 -- = JSON {instance id: outcome, ...} in child order, a timeline entry, the terminal expiry on
--- record, timeline and outcomes, and `reply_pending` (cleared once its producer is told).
+-- record and outcomes, and `reply_pending` (cleared once its producer is told).
 --
 -- Returns {1, result, envelope}  the parent just ended: tell its producer;
 --         {2, result, envelope}  a repeat, and the parent has ended untold: tell it (again);
@@ -41,17 +40,17 @@ end
 if not known then
   return {-2}
 end
-if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[2]) == 0 then
+if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then
   if cur[1] == ARGV[5] and cur[3] then
     local told = redis.call('HMGET', rec, 'result', 'envelope')
     return {2, told[1], told[2]}
   end
   return {0}
 end
-if cur[1] ~= ARGV[4] or redis.call('HLEN', KEYS[3]) < #children then
+if cur[1] ~= ARGV[4] or redis.call('HLEN', KEYS[2]) < #children then
   return {0}
 end
-local flat = redis.call('HGETALL', KEYS[3])
+local flat = redis.call('HGETALL', KEYS[2])
 local outcomes = {}
 for i = 1, #flat, 2 do
   outcomes[flat[i]] = flat[i + 1]
@@ -76,12 +75,10 @@ end
 local reason = 'all ' .. #children .. ' children ended: ' .. table.concat(summary, ', ')
 redis.call('HSET', rec, 'stage', ARGV[5], 'updated_ms', ARGV[3], 'result', result,
            'reply_pending', '1')
-redis.call('RPUSH', KEYS[2], cjson.encode({ARGV[3], ARGV[5], '', cur[6] or '0', reason}))
-redis.call('LTRIM', KEYS[2], -tonumber(cur[4] or '200'), -1)
-count_in(KEYS[4], ARGV[6], 'finished\t' .. (cur[7] or '') .. '\t' .. ARGV[5])
+timeline_append(rec, cur[4] or '200', {{ARGV[3], ARGV[5], '', cur[6] or '0', reason}})
+count_in(KEYS[3], ARGV[6], 'finished\t' .. (cur[7] or '') .. '\t' .. ARGV[5])
 if cur[5] then
   redis.call('EXPIRE', rec, cur[5])
   redis.call('EXPIRE', KEYS[2], cur[5])
-  redis.call('EXPIRE', KEYS[3], cur[5])
 end
 return {1, result, redis.call('HGET', rec, 'envelope')}

@@ -1,8 +1,7 @@
 -- transition.lua: compare-and-set one message's stage, and append the move to its timeline.
 --
--- KEYS[1]  record    P:m:{id}   (hash)
--- KEYS[2]  timeline  P:t:{id}   (list of JSON [ts, stage, instance, attempt, reason])
--- KEYS[3]  counters  P:counters (hash, lua/count.lua), or absent: nothing counted
+-- KEYS[1]  record    P:m:{id}   (hash; its timeline in the field `timeline`, lua/timeline.lua)
+-- KEYS[2]  counters  P:counters (hash, lua/count.lua), or absent: nothing counted
 -- KEYS[-2], KEYS[-1]  with a charge (below): the usage of its UTC day and of its month
 --          (P:usage:<day>, P:usage:<month>; broker/usage.py), the last two keys
 -- ARGV[1]  allowed source stages, comma-separated (from broker/stages.py)
@@ -14,7 +13,7 @@
 -- ARGV[7]  now (ms)
 -- ARGV[8]  reason for the timeline
 -- ARGV[9]  timeline cap (entries)
--- ARGV[10] seconds to keep record and timeline (set when the new stage is terminal), or ""
+-- ARGV[10] seconds to keep the record (set when the new stage is terminal), or ""
 --          (then any expiry is removed: a replayed record lives until it ends anew)
 -- ARGV[11] a record field to return on success, or ""
 -- ARGV[12] the stage kept as a level in the counters ("level\t<stage>": +1 in, -1 out)
@@ -36,9 +35,9 @@
 local rec = KEYS[1]
 local n = tonumber(ARGV[14])
 local charged = ARGV[15 + n] ~= ''
-local counters = KEYS[3]
-if charged and #KEYS == 4 then
-  counters = nil  -- KEYS[3] and KEYS[4] are the usage hashes
+local counters = KEYS[2]
+if charged and #KEYS == 3 then
+  counters = nil  -- KEYS[2] and KEYS[3] are the usage hashes
 end
 local fields_at = 16 + n
 if charged then
@@ -64,9 +63,7 @@ end
 local new_instance = ARGV[6] ~= '' and ARGV[6] or instance
 redis.call('HSET', rec, 'stage', ARGV[4], 'attempt', new_attempt, 'instance', new_instance,
            'updated_ms', ARGV[7], unpack(ARGV, fields_at))
--- A list, not a stream: a stream preallocates a whole node (4 KB) for its first entry.
-redis.call('RPUSH', KEYS[2], cjson.encode({ARGV[7], ARGV[4], new_instance, new_attempt, ARGV[8]}))
-redis.call('LTRIM', KEYS[2], -tonumber(ARGV[9]), -1)
+timeline_append(rec, ARGV[9], {{ARGV[7], ARGV[4], new_instance, new_attempt, ARGV[8]}})
 -- a level, not a count: e.g. the messages now waiting for an operator
 if counters and (stage == ARGV[12]) ~= (ARGV[4] == ARGV[12]) then
   redis.call('HINCRBY', counters, 'level\t' .. ARGV[12], ARGV[4] == ARGV[12] and 1 or -1)
@@ -97,9 +94,8 @@ end
 if ARGV[10] ~= '' then
   count_in(counters, ARGV[13], 'finished\t' .. (cur[5] or '') .. '\t' .. ARGV[4])
   redis.call('EXPIRE', rec, ARGV[10])
-  redis.call('EXPIRE', KEYS[2], ARGV[10])
-elseif redis.call('PERSIST', rec) == 1 then
+else
   -- out of a terminal stage again (an operator's replay): keep it until it ends anew
-  redis.call('PERSIST', KEYS[2])
+  redis.call('PERSIST', rec)
 end
 return {1, ARGV[4], new_attempt, new_instance, ARGV[11] ~= '' and cur[4] or false, cur[6] or '0'}

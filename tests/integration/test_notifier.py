@@ -77,9 +77,9 @@ async def ended_message(
     attempt: int = 1,
     message_id: str | None = None,
 ) -> tuple[str, bytes]:
-    """A message that SUCCEEDED (at ``attempt``) with a callback_url: its timeline (expiring,
-    like a terminal record's) and the outbox entry, exactly as whoever ended it writes them.
-    Returns its id and the body the webhook should receive."""
+    """A message that SUCCEEDED (at ``attempt``) with a callback_url: its record with its
+    timeline (expiring, as a terminal record does) and the outbox entry, exactly as whoever
+    ended it writes them. Returns its id and the body the webhook should receive."""
     envelope = complete(
         Envelope(
             id=message_id, capability="text.echo", payload=msgspec.Raw(b"{}"), callback_url=url
@@ -99,9 +99,10 @@ async def ended_message(
                     1,
                     "instance",
                     "a-1",
+                    "timeline",
+                    item,
                 ),
-                ("RPUSH", conn.keys.timeline(message_id), item),
-                ("EXPIRE", conn.keys.timeline(message_id), 600),
+                ("EXPIRE", conn.keys.record(message_id), 600),
             ]
         )
     (command,) = delivery_commands(
@@ -167,7 +168,7 @@ async def test_receiver_failing_three_times_gets_the_fourth_signed(settings: Set
                 await eventually(lambda: outbox_settled(conn), timeout_s=5)
 
             timeline = await MessageStore(conn).get_timeline(message_id)
-            ttl = int(await conn.call("TTL", conn.keys.timeline(message_id)))
+            ttl = int(await conn.call("TTL", conn.keys.record(message_id)))
             letters = await dead_letters(conn)
 
     assert [h.status for h in receiver.hits] == [500, 500, 500, 200]
@@ -283,7 +284,7 @@ async def test_delivery_does_not_recreate_an_expired_timeline(settings: Settings
             async with serving(receiver) as url, running_notifier(conn):
                 message_id, _ = await ended_message(conn, url, with_timeline=False)
                 await eventually(lambda: outbox_settled(conn), timeout_s=10)
-            exists = await conn.call("EXISTS", conn.keys.timeline(message_id))
+            exists = await conn.call("EXISTS", conn.keys.record(message_id))
 
     assert len(receiver.accepted) == 1
     assert receiver.accepted[0].headers["x-reach-message-id"] == message_id

@@ -143,7 +143,6 @@ async def test_replay_brings_an_ended_message_back_without_its_expiry(conn: Conn
     assert record is not None and record.stage is Stage.WAITING and record.error == ""
     assert record.attempt == before.attempt + 1  # a new attempt: another answer
     assert int(await conn.call("TTL", conn.keys.record(failed))) == -1  # lives until it ends
-    assert int(await conn.call("TTL", conn.keys.timeline(failed))) == -1
     assert await last_reason(conn, failed) == "replayed by ida"
 
 

@@ -76,8 +76,10 @@ async def test_saturated_work_waits_bounded_and_completes_in_priority_order(
 
     assert {r.stage for r in results.values()} == {Stage.SUCCEEDED}
     assert max((agent_a.log.calls + agent_b.log.calls).values()) == 1
-    # Each waiting message costs its record, timeline, waiting-set and deadline entries.
-    assert per_message < 3072, per_message
+    # Each waiting message costs its record (a listpack, its timeline inside), its waiting-set
+    # and deadline entries and, until the dispatcher trims it, its ingress entry: ~1.1 KB
+    # here; a hashtable record or a timeline key of its own would pass 2 KB.
+    assert per_message < 1536, per_message
     routed_for_good: dict[str, int] = {}
     accepted: dict[str, int] = {}
     for message_id, record in zip(

@@ -38,13 +38,11 @@ def test_any_key_has_one_slot_in_range(key: bytes) -> None:
 
 KEYS = Keyspace("reach")
 SCRIPT_KEYS = {
-    "accept, transition (record, timeline)": [KEYS.record("m1"), KEYS.timeline("m1")],
-    "note": [KEYS.timeline("m1"), KEYS.record("m1")],
-    "child_done (child record, timeline; parent's outcomes)": [
+    "the record and an older record's timeline list, read together": [
         KEYS.record("m1"),
         KEYS.timeline("m1"),
-        KEYS.outcomes("m1"),
     ],
+    "child_done (parent record; its outcomes)": [KEYS.record("m1"), KEYS.outcomes("m1")],
     "assign": [KEYS.card("i1"), KEYS.inflight("i1"), KEYS.queue("i1")],
     "release": [KEYS.inflight("i1"), KEYS.queue("i1")],
     "heartbeat, backlog": [KEYS.card("i1"), KEYS.queue("i1")],

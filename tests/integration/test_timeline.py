@@ -1,0 +1,79 @@
+"""A message's timeline lives in its record (``lua/timeline.lua``): capped to the newest
+``timeline_max`` entries, any text kept intact, an older record's list read first, and the
+record a compact listpack on the server agent-reach starts."""
+
+from __future__ import annotations
+
+import msgspec
+
+from broker.connection import Connection, open_connection
+from broker.record_codec import timeline_entries
+from broker.stages import Stage
+from broker.store import Acceptance, MessageStore
+from broker.timekeeping import now_ms
+from broker.timeline import note_event
+
+
+def acceptance(message_id: str, *, reason: str = "no_capability_match: none") -> Acceptance:
+    return Acceptance(
+        message_id=message_id,
+        envelope_json=msgspec.json.encode({"capability": "t.cap", "payload": "x" * 300}),
+        capability="t.cap",
+        deadline_ms=now_ms() + 60_000,
+        reply_to="",
+        priority=0,
+        next_stage=Stage.WAITING,
+        accepted_ms=now_ms(),
+        reason=reason,
+    )
+
+
+async def test_the_timeline_keeps_the_newest_entries_up_to_its_cap(conn: Connection) -> None:
+    settings = msgspec.structs.replace(conn.settings, timeline_max=10)
+    assert settings.redis_url is not None
+    async with open_connection(settings, settings.redis_url) as capped:
+        await MessageStore(capped).accept(acceptance("m-cap"))
+        for n in range(30):
+            assert await note_event(capped, "m-cap", "EVENT", f"event {n}", now_ms=now_ms())
+        timeline = await MessageStore(capped).get_timeline("m-cap")
+    assert [e.reason for e in timeline] == [f"event {n}" for n in range(20, 30)]
+
+
+async def test_any_text_reads_back_as_written(conn: Connection) -> None:
+    reason = 'line one\nline two, "quoted", tab\t, é, 🙂, \\n literally'
+    store = MessageStore(conn)
+    await store.accept(acceptance("m-text", reason=reason))
+    assert await note_event(conn, "m-text", "EVENT", "\n", now_ms=now_ms())
+    timeline = await store.get_timeline("m-text")
+    assert [str(e.stage) for e in timeline] == ["ACCEPTED", "WAITING", "EVENT"]
+    assert [e.reason for e in timeline] == ["", reason, "\n"]
+
+
+async def test_an_older_records_list_is_read_first(conn: Connection) -> None:
+    """A record written before the timeline moved into it keeps its entries in the list;
+    what happens to it now is appended to the field, and both read as one timeline."""
+    store = MessageStore(conn)
+    await store.accept(acceptance("m-old"))
+    await conn.call("HDEL", conn.keys.record("m-old"), "timeline")
+    old = [b'["1","ACCEPTED","","0",""]', b'["2","WAITING","","0","from before"]']
+    await conn.call("RPUSH", conn.keys.timeline("m-old"), *old)
+    assert await note_event(conn, "m-old", "EVENT", "after", now_ms=3)
+    timeline = await store.get_timeline("m-old")
+    assert [(e.ts_ms, e.reason) for e in timeline] == [(1, ""), (2, "from before"), (3, "after")]
+    assert timeline == timeline_entries(
+        await conn.call("HGET", conn.keys.record("m-old"), "timeline"), old
+    )
+
+
+async def test_a_waiting_record_is_one_compact_key(conn: Connection) -> None:
+    store = MessageStore(conn)
+    await store.accept(acceptance("m-size"))
+    assert await conn.call("EXISTS", conn.keys.timeline("m-size")) == 0
+    encoding = await conn.call("OBJECT", "ENCODING", conn.keys.record("m-size"))
+    assert encoding in (b"listpack", b"ziplist")  # Redis 7, Redis 6.2
+    moved = await store.move("m-size", Stage.EXPIRED, reason="waited past its deadline")
+    assert moved.ok
+    ttl = int(await conn.call("TTL", conn.keys.record("m-size")))
+    assert 0 < ttl <= conn.settings.record_ttl_s
+    timeline = await store.get_timeline("m-size")
+    assert [str(e.stage) for e in timeline] == ["ACCEPTED", "WAITING", "EXPIRED"]
