@@ -22,8 +22,9 @@ from broker.delivery import dead_letter_commands
 from broker.entries import fields_as_bytes, parse_assignment
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
+from broker.records import Moved
 from broker.stages import Stage
-from broker.store import MessageStore
+from broker.store import MessageStore, Move
 from broker.streams import GroupReader, StreamEntry, field_bytes
 from broker.timekeeping import now_ms
 
@@ -85,7 +86,7 @@ class SidecarIntake:
                     self.holdings.recheck_pending = False
                     pending = await self.read(reader, pending=True)
                     await self.take(pool, [e for e in pending if e[0] not in self.holdings.held])
-                await self.take(pool, await self.read(reader))
+                await self.take(pool, await self.read(reader), fresh=True)
             except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("read failed, retrying in %.1fs: %s", backoff, exc)
                 self.holdings.recheck_pending = True
@@ -94,26 +95,32 @@ class SidecarIntake:
                 continue
             backoff = 0.1
 
-    async def take(self, pool: WorkPool, entries: list[StreamEntry]) -> None:
-        """RECEIVED for a whole batch in one round trip, PROCESSING (write-ahead) for those
-        received in a second, then one job per message in the pool."""
+    async def take(
+        self, pool: WorkPool, entries: list[StreamEntry], *, fresh: bool = False
+    ) -> None:
+        """RECEIVED and PROCESSING (write-ahead) for a whole batch, then one job per message
+        in the pool. Entries read for the first time (``fresh``) get both moves in one round
+        trip: PROCESSING is fenced on RECEIVED at the same attempt, so it applies only where
+        RECEIVED just did. Entries found again (this instance's pending list, after a
+        restart) get RECEIVED first and PROCESSING only where it applied: one of them may be
+        RECEIVED already, and is then resumed (:meth:`Runner.resume`)."""
         if not entries:
             return
         parsed = [(entry_id, f, parse_assignment(entry_id, f)) for entry_id, f in entries]
-        await self._drop_malformed([(e, f, why) for e, f, why in parsed if isinstance(why, str)])
-        taken = [t for _, _, t in parsed if isinstance(t, Taken)]
+        taken, refused = self._sorted(parsed)
+        await self._drop_malformed(refused)
         if not taken:
             return
-        fenced = self.finisher.fenced
-        received = await self.store.move_many(
-            [fenced(t, Stage.RECEIVED, Stage.ROUTED, return_field="envelope") for t in taken]
-        )
-        failpoints.hit("sidecar.after_received")
-        fresh = [(t, m.value) for t, m in zip(taken, received, strict=True) if m.ok and m.value]
-        moves = [fenced(t, Stage.PROCESSING, Stage.RECEIVED, fields=NOT_AWAITING) for t, _ in fresh]
-        processing = await self.store.move_many(moves) if fresh else []
+        if fresh and not failpoints.armed("sidecar.after_received"):
+            received, processing = await self._receive_and_process(taken)
+        else:
+            received, processing = await self._receive_then_process(taken)
         failpoints.hit("sidecar.after_processing")
-        ready = {t.entry_id: (v, p.ok) for (t, v), p in zip(fresh, processing, strict=True)}
+        ready = {
+            t.entry_id: (r.value, p.ok)
+            for t, r, p in zip(taken, received, processing, strict=True)
+            if r.ok and r.value
+        }
         for t, m in zip(taken, received, strict=True):
             if self.desk is not None:
                 self.desk.supersede(t)
@@ -126,6 +133,52 @@ class SidecarIntake:
                 pool.submit(partial(self.runner.guarded, t, step))
             else:
                 self.finisher.done(t)  # lost the PROCESSING race: someone else owns it now
+
+    def _sorted(
+        self, parsed: list[tuple[str, dict[str, bytes], Taken | str]]
+    ) -> tuple[list[Taken], list[tuple[str, dict[str, bytes], str]]]:
+        """The entries to take, and those not to, with why: entries that are no assignment,
+        and copies of an assignment this instance already holds or meets earlier in the batch
+        (only someone writing to the stream by hand makes one: ``lua/assign.lua`` adds an
+        attempt once). A copy taken would find its message PROCESSING and judge it a crash's
+        leftover."""
+        taken: list[Taken] = []
+        refused: list[tuple[str, dict[str, bytes], str]] = []
+        seen: dict[tuple[str, int], str] = {}
+        for entry_id, fields, t in parsed:
+            if isinstance(t, str):
+                refused.append((entry_id, fields, t))
+                continue
+            held = self.holdings.holding(t.message_id)
+            first = held.entry_id if held and held.attempt == t.attempt else entry_id
+            first = seen.setdefault((t.message_id, t.attempt), first)
+            if first == entry_id:
+                taken.append(t)
+            else:
+                why = f"a copy of entry {first}: {t.message_id} attempt {t.attempt} is taken"
+                refused.append((entry_id, fields, why))
+        return taken, refused
+
+    def _moves(self, t: Taken) -> tuple[Move, Move]:
+        fenced = self.finisher.fenced
+        return (
+            fenced(t, Stage.RECEIVED, Stage.ROUTED, return_field="envelope"),
+            fenced(t, Stage.PROCESSING, Stage.RECEIVED, fields=NOT_AWAITING),
+        )
+
+    async def _receive_and_process(self, taken: list[Taken]) -> tuple[list[Moved], list[Moved]]:
+        moved = await self.store.move_many([m for t in taken for m in self._moves(t)])
+        return moved[0::2], moved[1::2]
+
+    async def _receive_then_process(self, taken: list[Taken]) -> tuple[list[Moved], list[Moved]]:
+        received = await self.store.move_many([self._moves(t)[0] for t in taken])
+        failpoints.hit("sidecar.after_received")
+        fresh = [t for t, m in zip(taken, received, strict=True) if m.ok and m.value]
+        moved = iter(
+            await self.store.move_many([self._moves(t)[1] for t in fresh]) if fresh else []
+        )
+        skipped = Moved(False, Stage.RECEIVED, 0, "")
+        return received, [next(moved) if m.ok and m.value else skipped for m in received]
 
     async def _drop_malformed(self, malformed: list[tuple[str, dict[str, bytes], str]]) -> None:
         """Entries that are not assignments (someone else wrote to this stream): each is

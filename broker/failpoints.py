@@ -28,6 +28,12 @@ def parse(spec: str) -> dict[str, str]:
 _ACTIVE = parse(os.environ.get(ENV, ""))
 
 
+def armed(name: str) -> bool:
+    """Whether the failpoint ``name`` is set: a step that fuses two writes takes them apart
+    again, so the crash between them can still be tested."""
+    return name in _ACTIVE
+
+
 def hit(name: str) -> None:
     """Trigger the failpoint ``name`` if it is armed."""
     if _ACTIVE.get(name) == "kill":

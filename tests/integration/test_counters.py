@@ -10,20 +10,11 @@ from broker.connection import Connection, open_connection
 from broker.metric_fields import read_counters, retry
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore, Move
-from broker.timekeeping import now_ms
+from tests.support.harness import an_acceptance
 
 
 def acceptance(message_id: str, capability: str, stage: Stage = Stage.WAITING) -> Acceptance:
-    return Acceptance(
-        message_id=message_id,
-        envelope_json=b"{}",
-        capability=capability,
-        deadline_ms=now_ms() + 60_000,
-        reply_to="",
-        priority=0,
-        next_stage=stage,
-        accepted_ms=now_ms(),
-    )
+    return an_acceptance(message_id, b"{}", capability=capability, next_stage=stage)
 
 
 async def counters(conn: Connection) -> dict[str, dict[tuple[str, ...], int]]:

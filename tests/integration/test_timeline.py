@@ -12,20 +12,12 @@ from broker.stages import Stage
 from broker.store import Acceptance, MessageStore
 from broker.timekeeping import now_ms
 from broker.timeline import note_event
+from tests.support.harness import an_acceptance
 
 
 def acceptance(message_id: str, *, reason: str = "no_capability_match: none") -> Acceptance:
-    return Acceptance(
-        message_id=message_id,
-        envelope_json=msgspec.json.encode({"capability": "t.cap", "payload": "x" * 300}),
-        capability="t.cap",
-        deadline_ms=now_ms() + 60_000,
-        reply_to="",
-        priority=0,
-        next_stage=Stage.WAITING,
-        accepted_ms=now_ms(),
-        reason=reason,
-    )
+    envelope = msgspec.json.encode({"capability": "t.cap", "payload": "x" * 300})
+    return an_acceptance(message_id, envelope, capability="t.cap", reason=reason)
 
 
 async def test_the_timeline_keeps_the_newest_entries_up_to_its_cap(conn: Connection) -> None:

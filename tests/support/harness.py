@@ -15,6 +15,9 @@ from broker.config import Settings
 from broker.connection import Connection, open_connection
 from broker.records import InstanceCard
 from broker.replies import result_of
+from broker.stages import Stage
+from broker.store import Acceptance
+from broker.timekeeping import now_ms
 from broker.wire import parse_reply_entry
 from workers.dispatcher import Dispatcher
 from workers.notifier import Notifier
@@ -160,3 +163,27 @@ async def dead_letters(conn: Connection) -> list[dict[str, bytes]]:
 async def keys_matching(conn: Connection, pattern: str) -> list[bytes]:
     """``KEYS pattern`` on every server holding keys (each master of a cluster)."""
     return [key for node in conn.nodes for key in await conn.call_on(node, "KEYS", pattern)]
+
+
+def an_acceptance(
+    message_id: str,
+    envelope_json: bytes,
+    *,
+    capability: str = "text.echo",
+    next_stage: Stage = Stage.WAITING,
+    instance: str = "",
+    reason: str = "",
+) -> Acceptance:
+    """What admission hands ``lua/accept.lua`` for one message, deadline a minute away."""
+    return Acceptance(
+        message_id=message_id,
+        envelope_json=envelope_json,
+        capability=capability,
+        deadline_ms=now_ms() + 60_000,
+        reply_to="",
+        priority=0,
+        next_stage=next_stage,
+        accepted_ms=now_ms(),
+        instance=instance,
+        reason=reason,
+    )
