@@ -6,13 +6,19 @@ of those recorded, then the credits returned and the entries acknowledged
 (``lua/release.lua``). Replies go before the acknowledgement, so a crash in between sends a
 reply again, never skips one. An outcome that moves a message elsewhere (back to waiting, or
 dead) is written at once, then its entry let go of the same way.
+
+Recording and releasing are two stages that overlap: the next outcomes are recorded while
+the replies and credits of the last are on their way, so an outcome waits for one round trip
+before it is on the record. A finished call whose outcome is not recorded is what a crash
+repeats (the message is still PROCESSING); the runner holds back new calls while more than
+:data:`UNRECORDED_MAX` wait (:meth:`Finisher.room`), so under saturation that stays bounded.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -39,6 +45,23 @@ from .holdings import Finished, Holdings, Taken
 log = logging.getLogger("agent_reach.sidecar")
 
 RETRY_PAUSE_S = 0.5
+# outcomes waiting to be recorded before the runner holds back new calls (Finisher.room):
+# what a crash repeats beyond the calls that were running is at most about this many
+UNRECORDED_MAX = 32
+
+
+class Wakeup:
+    """An event that re-arms itself once waited for: a stage's "there is work"."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event = anyio.Event()
 
 
 def usage_fields(taken: Taken, usage: Usage) -> dict[str, bytes]:
@@ -53,8 +76,15 @@ class Finisher:
         self.store = store
         self.instance_id = instance_id
         self.holdings = holdings
-        self._queued: list[Finished] = []
-        self._ready = anyio.Event()
+        self._queued: list[Finished] = []  # outcomes not recorded yet
+        self._ready = Wakeup()
+        self._record_lock = anyio.Lock()
+        self._written = anyio.Event()  # set after each recording round
+        # recorded rounds whose replies and credits are still to go, with the ids of the
+        # items whose outcome is on the record
+        self._unreleased: list[tuple[list[Finished], set[int]]] = []
+        self._recorded_ready = Wakeup()
+        self._release_lock = anyio.Lock()
         self._rng = random.Random()
         # told when an entry is let go of (the callback desk forgets what it awaited)
         self.on_let_go: list[Callable[[Taken], None]] = []
@@ -203,36 +233,84 @@ class Finisher:
     # -- settling ----------------------------------------------------------------------------
 
     async def run(self) -> None:
+        """Two stages, each a round trip or two behind the other: outcomes are recorded as
+        soon as they are queued, while the replies and credits of those recorded before
+        are still on their way. What a crash repeats is what was not recorded yet."""
+        async with anyio.create_task_group() as stages:
+            stages.start_soon(self._recording)
+            stages.start_soon(self._releasing)
+
+    async def _recording(self) -> None:
+        await self._stage(self._ready, self.record_now, "recording outcomes")
+
+    async def _releasing(self) -> None:
+        await self._stage(self._recorded_ready, self.release_now, "release")
+
+    @staticmethod
+    async def _stage(wakeup: Wakeup, step: Callable[[], Awaitable[None]], what: str) -> None:
         while True:
-            await self._ready.wait()
-            self._ready = anyio.Event()
+            await wakeup.wait()
             try:
-                await self.finish_now()
+                await step()
             except (RedisUnavailable, RedisReplyError) as exc:
-                log.warning("release failed, retrying: %s", exc)
+                log.warning("%s failed, retrying: %s", what, exc)
                 await anyio.sleep(RETRY_PAUSE_S)
-                self._ready.set()
+                wakeup.set()
 
     async def finish_now(self) -> None:
         """Settle every queued entry: record the outcomes, deliver the replies of those
         recorded, then return the credits and acknowledge."""
-        batch, self._queued = self._queued, []
-        if not batch:
-            return
-        try:
-            await self._tell(batch, await self._record(batch))
-            await self.conn.call(
-                *release_command(
-                    self.store.conn,
-                    self.instance_id,
-                    SIDECAR_GROUP,
-                    [(f"{i.taken.message_id}:{i.taken.attempt}", i.taken.entry_id) for i in batch],
+        await self.record_now()
+        await self.release_now()
+
+    async def room(self) -> None:
+        """Wait while more than :data:`UNRECORDED_MAX` outcomes wait to be recorded: a call
+        started now would add to what a crash repeats."""
+        while len(self._queued) > UNRECORDED_MAX:
+            await self._written.wait()
+
+    async def record_now(self) -> None:
+        """Record every queued outcome (one round trip); its replies and credit follow."""
+        async with self._record_lock:
+            batch, self._queued = self._queued, []
+            if not batch:
+                return
+            try:
+                recorded = await self._record(batch)
+            except Exception:
+                # anything that stopped the round trip: the batch is recorded again next time
+                self._queued = batch + self._queued
+                raise
+            self._unreleased.append((batch, recorded))
+            self._recorded_ready.set()
+            self._written.set()
+            self._written = anyio.Event()
+
+    async def release_now(self) -> None:
+        """Deliver the replies of the recorded outcomes, then return their credits and
+        acknowledge their entries (replies first: a crash in between repeats a reply)."""
+        async with self._release_lock:
+            rounds, self._unreleased = self._unreleased, []
+            if not rounds:
+                return
+            batch = [item for items, _ in rounds for item in items]
+            recorded = {i for _, ids in rounds for i in ids}
+            try:
+                await self._tell(batch, recorded)
+                await self.conn.call(
+                    *release_command(
+                        self.store.conn,
+                        self.instance_id,
+                        SIDECAR_GROUP,
+                        [
+                            (f"{i.taken.message_id}:{i.taken.attempt}", i.taken.entry_id)
+                            for i in batch
+                        ],
+                    )
                 )
-            )
-        except Exception:
-            # anything that stopped the round trip: the batch is finished again next time
-            self._queued = batch + self._queued
-            raise
+            except Exception:
+                self._unreleased = rounds + self._unreleased
+                raise
         for item in batch:
             self.holdings.let_go(item.taken)
             for listener in self.on_let_go:
