@@ -38,10 +38,9 @@ from broker.connection import Connection, open_connection
 from broker.embedded import RECORD_LISTPACK_VALUE, RedisServer
 from broker.envelope import Envelope, complete
 from broker.keyspace import DISPATCH_GROUP, due_sets
-from broker.records import InstanceCard
 from workers.dispatcher import Dispatcher
 
-from .pipeline import noop_agent, wait_replies
+from .pipeline import noop_agent, noop_card, wait_replies
 
 CAPABILITY = "bench.noop"
 SAMPLE = 200
@@ -90,14 +89,7 @@ async def measure(conn: Connection, messages: int, payload: int) -> dict[str, An
         out["waiting"] = (await used_memory(conn) - before) / messages
         sample = ids[:SAMPLE]
         out["waiting record"] = await per_key(conn, [conn.keys.record(i) for i in sample])
-        card = InstanceCard(
-            agent_id="noop",
-            instance_id="noop-1",
-            capabilities=(CAPABILITY,),
-            endpoint="python",
-            max_inflight=256,
-        )
-        await tg.start(Sidecar(conn, card, noop_agent()).run)
+        await tg.start(Sidecar(conn, noop_card(256), noop_agent()).run)
         arrivals: dict[str, float] = {}
         with anyio.fail_after(300):
             await wait_replies(conn, reply_to, messages, arrivals)

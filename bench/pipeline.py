@@ -75,6 +75,17 @@ async def raw_baseline(url: str, n: int) -> float:
     return n / elapsed
 
 
+def noop_card(max_inflight: int, instance_id: str = "noop-1") -> InstanceCard:
+    """The card of the sidecar that serves ``bench.noop`` with :func:`noop_agent`."""
+    return InstanceCard(
+        agent_id="noop",
+        instance_id=instance_id,
+        capabilities=("bench.noop",),
+        endpoint="python",
+        max_inflight=max_inflight,
+    )
+
+
 def noop_agent() -> Agent:
     agent = Agent("noop")
 
@@ -119,15 +130,8 @@ async def in_process_throughput(
 ) -> float:
     """:func:`pipeline_throughput` through a dispatcher and an in-process sidecar (no-op
     handler) started here on ``conn``; ``alongside`` may start more tasks meanwhile."""
-    card = InstanceCard(
-        agent_id="noop",
-        instance_id=instance_id,
-        capabilities=("bench.noop",),
-        endpoint="python",
-        max_inflight=messages,
-    )
     async with anyio.create_task_group() as tg:
-        await tg.start(Sidecar(conn, card, noop_agent()).run)
+        await tg.start(Sidecar(conn, noop_card(messages, instance_id), noop_agent()).run)
         await tg.start(Dispatcher(conn, consumer="bench").run)
         if alongside is not None:
             alongside(tg)
@@ -170,14 +174,7 @@ async def main(messages: int, rate: float, rate_seconds: float, rounds: int) -> 
     try:
         settings = build_settings([{"redis_url": server.url, "prefix": "bench"}])
         async with open_connection(settings, server.url) as conn:
-            card = InstanceCard(
-                agent_id="noop",
-                instance_id="noop-1",
-                capabilities=("bench.noop",),
-                endpoint="python",
-                max_inflight=messages,
-            )
-            sidecar = Sidecar(conn, card, noop_agent())
+            sidecar = Sidecar(conn, noop_card(messages), noop_agent())
             async with anyio.create_task_group() as tg:
                 await tg.start(sidecar.run)
                 await tg.start(Dispatcher(conn, consumer="bench").run)

@@ -77,17 +77,27 @@ class WaitingRoom:
     async def drain(self, capabilities: Iterable[str]) -> int:
         """Assign waiting messages of ``capabilities`` to free credits: the highest priority
         first; capabilities waiting at the same priority take turns (see
-        :func:`broker.fairness.fair_order`). Returns how many were assigned."""
+        :func:`broker.fairness.fair_order`). Returns how many were assigned.
+
+        Each capability's window is as many messages as it has free credits: a record read
+        and not assigned is work for nothing, and credits come back a few at a time, so under
+        a backlog most of a wider window would be. Where that window was full and still left
+        credits unused (head messages no free instance takes: their tags, say), a second pass
+        reads four times wider and 16 more, so they do not block the ones behind them."""
+        assigned, blocked = await self._drain_once(set(capabilities), wide=False)
+        if blocked:
+            more, _ = await self._drain_once(blocked, wide=True)
+            assigned += more
+        return assigned
+
+    async def _drain_once(self, capabilities: set[str], *, wide: bool) -> tuple[int, set[str]]:
+        """One pass over windows of the free credits (``wide``: four times that and 16 more):
+        how many were assigned, and the capabilities whose full window left credits unused."""
         now = now_ms()
-        # A window wider than the free credits: a head message nobody can take now (its tags
-        # match no free instance, say) must not block the ones behind it.
-        windows = {}
-        for capability in set(capabilities):
-            free = self.table.free_credits(capability, now_ms=now)
-            if free > 0:
-                windows[capability] = min(self.batch, 4 * free + 16)
+        free = {c: self.table.free_credits(c, now_ms=now) for c in capabilities}
+        windows = {c: min(self.batch, 4 * n + 16 if wide else n) for c, n in free.items() if n > 0}
         if not windows:
-            return 0
+            return 0, set()
         heads = await self.store.waiting.heads(windows)
         offer = fair_order(heads, self.rotation.order(heads))
         records = dict(
@@ -132,7 +142,13 @@ class WaitingRoom:
                 self.note_waiting([capability])
         for capability, ids in removed.items():
             await self._repark_returned(capability, ids)
-        return len(done)
+        blocked = {
+            c
+            for c, head in heads.items()
+            if len(head) == windows[c] < self.batch
+            and sum(a.capability == c for a in done) < free[c]
+        }
+        return len(done), blocked
 
     async def _repark_returned(self, capability: str, removed: list[str]) -> None:
         """A message may have come back to WAITING (its agent was not reached) between our

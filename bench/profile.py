@@ -1,0 +1,98 @@
+"""Where the time per message goes: Redis commands and round trips, and Python functions.
+
+One fresh redis-server; ``--messages`` envelopes through ingress -> dispatcher -> instance
+stream -> sidecar -> in-process no-op handler -> reply stream, all in this process (as
+``bench.pipeline``), after a warm-up of a tenth as many. Prints:
+
+* Redis, from ``INFO commandstats`` reset before the run: calls and server µs per message,
+  by command (``EVALSHA`` is every script call), and in total;
+* this process, from ``cProfile`` over the run: the functions with the most time of their own
+  per message, and the process's CPU time per message.
+
+Usage: ``python -m bench.profile [--messages 10000] [--top 25]``. Figures only; CI never runs
+it. cProfile slows Python several-fold: read its figures as shares, not as speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+from adapters.sidecar import Sidecar
+from broker.config import build_settings
+from broker.connection import Connection, open_connection
+from broker.embedded import RedisServer
+from broker.gc_tuning import tune_gc
+from workers.dispatcher import Dispatcher
+
+from .pipeline import noop_agent, noop_card, pipeline_throughput
+
+
+def commandstats(info: str) -> dict[str, tuple[int, int]]:
+    """``cmdstat_<name>:calls=..,usec=..`` lines as name -> (calls, usec)."""
+    stats: dict[str, tuple[int, int]] = {}
+    for line in info.splitlines():
+        if line.startswith("cmdstat_"):
+            name, _, rest = line.partition(":")
+            fields = dict(part.split("=", 1) for part in rest.split(","))
+            stats[name.removeprefix("cmdstat_")] = (int(fields["calls"]), int(fields["usec"]))
+    return stats
+
+
+async def run(conn: Connection, messages: int) -> tuple[dict[str, tuple[int, int]], float]:
+    await conn.call("CONFIG", "RESETSTAT")
+    started_cpu = time.process_time()
+    await pipeline_throughput(conn, messages)
+    cpu = time.process_time() - started_cpu
+    return commandstats((await conn.call("INFO", "commandstats")).decode()), cpu
+
+
+async def main(messages: int, top: int) -> None:
+    tune_gc()
+    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-profile-")))
+    profiler = cProfile.Profile()
+    try:
+        settings = build_settings([{"redis_url": server.url, "prefix": "bench"}])
+        async with open_connection(settings, server.url) as conn:
+            async with anyio.create_task_group() as tg:
+                await tg.start(Sidecar(conn, noop_card(100), noop_agent()).run)
+                await tg.start(Dispatcher(conn, consumer="bench").run)
+                await pipeline_throughput(conn, max(100, messages // 10))  # warm-up
+                profiler.enable()
+                stats, cpu = await run(conn, messages)
+                profiler.disable()
+                tg.cancel_scope.cancel()
+    finally:
+        server.stop()
+    print(f"{messages} messages, in-process dispatcher and sidecar (100 in flight), no-op handler")
+    print("Redis: per message, by command (server time; EVALSHA = every script call)")
+    total_calls = sum(c for c, _ in stats.values())
+    total_usec = sum(u for _, u in stats.values())
+    for name, (calls, usec) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {name:<14} {calls / messages:6.2f} calls  {usec / messages:7.1f} µs")
+    print(f"  {'total':<14} {total_calls / messages:6.2f} calls  {total_usec / messages:7.1f} µs")
+    print(f"Python: {cpu / messages * 1e6:.0f} µs of CPU per message (under cProfile)")
+    listing = pstats.Stats(profiler)
+    rows = sorted(listing.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
+    total = sum(v[2] for v in listing.stats.values())  # type: ignore[attr-defined]
+    for (path, line, name), (_, calls, own, _, _) in rows:
+        where = f"{Path(path).name}:{line}({name})" if line else name
+        print(f"  {own / total:5.1%}  {calls / messages:6.2f} calls/msg  {where}")
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=10_000)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    anyio.run(main, args.messages, args.top)
+
+
+if __name__ == "__main__":
+    cli()
