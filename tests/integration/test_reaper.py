@@ -140,6 +140,22 @@ async def status_agent(answer: StatusAnswer) -> AsyncIterator[str]:
         yield f"{url}status"
 
 
+async def credit_returned(conn: Connection, instance_id: str, message_id: str) -> None:
+    """Wait until ``instance_id`` holds no credit: returned after the outcome is written (on
+    a cluster, on another slot); if it never is, say what holds it."""
+
+    async def none_held() -> bool:
+        return int(await conn.call("SCARD", conn.keys.inflight(instance_id))) == 0
+
+    try:
+        await eventually(none_held, timeout_s=5)
+    except TimeoutError:
+        held = await conn.call("SMEMBERS", conn.keys.inflight(instance_id))
+        timeline = await MessageStore(conn).get_timeline(message_id)
+        moves = [(e.ts_ms, e.stage, e.attempt, e.reason) for e in timeline]
+        raise AssertionError(f"credit kept: {held} for {message_id}: {moves}") from None
+
+
 def stages(timeline: list[object]) -> list[Stage]:
     return [e.stage for e in timeline]  # type: ignore[attr-defined]
 
@@ -319,10 +335,7 @@ async def test_processing_on_a_dead_instance_asks_the_agent_first(
     if expected is Stage.FAILED:
         assert record.error == "model refused"
 
-    async def credit_returned() -> bool:  # written after the outcome: another slot
-        return int(await conn.call("SCARD", conn.keys.inflight("ghost-1"))) == 0
-
-    await eventually(credit_returned, timeout_s=5)
+    await credit_returned(conn, "ghost-1", message_id)
 
 
 async def test_a_running_answer_extends_then_done_records_the_result(fast: Connection) -> None:
