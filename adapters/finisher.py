@@ -10,8 +10,10 @@ dead) is written at once, then its entry let go of the same way.
 Recording and releasing are two stages that overlap: the next outcomes are recorded while
 the replies and credits of the last are on their way, so an outcome waits for one round trip
 before it is on the record. A finished call whose outcome is not recorded is what a crash
-repeats (the message is still PROCESSING); the runner holds back new calls while more than
+repeats (the message is still PROCESSING); the intake reads no new work while more than
 :data:`UNRECORDED_MAX` wait (:meth:`Finisher.room`), so under saturation that stays bounded.
+(Holding back each call instead parked a worker per call: a pool grown to thousands, for
+nothing.)
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ from .holdings import Finished, Holdings, Taken
 log = logging.getLogger("agent_reach.sidecar")
 
 RETRY_PAUSE_S = 0.5
-# outcomes waiting to be recorded before the runner holds back new calls (Finisher.room):
-# what a crash repeats beyond the calls that were running is at most about this many
+# outcomes waiting to be recorded before the intake holds back new work (Finisher.room):
+# what a crash repeats is the calls running then, and about this many more
 UNRECORDED_MAX = 32
 
 
@@ -264,8 +266,8 @@ class Finisher:
         await self.release_now()
 
     async def room(self) -> None:
-        """Wait while more than :data:`UNRECORDED_MAX` outcomes wait to be recorded: a call
-        started now would add to what a crash repeats."""
+        """Wait while more than :data:`UNRECORDED_MAX` outcomes wait to be recorded: work
+        taken now would add to what a crash repeats."""
         while len(self._queued) > UNRECORDED_MAX:
             await self._written.wait()
 

@@ -86,6 +86,7 @@ class SidecarIntake:
                     self.holdings.recheck_pending = False
                     pending = await self.read(reader, pending=True)
                     await self.take(pool, [e for e in pending if e[0] not in self.holdings.held])
+                await self.finisher.room()  # no new work while outcomes pile up unrecorded
                 await self.take(pool, await self.read(reader), fresh=True)
             except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("read failed, retrying in %.1fs: %s", backoff, exc)

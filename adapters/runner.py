@@ -251,7 +251,6 @@ class Runner:
     # -- the call ------------------------------------------------------------------------------
 
     async def call_agent(self, taken: Taken, envelope: Envelope) -> None:
-        await self.finisher.room()  # no new call while outcomes pile up unrecorded
         with tracing.processing(envelope, self.card.instance_id, taken.attempt) as span:
             started = self.calls[taken.entry_id] = anyio.current_time()
             try:

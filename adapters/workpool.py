@@ -23,10 +23,12 @@ class WorkPool:
         self._limit = limit
         self._queue: deque[Job] = deque()
         self._workers = 0
-        self._idle = 0
+        # one event per idle worker: a job wakes one, not every idle worker (a pool grown to
+        # thousands by slow calls would otherwise stir them all for every fast job)
+        self._sleepers: deque[anyio.Event] = deque()
+        self._woken = 0  # woken and not yet back at the queue: idle all the same
         self._unfinished = 0
         self._closed = False
-        self._wake = anyio.Event()
         self._drained: anyio.Event | None = None
 
     @property
@@ -39,16 +41,21 @@ class WorkPool:
             raise RuntimeError("the pool is closed")
         self._queue.append(job)
         self._unfinished += 1
-        if len(self._queue) > self._idle and self._workers < self._limit:
+        if len(self._queue) > len(self._sleepers) + self._woken and self._workers < self._limit:
             self._workers += 1
             self._tg.start_soon(self._work)
-        elif self._idle:
-            self._wake.set()
+        elif self._sleepers:
+            self._wake_one()
+
+    def _wake_one(self) -> None:
+        self._woken += 1
+        self._sleepers.popleft().set()
 
     def close(self) -> None:
         """No more jobs: workers leave once the queue is empty."""
         self._closed = True
-        self._wake.set()
+        while self._sleepers:
+            self._wake_one()
 
     async def join(self) -> None:
         """Wait until every submitted job has finished."""
@@ -62,13 +69,15 @@ class WorkPool:
                 while not self._queue:
                     if self._closed:
                         return
-                    self._idle += 1
+                    wake = anyio.Event()
+                    self._sleepers.append(wake)
                     try:
-                        await self._wake.wait()
+                        await wake.wait()
                     finally:
-                        self._idle -= 1
-                    if self._wake.is_set() and not self._closed:
-                        self._wake = anyio.Event()
+                        if wake.is_set():
+                            self._woken -= 1
+                        else:  # cancelled while idle
+                            self._sleepers.remove(wake)
                 job = self._queue.popleft()
                 try:
                     await job()

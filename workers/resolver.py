@@ -226,15 +226,18 @@ class Resolver:
         return await self._park(record, f"{why}; {status.why or status.state}", now)
 
     async def _park(self, record: MessageRecord, reason: str, now: int) -> Verdict:
-        moved = await self.store.apply(
-            self.fenced(
-                record,
-                Stage.NEEDS_CONFIRMATION,
-                reason=f"{reason}; the agent is not idempotent: parked for an operator",
+        # Shielded, as an ending is: a reaper stopped between the two would leave the credit
+        # held on the dead instance until another reaper's pass found it stale.
+        with anyio.CancelScope(shield=True):
+            moved = await self.store.apply(
+                self.fenced(
+                    record,
+                    Stage.NEEDS_CONFIRMATION,
+                    reason=f"{reason}; the agent is not idempotent: parked for an operator",
+                )
             )
-        )
-        if moved.ok:
-            await self.release(record)
+            if moved.ok:
+                await self.release(record)
         return Verdict("needs confirmation", now + PARKED_RECHECK_MS)
 
     async def _callback_received(self, record: MessageRecord, now: int) -> Verdict:

@@ -1,5 +1,5 @@
 """The finisher's two stages on a real Redis: outcomes are recorded before their replies and
-credits go, and new calls wait while more than one batch of outcomes is unrecorded."""
+credits go, and new work waits while more than one batch of outcomes is unrecorded."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def taken(n: int) -> Taken:
     return Taken(f"1-{n}", f"m-{n}", 1)
 
 
-async def test_new_calls_wait_while_outcomes_pile_up_unrecorded(conn: Connection) -> None:
+async def test_new_work_waits_while_outcomes_pile_up_unrecorded(conn: Connection) -> None:
     f = finisher(conn)
     for n in range(UNRECORDED_MAX):
         f.done(taken(n))
