@@ -86,7 +86,11 @@ class SidecarIntake:
                     self.holdings.recheck_pending = False
                     pending = await self.read(reader, pending=True)
                     await self.take(pool, [e for e in pending if e[0] not in self.holdings.held])
-                await self.finisher.room()  # no new work while outcomes pile up unrecorded
+                # no new work while outcomes pile up unrecorded (a stop is still heard)
+                with anyio.move_on_after(READ_BLOCK_MS / 1000) as crowded:
+                    await self.finisher.room()
+                if crowded.cancelled_caught:
+                    continue
                 await self.take(pool, await self.read(reader), fresh=True)
             except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("read failed, retrying in %.1fs: %s", backoff, exc)

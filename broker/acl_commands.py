@@ -96,6 +96,10 @@ BROKER_COMMANDS = (
     "exists",
     "expire",
     "persist",
+    # the janitor: an older version's timeline list leaves with its record
+    "ttl",
+    "pttl",
+    "pexpire",
     "lrange",
     "ltrim",
     "rpush",

@@ -6,6 +6,9 @@ reaper works from those. What falls out of them would stay in Redis for ever:
 - a live (non-terminal) record missing from ``P:due`` — its ingress entry deleted while it
   was pending, say, so no dispatcher ever finished its writes — is indexed again, due at
   once, and the reaper resolves it by its stage like any other;
+- a timeline an older version kept as a list (``P:t:{id}``, now the record's field) whose
+  record has ended or gone: it was given an expiry only when its message ended, so one still
+  live at the upgrade would stay; it now leaves with its record;
 - the keys of an instance gone for good — silent for ``instance_gone_after_s``, holding no
   credit and no entry its sidecar read and never finished — are removed: card, work stream,
   in-flight set, callback key (``lua/forget_instance.lua``, atomic on the instance's slot)
@@ -71,6 +74,7 @@ class Janitor:
             self._pass[0] = (node, reply[0].decode())
         keys = [key.decode(errors="replace") for key in reply[1]]
         await self._reindex(_tagged(keys, self.keys.record("")), now)
+        await self._expire_old_timelines(_tagged(keys, self.keys.timeline("")))
         await self._forget(_tagged(keys, self.keys.queue("")), now)
 
     async def _silent_registered(self, now: int) -> list[str]:
@@ -96,6 +100,32 @@ class Janitor:
             )
             self.reindexed += len(lost)
             log.warning("indexed %d live messages the due index had lost", len(lost))
+
+    async def _expire_old_timelines(self, message_ids: list[str]) -> None:
+        """Old timeline lists without an expiry whose record has ended (they leave when it
+        does) or is gone (deleted now); a live record's is left until it ends."""
+        commands: list[tuple[Any, ...]] = []
+        for message_id in message_ids:
+            commands += [
+                ("TTL", self.keys.timeline(message_id)),
+                ("PTTL", self.keys.record(message_id)),
+                ("HGET", self.keys.record(message_id), "stage"),
+            ]
+        replies = await self.conn.call_many(commands) if commands else []
+        fixes: list[tuple[Any, ...]] = []
+        for n, message_id in enumerate(message_ids):
+            ttl, record_ms, stage = replies[3 * n : 3 * n + 3]
+            key = self.keys.timeline(message_id)
+            if ttl != -1 or stage in _LIVE:
+                continue
+            if record_ms == -2:  # no record
+                fixes.append(("DEL", key))
+            elif record_ms > 0:
+                fixes.append(("PEXPIRE", key, record_ms))
+            else:
+                fixes.append(("EXPIRE", key, self.conn.settings.record_ttl_s))
+        if fixes:
+            await self.store.conn.run_all(fixes)
 
     async def _forget(self, instance_ids: list[str], now: int) -> None:
         if not instance_ids:

@@ -12,7 +12,8 @@ from broker.stages import Stage
 from broker.store import Acceptance, MessageStore
 from broker.timekeeping import now_ms
 from broker.timeline import note_event
-from tests.support.harness import an_acceptance
+from tests.support.harness import an_acceptance, eventually
+from workers.janitor import Janitor
 
 
 def acceptance(message_id: str, *, reason: str = "no_capability_match: none") -> Acceptance:
@@ -69,3 +70,33 @@ async def test_a_waiting_record_is_one_compact_key(conn: Connection) -> None:
     assert 0 < ttl <= conn.settings.record_ttl_s
     timeline = await store.get_timeline("m-size")
     assert [str(e.stage) for e in timeline] == ["ACCEPTED", "WAITING", "EXPIRED"]
+
+
+async def test_the_janitor_lets_an_older_timeline_list_go_with_its_record(
+    conn: Connection,
+) -> None:
+    """An older version gave a timeline list its expiry only when its message ended: the
+    list of one still live at the upgrade would stay. The janitor gives it its record's
+    expiry once the record has ended, deletes it when the record is gone, and leaves it
+    while the record lives."""
+    store = MessageStore(conn)
+    for message_id in ("m-ended", "m-live"):
+        await store.accept(acceptance(message_id))
+        await conn.call("HDEL", conn.keys.record(message_id), "timeline")
+        await conn.call("RPUSH", conn.keys.timeline(message_id), b'["1","ACCEPTED","","0",""]')
+    assert (await store.move("m-ended", Stage.EXPIRED, reason="deadline")).ok
+    await conn.call("RPUSH", conn.keys.timeline("m-gone"), b'["1","ACCEPTED","","0",""]')
+    janitor = Janitor(conn, store)
+
+    async def swept() -> bool:  # a page of the key space a step
+        await janitor.step(now_ms())
+        gone = await conn.call("EXISTS", conn.keys.timeline("m-gone"))
+        return gone == 0 and int(await conn.call("TTL", conn.keys.timeline("m-ended"))) > 0
+
+    await eventually(swept, timeout_s=30)
+    ended_ttl = int(await conn.call("TTL", conn.keys.timeline("m-ended")))
+    record_ttl = int(await conn.call("TTL", conn.keys.record("m-ended")))
+    assert 0 < ended_ttl <= record_ttl
+    assert int(await conn.call("TTL", conn.keys.timeline("m-live"))) == -1
+    assert int(await conn.call("EXISTS", conn.keys.timeline("m-gone"))) == 0
+    assert [e.reason for e in await store.get_timeline("m-ended")] == ["", "deadline"]
