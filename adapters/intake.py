@@ -176,12 +176,13 @@ class SidecarIntake:
         return moved[0::2], moved[1::2]
 
     async def _receive_then_process(self, taken: list[Taken]) -> tuple[list[Moved], list[Moved]]:
-        received = await self.store.move_many([self._moves(t)[0] for t in taken])
+        moves = [self._moves(t) for t in taken]
+        received = await self.store.move_many([receive for receive, _ in moves])
         failpoints.hit("sidecar.after_received")
-        fresh = [t for t, m in zip(taken, received, strict=True) if m.ok and m.value]
-        moved = iter(
-            await self.store.move_many([self._moves(t)[1] for t in fresh]) if fresh else []
-        )
+        fresh = [
+            process for (_, process), m in zip(moves, received, strict=True) if m.ok and m.value
+        ]
+        moved = iter(await self.store.move_many(fresh) if fresh else [])
         skipped = Moved(False, Stage.RECEIVED, 0, "")
         return received, [next(moved) if m.ok and m.value else skipped for m in received]
 

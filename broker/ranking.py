@@ -61,20 +61,20 @@ class Ranking:
         self.heaviest = max((c.weight for c in candidates), default=0.0)
         for i in range(len(candidates)):
             self._place(i)
-        self.fit.sort()
 
     def load(self, i: int) -> float:
         return self.used[i] * self.candidates[i].inv_credits
 
     def _place(self, i: int) -> None:
-        """Put candidate ``i`` where its load says (appends to ``fit`` unsorted on build)."""
+        """Put candidate ``i`` where its load says: by reach in ``fit``, or in ``over``."""
         load = self.load(i)
         if load < self.policy.load_cut:
             ((_, reach),) = reach_scores([(self.candidates[i], load)], self.policy)
             self.reach[i] = reach
-            self.fit.append((reach, i))
+            bisect.insort(self.fit, (reach, i))
         else:
             bisect.insort(self.over, i)
+            self.listed = None
 
     def moved(self, instance_id: str, used: int) -> None:
         """``instance_id`` now has ``used`` credits in use."""
@@ -88,14 +88,7 @@ class Ranking:
             del self.over[bisect.bisect_left(self.over, i)]
             self.listed = None
         self.used[i] = used
-        load = self.load(i)
-        if load < self.policy.load_cut:
-            ((_, reach),) = reach_scores([(self.candidates[i], load)], self.policy)
-            self.reach[i] = reach
-            bisect.insort(self.fit, (reach, i))
-        else:
-            bisect.insort(self.over, i)
-            self.listed = None
+        self._place(i)
 
     def top_from(self) -> int:
         """Index in :attr:`fit` where the top group begins (``fit`` must not be empty)."""
