@@ -4,12 +4,14 @@ a free credit (``lua/assign.lua``), and the credit comes back with the entry's a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .connection import Connection
 from .notifications import credit_announcement
 from .record_codec import raised
 from .records import AssignResult
+from .resp import Command
 from .scripts import ScriptName
 from .timekeeping import now_ms
 
@@ -51,7 +53,14 @@ class Credits:
         command = assign_command(self.conn, instance_id, message_id, attempt)
         return AssignResult(await self.conn.call(*command))
 
-    async def assign_many(self, assignments: list[tuple[str, str, int]]) -> list[AssignResult]:
-        """``(instance_id, message_id, attempt)`` triples, in one round trip."""
-        replies = await self.conn.call_many([assign_command(self.conn, *a) for a in assignments])
-        return [AssignResult(raised(r)) for r in replies]
+    async def assign_many(
+        self, assignments: list[tuple[str, str, int]], *, ahead: Sequence[Command] = ()
+    ) -> list[AssignResult]:
+        """``(instance_id, message_id, attempt)`` triples, in one round trip, after the writes
+        ``ahead`` (whose first error reply is raised)."""
+        replies = await self.conn.call_many(
+            [*ahead, *(assign_command(self.conn, *a) for a in assignments)]
+        )
+        for reply in replies[: len(ahead)]:
+            raised(reply)
+        return [AssignResult(raised(r)) for r in replies[len(ahead) :]]

@@ -1,8 +1,13 @@
 """Admission: a batch's envelopes become records — routed, parked, or fanned out.
 
 Routes each envelope (or plans a broadcast's fan-out), creates every record in one round
-trip (``lua/accept.lua``), then writes the batch's indexes (deadlines, waiting sets, sessions)
-in one more. A broadcast parent is created before its children. An id that already names a
+trip (``lua/accept.lua``), then writes the batch's waiting sets and sessions in one more, when
+it has any. The deadline entries are left to ride with the batch's assignments
+(:meth:`workers.assignment.Assigner.assign`, ``ahead``): one round trip fewer between a
+message's arrival and its instance. A stop between the two leaves the ingress entry pending;
+handled again, the record exists and its deadline entry is written then (``_reapply``).
+
+A broadcast parent is created before its children. An id that already names a
 message is the same request handled again (its index writes re-applied, idempotently) or
 another request under a taken id (refused, the first message untouched).
 """
@@ -100,11 +105,13 @@ class Admission:
 
     async def admit(
         self, envelopes: list[Envelope], intents: Mapping[str, IntentDecision] | None = None
-    ) -> list[Routed]:
+    ) -> Admitted:
         """Route each envelope and create its record, ROUTED or WAITING (a broadcast: the
         parent FANNED_OUT, then its children): one round trip for the records, one more for
         every child of the batch's broadcasts (plus one for the sessions the batch names).
-        ``intents``: how an envelope's intent was mapped, by message id (recorded with it)."""
+        ``intents``: how an envelope's intent was mapped, by message id (recorded with it).
+        Returns the records to assign (``routed``) and their deadline entries (``due``), which
+        the caller writes with the assignments."""
         now = now_ms()
         await self.budgets.refresh(now)
         sessions = await bound_instances(
@@ -126,10 +133,9 @@ class Admission:
             ]
             admitted.fan_outs = []
             await self._admit(children, admitted, now)
-        # the batch's index writes (deadlines, waiting sets, sessions) in one round trip
+        # waiting sets before a drain can look for them, sessions before the next batch
         await self.store.conn.run_all(
-            admitted.due
-            + park_commands(self.store.keys, admitted.to_park)
+            park_commands(self.store.keys, admitted.to_park)
             + bind_session_commands(self.store.conn, admitted.bindings)
         )
         if admitted.to_park:
@@ -141,7 +147,7 @@ class Admission:
         overruns, self._overruns = self._overruns, {}
         for found in overruns.values():
             await self.budgets.announce(found)
-        return admitted.routed
+        return admitted
 
     async def _admit(self, plans: list[Plan], admitted: Admitted, now: int) -> None:
         """Create the planned records (one round trip) and sort out what each needs next."""
@@ -306,7 +312,7 @@ class Admission:
             ],
         )
         await self.store.conn.run_all(commands)
-        await self.assigner.assign(
+        assigned = await self.assigner.assign(
             [
                 Routed(
                     r.id,
@@ -321,6 +327,7 @@ class Admission:
                 if r.stage is Stage.ROUTED
             ]
         )
+        await self.store.conn.run_all(assigned.after)
         parents = [r for r in records if r.stage is Stage.FANNED_OUT]
         fanned = await self.conn.call_many(
             [("HGET", self.keys.record(r.id), "children") for r in parents]

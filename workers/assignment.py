@@ -9,13 +9,15 @@ and gives the attempt number back: no stream entry exists for it.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
 from broker.envelope import Envelope
 from broker.records import AssignResult, Moved
+from broker.resp import Command
 from broker.routing import Decision, Outcome, RouteRequest
 from broker.stages import Stage
 from broker.store import MessageStore, Move
@@ -41,6 +43,16 @@ class Routed:
     priority: int
     accepted_ms: int
     tenant: str | None = None
+
+
+class Assigned(NamedTuple):
+    """The attempts assigned, and the writes that follow them (the refused parked, the
+    assignment counters): for the caller's next round trip, so they cost none of their own.
+    Each is idempotent or a counter, and the ingress entry or waiting-set entry that led here
+    is removed only with or after them."""
+
+    routed: list[Routed]
+    after: list[Command]
 
 
 def route_request(
@@ -76,13 +88,15 @@ class Assigner:
         self.gate = RateGate(store.conn, table)
         self.budgets = BudgetWatch(store.conn)  # one view of spending for admission and drain
 
-    async def assign(self, routed: list[Routed]) -> list[Routed]:
+    async def assign(self, routed: list[Routed], *, ahead: Sequence[Command] = ()) -> Assigned:
         """Assign each ROUTED attempt within the rate limits; the refused go back to WAITING
-        (and are parked). Returns the assigned ones."""
+        (parked by the writes in ``after``). ``ahead``: writes sent in the same round trip as
+        the assignments, before them (admission's deadline entries)."""
         now = now_ms()
         await self._saturated_instances(now)
         if not routed:
-            return []
+            await self.store.conn.run_all(list(ahead))
+            return Assigned([], [])
         refused: list[tuple[Routed, str, int]] = []  # (attempt, why, retry at ms or 0)
         if self.gate.active:
             scopes = [self.gate.scopes(r.capability, r.instance_id, r.tenant) for r in routed]
@@ -90,7 +104,7 @@ class Assigner:
             refused = [self._limited(r, v, now) for r, v in zip(routed, verdicts, strict=True) if v]
             routed = [r for r, v in zip(routed, verdicts, strict=True) if v is None]
         results = await self.store.credits.assign_many(
-            [(r.instance_id, r.message_id, r.attempt) for r in routed]
+            [(r.instance_id, r.message_id, r.attempt) for r in routed], ahead=ahead
         )
         for r, res in zip(routed, results, strict=True):
             if res not in OK:
@@ -101,8 +115,9 @@ class Assigner:
             for r, res in zip(routed, results, strict=True)
             if res is AssignResult.ASSIGNED
         )
-        # one round trip: the refused parked, and the assignments counted (for `stats`)
-        await self.store.conn.run_all(
+        # the refused parked, and the assignments counted (for `stats`)
+        return Assigned(
+            [r for r, res in zip(routed, results, strict=True) if res in OK],
             park_commands(
                 self.store.keys,
                 [  # one held by a limit takes the place of one that comes when it may go
@@ -111,9 +126,8 @@ class Assigner:
                     if m.ok
                 ],
             )
-            + count_assigned_commands(self.store.keys, counts, now_ms())
+            + count_assigned_commands(self.store.keys, counts, now_ms()),
         )
-        return [r for r, res in zip(routed, results, strict=True) if res in OK]
 
     async def _saturated_instances(self, now: int) -> None:
         """``rate_limit.saturated`` for the instances routing found over their rate."""

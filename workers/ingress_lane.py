@@ -164,16 +164,21 @@ class IngressLane:
     async def handle_batch(self, entries: Sequence[RawEntry], *, recovering: bool = False) -> None:
         """Take in, map intents to capabilities, accept, route, assign or park, then
         acknowledge: a few round trips per batch, whatever the entries hold
-        (:mod:`workers.intake`, :mod:`workers.intent_resolver`)."""
+        (:mod:`workers.intake`, :mod:`workers.intent_resolver`). The deadline entries go
+        with the assignments, and what follows the assignments (counters, the refused parked)
+        with the acknowledgement, which comes last."""
         started_ns = time.time_ns()
         intaken = await self.intake.take(entries, recovering=recovering)
         resolved = await self.intents.resolve(intaken.envelopes, self.intake)
-        routed = await self.admission.admit(resolved.envelopes, resolved.decisions)
-        assigned = await self.assigner.assign(routed)
-        if len(assigned) < len(routed):  # refused for want of a credit: now they wait
-            taken = {r.message_id for r in assigned}
+        admitted = await self.admission.admit(resolved.envelopes, resolved.decisions)
+        routed = admitted.routed
+        assigned = await self.assigner.assign(routed, ahead=admitted.due)
+        await self.intake.acknowledge(
+            [entry_id for entry_id, _ in entries], intaken.minted, after=assigned.after
+        )
+        if len(assigned.routed) < len(routed):  # refused for want of a credit: now they wait
+            taken = {r.message_id for r in assigned.routed}
             self.waiting.note_waiting({r.capability for r in routed if r.message_id not in taken})
-        await self.intake.acknowledge([entry_id for entry_id, _ in entries], intaken.minted)
         tracing.dispatched(intaken.envelopes, self.stream, started_ns, time.time_ns())
 
     async def trim(self) -> None:

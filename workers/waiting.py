@@ -117,7 +117,7 @@ class WaitingRoom:
             now,
         )
         won = await self._claim(picks)
-        done = await self.assigner.assign(won)
+        done, after = await self.assigner.assign(won)
         self.assigned += len(done)
         for a in done:
             self.rotation.served(a.capability)
@@ -126,7 +126,8 @@ class WaitingRoom:
         aside = {c: [r for c2, r in unmatched if c2 == c] for c in heads}
         aside_now, self._stand_aside = self._stand_aside, []
         await self.store.conn.run_all(
-            unpark_commands(self.store.keys, removed)
+            after
+            + unpark_commands(self.store.keys, removed)
             + stand_aside_commands(self.store.keys, aside_now)
             + [
                 cmd
