@@ -290,7 +290,7 @@ def test_governance_keys_load_from_toml_and_print_back(tmp_path: Path) -> None:
 
     path = tmp_path / "c.toml"
     path.write_text(
-        'budgets = {"team-a" = {daily = 20.0, monthly = 300}}\n'
+        'budgets = {"team-a" = {daily = 20.0, monthly = 300}, "team-b" = {daily = 5.0}}\n'
         'budget_mode = "cheapest"\n'
         'rate_limits = {tenant = {"team-a" = {rate = "600/min", burst = 5}}}\n'
         'intent_rules = [{match = "refund|reimburs", capability = "payment.refund", '
@@ -308,9 +308,16 @@ def test_governance_keys_load_from_toml_and_print_back(tmp_path: Path) -> None:
     shown = tomllib.loads(
         "\n".join(line for line in printed.output.splitlines() if not line.startswith("#"))
     )
-    assert shown["budgets"] == {"team-a": {"daily": 20.0, "monthly": 300.0}}
+    assert shown["budgets"] == {
+        "team-a": {"daily": 20.0, "monthly": 300.0},
+        "team-b": {"daily": 5.0},  # an unset period is left out: TOML has no null
+    }
     assert shown["intent_rules"][0]["match"] == "refund|reimburs"
     assert shown["intent_hit"] == 0.85 and shown["intent_reject"] == 0.55
+    # what `config` prints is a config file that loads back to the same settings
+    again = tmp_path / "again.toml"
+    again.write_text(printed.output)
+    assert load_settings(again, environ={}) == settings
 
 
 @pytest.mark.parametrize(

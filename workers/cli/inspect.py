@@ -63,9 +63,12 @@ def config(settings: Settings, as_json: bool) -> None:
 
 
 def toml_value(value: Any) -> str:
-    """``value`` as TOML: tables inline, so each key stays on one line."""
+    """``value`` as TOML: tables inline, so each key stays on one line. TOML has no null: a
+    key whose value is unset is left out of its table (the default applies)."""
     if isinstance(value, dict):
-        inline = ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items())
+        inline = ", ".join(
+            f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items() if v is not None
+        )
         return f"{{ {inline} }}" if inline else "{}"
     if isinstance(value, list):
         return f"[{', '.join(toml_value(v) for v in value)}]"
