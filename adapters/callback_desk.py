@@ -30,7 +30,7 @@ from broker.usage import Charge, charge, usage_in_result
 
 from .asgi import serve_app
 from .callbacks import Answer, CallbackTokens, callback_app
-from .finisher import Finisher
+from .finisher import Finisher, charged
 from .holdings import Finished, Holdings, Taken
 from .outcome import Failed, Succeeded
 from .vitals import Vitals
@@ -251,13 +251,13 @@ class CallbackDesk:
             Stage.CALLBACK_RECEIVED,
             reason="result from the agent's callback",
             fields=fields,
-            charge=self._charge(taken, envelope, outcome, busy_ms),
+            charge=self._charge(taken.attempt, envelope, outcome, busy_ms),
         )
         replies = self.finisher.replies(taken, envelope, stage, result, error)
         self.finisher.queue(Finished(taken, replies, settle))
 
     def _charge(
-        self, taken: Taken, envelope: Envelope, outcome: Succeeded | Failed, busy_ms: float
+        self, attempt: int, envelope: Envelope, outcome: Succeeded | Failed, busy_ms: float
     ) -> Charge:
         usage = outcome.usage
         if usage is None and isinstance(outcome, Succeeded):
@@ -266,7 +266,7 @@ class CallbackDesk:
             self.agent_id,
             envelope.capability,
             envelope.tenant,
-            attempt=taken.attempt,
+            attempt=attempt,
             answered=isinstance(outcome, Succeeded),
             busy_ms=busy_ms,
             usage=usage,
@@ -281,6 +281,11 @@ class CallbackDesk:
         (``reply_pending``, as the reaper's endings do): a stop before the telling leaves it
         to the reaper."""
         stage, result, error = _ending(outcome)
+        options = {
+            "reason": "result from the agent's callback",
+            "fields": {"reply_pending": 1},
+            "charge": self._charge(attempt, envelope, outcome, 0.0),  # its time is unknown
+        }
         moved = await self.store.apply(
             Move(
                 envelope.message_id,
@@ -288,8 +293,7 @@ class CallbackDesk:
                 only_from=Stage.CALLBACK_RECEIVED,
                 expect_attempt=attempt,
                 expect_instance=self.instance_id,
-                reason="result from the agent's callback",
-                fields={"reply_pending": 1},
+                **charged(options, attempt),
             )
         )
         if moved.ok:

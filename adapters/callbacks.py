@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from broker.jsondepth import depth_problem
+from broker.usage import usage_from_mapping
 
 from .outcome import Failed, Succeeded
 
@@ -90,7 +91,8 @@ class Answer(msgspec.Struct, frozen=True):
 
 
 def parse_callback(body: bytes) -> Succeeded | Failed | str:
-    """The agent's result from a callback body, or why the body is not one."""
+    """The agent's result from a callback body (``{"result": …}`` or ``{"error": "…"}``, with
+    ``"usage"`` beside either), or why the body is not one."""
     too_deep = depth_problem(body)
     if too_deep is not None:  # before decoding: the decoder recurses
         return too_deep
@@ -100,12 +102,15 @@ def parse_callback(body: bytes) -> Succeeded | Failed | str:
         return f"body is not JSON: {exc}"
     if not isinstance(data, dict) or ("result" in data) == ("error" in data):
         return 'body must be a JSON object with exactly one of "result" or "error"'
+    # what the work used, beside the result or the error (a failure may report it too); a
+    # result without it may still carry it inside (broker.usage.usage_in_result)
+    usage = usage_from_mapping(data.get("usage"))
     if "result" in data:
-        return Succeeded(msgspec.json.encode(data["result"]))
+        return Succeeded(msgspec.json.encode(data["result"]), usage=usage)
     error = data["error"]
     if not isinstance(error, str) or not error:
         return '"error" must be a non-empty string'
-    return Failed(error)
+    return Failed(error, usage=usage)
 
 
 Receiver = Callable[[str, str, Succeeded | Failed], Awaitable[Answer]]

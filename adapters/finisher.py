@@ -40,7 +40,7 @@ from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
-from broker.usage import Charge, Usage, reported
+from broker.usage import Charge, reported
 
 from .holdings import Finished, Holdings, Taken
 
@@ -66,8 +66,18 @@ class Wakeup:
         self._event = anyio.Event()
 
 
-def usage_fields(taken: Taken, usage: Usage) -> dict[str, bytes]:
-    return {f"usage:{taken.attempt}": msgspec.json.encode(usage)}
+def charged(options: dict[str, Any], attempt: int) -> dict[str, Any]:
+    """A move's options with what its charge puts on the record: the agent that ran it (for
+    feedback after its card is gone) and, when usage was reported, the usage
+    (``usage:<attempt>``) and its words on the timeline."""
+    bill: Charge | None = options.get("charge")
+    if bill is None:
+        return options
+    fields = {**(options.get("fields") or {}), "agent": bill.agent}
+    if (usage := reported(bill)) is not None:
+        fields[f"usage:{attempt}"] = msgspec.json.encode(usage)
+        options["reason"] = "; ".join(filter(None, (options.get("reason"), usage.describe())))
+    return {**options, "fields": fields}
 
 
 class Finisher:
@@ -202,14 +212,9 @@ class Finisher:
 
     def fenced(self, taken: Taken, target: Stage, source: Stage, **options: Any) -> Move:
         """A move allowed only from ``source``, at this entry's attempt, on this instance:
-        the fence that keeps a stale delivery from ever acting on the record. A charge that
-        reports usage puts it on the record (``usage:<attempt>``) and the timeline."""
-        bill: Charge | None = options.get("charge")
-        if bill is not None:  # the agent that ran it, for feedback after its card is gone
-            options["fields"] = {**(options.get("fields") or {}), "agent": bill.agent}
-        if bill is not None and (usage := reported(bill)) is not None:
-            options["fields"] = {**options["fields"], **usage_fields(taken, usage)}
-            options["reason"] = "; ".join(filter(None, (options.get("reason"), usage.describe())))
+        the fence that keeps a stale delivery from ever acting on the record. A charge puts
+        what it says on the record (:func:`charged`)."""
+        options = charged(options, taken.attempt)
         return Move(
             taken.message_id,
             target,

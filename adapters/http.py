@@ -19,7 +19,7 @@ import httpx
 import msgspec
 
 from broker.envelope import Envelope, encode_envelope
-from broker.usage import usage_from_headers
+from broker.usage import usage_from_headers, usage_in_result
 
 from .callbacks import TOKEN_HEADER, URL_HEADER, CallbackTokens
 from .outcome import Accepted, Ambiguous, Backoff, Failed, NotReached, Outcome, Succeeded
@@ -210,9 +210,15 @@ USAGE_HEADER, COST_HEADER = "x-reach-usage", "x-reach-cost"
 
 
 def _from_answer(answer: AgentAnswer) -> Outcome:
+    """The outcome of an answer, with the usage it reported: in its headers, or, for an
+    answer other than 2xx, in a ``usage`` object of its JSON body (a 2xx's result is read for
+    it when the call is charged). Every answer that reported usage is charged for it, a
+    failure or a refusal as well (:mod:`broker.usage`)."""
     outcome = _outcome_of(answer)
     usage = usage_from_headers(answer.headers.get(USAGE_HEADER), answer.headers.get(COST_HEADER))
-    if usage is not None and isinstance(outcome, Succeeded | Failed):
+    if usage is None and not 200 <= answer.status < 300:
+        usage = usage_in_result(answer.body)
+    if usage is not None and isinstance(outcome, Succeeded | Failed | Backoff | Ambiguous):
         return msgspec.structs.replace(outcome, usage=usage)
     return outcome
 

@@ -34,6 +34,7 @@ class NotReached(msgspec.Struct, frozen=True, tag=True):
 
 class Ambiguous(msgspec.Struct, frozen=True, tag=True):
     reason: str
+    usage: Usage | None = None  # what the answer reported spending, when one came
 
 
 class Backoff(msgspec.Struct, frozen=True, tag=True):
@@ -41,6 +42,7 @@ class Backoff(msgspec.Struct, frozen=True, tag=True):
 
     reason: str
     retry_after_s: float
+    usage: Usage | None = None  # what the refusal reported spending, if anything
 
 
 class Accepted(msgspec.Struct, frozen=True, tag=True):

@@ -3,15 +3,39 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
+import httpx
 import msgspec
 import pytest
+from a2a.helpers import (
+    get_data_parts,
+    new_data_part,
+    new_task,
+    new_task_from_user_message,
+    new_text_message,
+    new_text_part,
+)
+from a2a.server.agent_execution import RequestContext
+from a2a.server.events import EventQueue
+from a2a.server.request_handlers import DefaultRequestHandler
+from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
+from a2a.server.tasks import (
+    BasePushNotificationSender,
+    InMemoryPushNotificationConfigStore,
+    InMemoryTaskStore,
+    TaskUpdater,
+)
+from a2a.types import TaskState
 from click.testing import CliRunner
+from starlette.applications import Starlette
 
 from adapters.a2a import A2ATransport, CardError, fetch_card, status_url
+from adapters.asgi import serve_app
 from adapters.factory import SidecarOptionError, a2a_card_parts
 from adapters.sidecar import Sidecar
 from broker.client import Client
@@ -21,7 +45,9 @@ from broker.embedded import free_port
 from broker.envelope import Envelope
 from broker.stages import Stage
 from broker.store import MessageStore
-from tests.support.a2a_agents import A2AAgent, a2a_agent
+from broker.timekeeping import now_ms
+from broker.usage_reader import usage_totals
+from tests.support.a2a_agents import A2AAgent, Executor, a2a_agent, agent_card
 from tests.support.harness import connected, eventually, running_dispatcher, running_sidecar
 from workers.cli import main
 
@@ -266,3 +292,172 @@ async def test_an_agent_that_prefers_http_json_is_reached_over_it(conn: Connecti
     ]
     assert slow.ok  # accepted, then ended by GetTask over the same binding
     assert failed.stage is Stage.FAILED and "something went wrong" in (failed.error or "")
+
+
+# -- usage reported in the metadata of a task or a message ------------------------------------
+
+
+class BillingExecutor(Executor):
+    """The support agent's executor, and for an order with a ``bill`` (``{"do": "complete" |
+    "slow" | "fail" | "message", "bill": {...}}``) what the run used, in the ``metadata.usage``
+    of the task it ends (on its last status update, which the SDK merges into the task's
+    metadata) or of the direct message it answers."""
+
+    async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
+        message = context.message
+        assert message is not None
+        data = get_data_parts(list(message.parts))
+        order: dict[str, Any] = data[0] if data and isinstance(data[0], dict) else {}
+        if "bill" not in order:
+            await super().execute(context, event_queue)
+            return
+        self.agent.executions[message.message_id] += 1
+        used = {"usage": order["bill"]}
+        what = order.get("do")
+        if what == "message":
+            answer = new_text_message("billed")
+            answer.metadata.update(used)
+            await event_queue.enqueue_event(answer)
+            return
+        if what == "slow":
+            assert context.task_id is not None and context.context_id is not None
+            working = TaskState.TASK_STATE_WORKING
+            task = new_task(context.task_id, context.context_id, working, history=[message])
+        else:
+            task = new_task_from_user_message(message)
+        await event_queue.enqueue_event(task)
+        updater = TaskUpdater(event_queue, task.id, task.context_id)
+        if what == "fail":
+            said = updater.new_agent_message([new_text_part("over budget")])
+            await updater.update_status(TaskState.TASK_STATE_FAILED, said, metadata=used)
+            return
+        if what == "slow":
+            await anyio.sleep(float(order.get("s", 0.5)))  # the agent's own work time
+        await updater.add_artifact([new_data_part({"echo": order})], name="result")
+        await updater.update_status(TaskState.TASK_STATE_COMPLETED, metadata=used)
+
+
+@asynccontextmanager
+async def billing_agent(*, push: bool = True, streaming: bool = False) -> AsyncIterator[A2AAgent]:
+    """As :func:`tests.support.a2a_agents.a2a_agent` (JSON-RPC, protocol 1.0), with the
+    :class:`BillingExecutor`."""
+    port = free_port()
+    agent = A2AAgent(f"http://127.0.0.1:{port}/")
+    card = agent_card(agent.url, push=push, streaming=streaming)
+    store = InMemoryPushNotificationConfigStore()
+    async with httpx.AsyncClient() as pusher:
+        handler = DefaultRequestHandler(
+            agent_executor=BillingExecutor(agent),
+            task_store=InMemoryTaskStore(),
+            agent_card=card,
+            push_config_store=store if push else None,
+            push_sender=BasePushNotificationSender(pusher, store) if push else None,
+        )
+        routes = [*create_agent_card_routes(card), *create_jsonrpc_routes(handler, rpc_url="/")]
+        async with serve_app(Starlette(routes=routes), "127.0.0.1", port):
+            yield agent
+
+
+def bill(input_tokens: int, output_tokens: int, cost: float) -> dict[str, Any]:
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "cost": cost}
+
+
+def described(used: dict[str, Any]) -> str:
+    """How the timeline says what an attempt used (broker.usage.Usage.describe)."""
+    return f"usage in={used['input_tokens']} out={used['output_tokens']} cost={used['cost']:g}"
+
+
+async def usage_on_record(conn: Connection, message_id: str, attempt: int = 1) -> Any:
+    stored = await conn.call("HGET", conn.keys.record(message_id), f"usage:{attempt}")
+    return None if stored is None else json.loads(stored)
+
+
+async def todays(conn: Connection, by: str) -> dict[str, dict[str, Any]]:
+    return {row.name: row.as_json() for row in await usage_totals(conn, by, 1, now_ms())}
+
+
+async def test_usage_in_a_tasks_or_messages_metadata_is_recorded_and_charged(
+    conn: Connection,
+) -> None:
+    """Tasks that complete (at once, or after working a while) or fail, and a direct message,
+    each report usage in their metadata: it is on the record and the timeline of the ending,
+    and charged to the agent, the capability and the tenant; a call that reports nothing is
+    charged a request and no usage. (Sent non-blocking, the SDK answers even a quick task as
+    submitted: tasks end on the callback desk, by push notification or GetTask; the direct
+    message is the answer to the send itself.)"""
+    bills = {
+        "complete": bill(100, 10, 0.5),
+        "message": bill(20, 2, 0.25),
+        "slow": bill(3000, 300, 2.0),
+        "fail": bill(7, 1, 0.125),
+    }
+    async with billing_agent(push=True) as agent, behind_a_sidecar(conn, agent) as (client, _):
+        results = {
+            what: await client.request(
+                CAPABILITY, {"do": what, "bill": used, "s": 0.2}, tenant="team-a", timeout=20
+            )
+            for what, used in bills.items()
+        }
+        plain = await client.request(CAPABILITY, {"do": "complete"}, timeout=20)
+
+    assert [results[w].stage for w in bills] == [Stage.SUCCEEDED] * 3 + [Stage.FAILED]
+    assert "ended failed: over budget" in (results["fail"].error or "")
+    assert results["message"].result == {"parts": [{"text": "billed"}]}
+    assert plain.ok
+    ending = {"complete": "SUCCEEDED", "message": "SUCCEEDED", "slow": "SUCCEEDED"}
+    for what, used in bills.items():
+        message_id = results[what].id
+        assert await usage_on_record(conn, message_id) == used, what
+        timeline = await MessageStore(conn).get_timeline(message_id)
+        last = timeline[-1]
+        assert str(last.stage) == ending.get(what, "FAILED"), (what, timeline)
+        assert described(used) in last.reason, (what, last)
+        assert sum(described(used) in e.reason for e in timeline) == 1, timeline  # once
+    # the slow task was accepted, then ended on the callback desk; the message at once
+    assert "CALLBACK_RECEIVED" in await stages(conn, results["slow"].id)
+    assert "CALLBACK_RECEIVED" not in await stages(conn, results["message"].id)
+    assert await usage_on_record(conn, plain.id) is None
+    assert not any("usage in=" in e.reason for e in await MessageStore(conn).get_timeline(plain.id))
+
+    expected = {
+        "requests": 5,
+        "succeeded": 4,
+        "failed": 1,
+        "retried": 0,
+        "reported": 4,
+        "input_tokens": 3127,
+        "output_tokens": 313,
+        "cost": 2.875,
+    }
+    by_agent, by_capability = await todays(conn, "agent"), await todays(conn, "capability")
+    assert set(by_agent) == {"echo"} and set(by_capability) == {CAPABILITY}
+    for row in (by_agent["echo"], by_capability[CAPABILITY]):
+        assert {name: row[name] for name in expected} == expected, row
+    by_tenant = await todays(conn, "tenant")
+    assert by_tenant["team-a"]["cost"] == 2.875 and by_tenant["team-a"]["requests"] == 4
+    assert by_tenant["-"]["reported"] == 0 and by_tenant["-"]["requests"] == 1
+
+
+async def test_usage_in_the_metadata_of_a_streamed_task_is_charged(conn: Connection) -> None:
+    """A streaming agent: the task read to its end (then its artifacts asked with
+    ``GetTask``), and a direct message on the stream, charged with what their metadata
+    says."""
+    slow, said = bill(40, 4, 0.75), bill(5, 50, 0.0625)
+    async with (
+        billing_agent(push=False, streaming=True) as agent,
+        behind_a_sidecar(conn, agent) as (client, _),
+    ):
+        streamed = await client.request(
+            CAPABILITY, {"do": "slow", "s": 0.2, "bill": slow}, timeout=20
+        )
+        message = await client.request(CAPABILITY, {"do": "message", "bill": said}, timeout=20)
+
+    assert streamed.ok and message.ok
+    assert await usage_on_record(conn, streamed.id) == slow
+    assert await usage_on_record(conn, message.id) == said
+    timeline = await MessageStore(conn).get_timeline(streamed.id)
+    assert str(timeline[-1].stage) == "SUCCEEDED" and described(slow) in timeline[-1].reason
+    assert "CALLBACK_RECEIVED" not in [str(e.stage) for e in timeline]  # the stream ended it
+    [row] = (await todays(conn, "capability")).values()
+    assert (row["requests"], row["succeeded"], row["reported"]) == (2, 2, 2)
+    assert (row["input_tokens"], row["output_tokens"], row["cost"]) == (45, 54, 0.8125)

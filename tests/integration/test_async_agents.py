@@ -6,6 +6,7 @@ terminal, past the sync call timeout and past the callback timeout alike.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -23,6 +24,8 @@ from broker.envelope import Envelope
 from broker.records import MessageRecord
 from broker.stages import Stage
 from broker.store import MessageStore
+from broker.timekeeping import now_ms
+from broker.usage_reader import usage_totals
 from tests.support.async_agents import (
     AsyncAgent,
     async_agent,
@@ -70,9 +73,9 @@ async def async_sidecar(
         yield sidecar
 
 
-def envelope(reply_to: str, payload: object = "hello") -> Envelope:
+def envelope(reply_to: str, payload: object = "hello", **fields: object) -> Envelope:
     raw = msgspec.json.encode(
-        {"capability": "text.think", "reply_to": reply_to, "payload": payload}
+        {"capability": "text.think", "reply_to": reply_to, "payload": payload, **fields}
     )
     return msgspec.json.decode(raw, type=Envelope)
 
@@ -362,13 +365,20 @@ async def test_a_callback_settles_a_message_parked_for_an_operator(conn: Connect
             return await credits_in_use(conn) == 0
 
         await eventually(credit_returned, timeout_s=10)
-        answer = await agent.call_back(message_id, {"result": "done after all"})
+        used = {"output_tokens": 5, "cost": 0.25}
+        answer = await agent.call_back(message_id, {"result": "done after all", "usage": used})
         replies = await collect_replies(conn, reply_to, 1)
 
         assert answer.status == 200
         assert replies[message_id].result == "done after all"
         stages = await stages_of(conn, message_id)
         assert subsequence(["NEEDS_CONFIRMATION", "CALLBACK_RECEIVED", "SUCCEEDED"], stages)
+        # the late callback is charged like any other: its usage, a succeeded request
+        stored = await conn.call("HGET", conn.keys.record(message_id), "usage:1")
+        assert stored is not None and json.loads(stored) == used
+        [row] = await usage_totals(conn, "capability", 1, now_ms())
+        figures = row.as_json()
+        assert (figures["succeeded"], figures["cost"]) == (1, 0.25)
 
 
 @pytest.mark.anyio
@@ -563,3 +573,72 @@ async def test_a_connection_that_never_finishes_its_headers_is_closed(conn: Conn
             sent_half = anyio.current_time()
             assert await read_until_closed(kept, timeout_s=10) == b""
             assert anyio.current_time() - sent_half < 4  # the header deadline, not keep-alive
+
+
+async def test_usage_in_a_callbacks_result_is_recorded_and_charged(conn: Connection) -> None:
+    """An async agent reports what the work used as ``usage`` at the top of the result it
+    POSTs back: the callback that settles the message charges it — on the record, the
+    timeline of the ending, and the agent's, capability's and tenant's figures — with the
+    time from the agent's acceptance to its callback; a failure reports its usage beside the
+    error; a result without usage is charged a request and no usage."""
+    used = {"input_tokens": 1500, "output_tokens": 250, "cost": 0.375}
+    spent = {"input_tokens": 10, "cost": 0.125}  # beside the error: a failure used this
+    async with (
+        async_agent() as agent,
+        running_dispatcher(conn),
+        async_sidecar(conn, agent),
+        Client(conn) as client,
+    ):
+        reply_to = client.new_reply_stream()
+        began = anyio.current_time()
+        ids = {
+            name: await client.submit(envelope(reply_to, name, tenant=tenant))
+            for name, tenant in (("billed", "team-a"), ("free", "team-a"), ("failed", "team-b"))
+        }
+        for message_id in ids.values():
+            await taken_by_agent(agent, conn, message_id)
+        answers = [
+            await agent.call_back(ids["billed"], {"result": {"summary": "ok", "usage": used}}),
+            await agent.call_back(ids["free"], {"result": {"summary": "ok"}}),
+            await agent.call_back(ids["failed"], {"error": "could not think", "usage": spent}),
+        ]
+        replies = await collect_replies(conn, reply_to, 3)
+        took_ms = (anyio.current_time() - began) * 1000
+
+    assert [a.status for a in answers] == [200, 200, 200]
+    billed = replies[ids["billed"]]
+    assert billed.stage is Stage.SUCCEEDED and billed.result == {"summary": "ok", "usage": used}
+    assert replies[ids["failed"]].stage is Stage.FAILED
+    stored = await conn.call("HGET", conn.keys.record(ids["billed"]), "usage:1")
+    assert stored is not None and json.loads(stored) == used
+    timeline = await MessageStore(conn).get_timeline(ids["billed"])
+    assert [str(e.stage) for e in timeline][-2:] == ["CALLBACK_RECEIVED", "SUCCEEDED"]
+    said = "usage in=1500 out=250 cost=0.375"
+    assert said in timeline[-1].reason and sum(said in e.reason for e in timeline) == 1
+    assert await conn.call("HGET", conn.keys.record(ids["free"]), "usage:1") is None
+    entries = await MessageStore(conn).get_timeline(ids["free"])
+    assert not any("usage in=" in e.reason for e in entries), entries
+    stored = await conn.call("HGET", conn.keys.record(ids["failed"]), "usage:1")
+    assert stored is not None and json.loads(stored) == spent
+
+    expected = {
+        "requests": 3,
+        "succeeded": 2,
+        "failed": 1,
+        "retried": 0,
+        "reported": 2,
+        "input_tokens": 1510,
+        "output_tokens": 250,
+        "cost": 0.5,
+    }
+    for by, name in (("agent", "thinker"), ("capability", "text.think")):
+        [row] = await usage_totals(conn, by, 1, now_ms())
+        figures = row.as_json()
+        assert figures["name"] == name
+        assert {k: figures[k] for k in expected} == expected, figures
+        # acceptance to callback, for each of the three (awaited at once: summed, they may
+        # be more than the time the test took, never more than three times it)
+        assert 0 <= figures["busy_ms"] <= 3 * took_ms + 2
+    tenants = {r.name: r.as_json() for r in await usage_totals(conn, "tenant", 1, now_ms())}
+    assert (tenants["team-a"]["requests"], tenants["team-a"]["cost"]) == (2, 0.375)
+    assert (tenants["team-b"]["failed"], tenants["team-b"]["cost"]) == (1, 0.125)

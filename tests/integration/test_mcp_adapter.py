@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import msgspec
 import pytest
+from mcp.types import CallToolResult, TextContent
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -24,17 +27,27 @@ from broker.connection import Connection
 from broker.embedded import free_port
 from broker.envelope import Envelope, complete
 from broker.stages import Stage
+from broker.store import MessageStore
+from broker.timekeeping import now_ms
+from broker.usage_reader import usage_totals
 from tests.support.harness import running_dispatcher, running_sidecar
-from tests.support.mcp_servers import mcp_http_server
+from tests.support.mcp_servers import (
+    IDEMPOTENT,
+    NOT_IDEMPOTENT,
+    RunningServer,
+    ToolLog,
+    mcp_http_server,
+    mcp_server,
+)
 
 TOOLS = ["add=calc.add", "whoami=calc.whoami", "fail=calc.fail"]
 
 
 @asynccontextmanager
 async def behind_a_sidecar(
-    conn: Connection, url: str
+    conn: Connection, url: str, mapping: list[str] = TOOLS
 ) -> AsyncIterator[tuple[Client, McpTransport]]:
-    tools = mcp_tool_parts(await fetch_tools(url), TOOLS, None)
+    tools = mcp_tool_parts(await fetch_tools(url), mapping, None)
     transport = McpTransport(url, tools, timeout_s=10.0, max_connections=4)
     async with (
         running_sidecar(conn, "calc-1", tuple(tools), transport=transport),
@@ -139,3 +152,112 @@ async def test_an_answer_on_a_stream_the_server_keeps_open_is_taken_at_once() ->
             outcome = await transport.deliver(envelope, 1)
         await transport.aclose()
     assert outcome == Succeeded(msgspec.json.encode({"ok": "a\u2028b"}))
+
+
+# -- usage reported in a tool result's _meta --------------------------------------------------
+
+
+@asynccontextmanager
+async def billing_server() -> AsyncIterator[RunningServer]:
+    """The support server's tools, and two that report what they used in their result's
+    ``_meta.usage``: ``summarize(words, cost)`` succeeds, ``refuse(cost)`` is a tool error."""
+    log = ToolLog()
+    server = mcp_server(log)
+
+    @server.tool(annotations=IDEMPOTENT)
+    def summarize(words: int, cost: float) -> CallToolResult:
+        """Summarize, reporting the tokens and cost of it."""
+        used = {"input_tokens": words, "output_tokens": words // 10, "cost": cost}
+        return CallToolResult(
+            content=[TextContent(type="text", text=f"{words} words")],
+            structured_content={"summary": f"{words} words"},
+            _meta={"usage": used},
+        )
+
+    @server.tool(annotations=NOT_IDEMPOTENT)
+    def refuse(cost: float) -> CallToolResult:
+        """Fail, after spending ``cost``."""
+        used = {"input_tokens": 9, "output_tokens": 0, "cost": cost}
+        return CallToolResult(
+            content=[TextContent(type="text", text="too long to summarize")],
+            is_error=True,
+            _meta={"usage": used},
+        )
+
+    port = free_port()
+    app = server.streamable_http_app()
+    async with server.session_manager.run(), serve_app(app, "127.0.0.1", port):
+        yield RunningServer(f"http://127.0.0.1:{port}/mcp", log)
+
+
+async def test_usage_in_a_tool_results_meta_is_recorded_and_charged(conn: Connection) -> None:
+    """What a tool reports in ``_meta.usage`` — with its result, or with its error — is on the
+    record and the timeline of the ending and charged to the agent, the capability and the
+    tenant; a tool that reports nothing is charged a request and no usage."""
+    mapping = ["summarize=text.summarize", "refuse=text.refuse", "add=calc.add"]
+    async with (
+        billing_server() as server,
+        behind_a_sidecar(conn, server.url, mapping) as (
+            client,
+            _,
+        ),
+    ):
+        began = anyio.current_time()
+        short = await client.request(
+            "text.summarize", {"words": 120, "cost": 0.25}, tenant="team-a", timeout=20
+        )
+        long = await client.request(
+            "text.summarize", {"words": 2000, "cost": 1.5}, tenant="team-a", timeout=20
+        )
+        refused = await client.request("text.refuse", {"cost": 0.125}, tenant="team-b", timeout=20)
+        added = await client.request("calc.add", {"a": 1, "b": 2}, timeout=20)
+        took_ms = (anyio.current_time() - began) * 1000
+
+    assert short.ok and short.result == {"summary": "120 words"} and long.ok
+    assert refused.stage is Stage.FAILED and "too long to summarize" in (refused.error or "")
+    assert added.ok and added.result == {"result": 3}
+    store = MessageStore(conn)
+    reports = {
+        short.id: ({"input_tokens": 120, "output_tokens": 12, "cost": 0.25}, "SUCCEEDED"),
+        long.id: ({"input_tokens": 2000, "output_tokens": 200, "cost": 1.5}, "SUCCEEDED"),
+        refused.id: ({"input_tokens": 9, "cost": 0.125}, "FAILED"),  # 0 tokens: left out
+    }
+    for message_id, (used, ending) in reports.items():
+        stored = await conn.call("HGET", conn.keys.record(message_id), "usage:1")
+        assert stored is not None and json.loads(stored) == used, message_id
+        timeline = await store.get_timeline(message_id)
+        said = (
+            f"usage in={used['input_tokens']} out={used.get('output_tokens', 0)} "
+            f"cost={used['cost']:g}"
+        )
+        assert str(timeline[-1].stage) == ending and said in timeline[-1].reason, timeline[-1]
+        assert sum(said in entry.reason for entry in timeline) == 1, timeline
+    assert await conn.call("HGET", conn.keys.record(added.id), "usage:1") is None
+
+    rows = await usage_totals(conn, "capability", 1, now_ms())
+    by_capability: dict[str, dict[str, Any]] = {row.name: row.as_json() for row in rows}
+    summarize = by_capability["text.summarize"]
+    assert (summarize["requests"], summarize["succeeded"], summarize["reported"]) == (2, 2, 2)
+    assert (summarize["input_tokens"], summarize["output_tokens"]) == (2120, 212)
+    assert summarize["cost"] == 1.75
+    refuse = by_capability["text.refuse"]
+    assert (refuse["requests"], refuse["failed"], refuse["reported"]) == (1, 1, 1)
+    assert (refuse["input_tokens"], refuse["output_tokens"], refuse["cost"]) == (9, 0, 0.125)
+    plain = by_capability["calc.add"]
+    assert (plain["requests"], plain["succeeded"], plain["reported"], plain["cost"]) == (1, 1, 0, 0)
+    [by_agent] = await usage_totals(conn, "agent", 1, now_ms())
+    figures = by_agent.as_json()
+    assert 0 <= figures.pop("busy_ms") <= took_ms + 4  # the calls, one after another
+    assert figures == {
+        "name": "calc",
+        "requests": 4,
+        "succeeded": 3,
+        "failed": 1,
+        "retried": 0,
+        "reported": 3,
+        "input_tokens": 2129,
+        "output_tokens": 212,
+        "cost": 1.875,
+    }
+    by_tenant = {row.name: row.as_json() for row in await usage_totals(conn, "tenant", 1, now_ms())}
+    assert (by_tenant["team-a"]["cost"], by_tenant["team-b"]["cost"]) == (1.75, 0.125)

@@ -9,11 +9,12 @@ from typing import Any
 
 import anyio
 import msgspec
+import pytest
 from click.testing import CliRunner, Result
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from broker.client import Client
+from broker.client import Client, SyncClient
 from broker.config import Settings
 from broker.connection import Connection, open_connection
 from broker.feedback import record_feedback
@@ -108,6 +109,7 @@ async def test_new_combinations_past_the_cap_are_charged_as_other(settings: Sett
 
 async def _reporting_agent(envelope: dict[str, Any], request: Request) -> Response:
     payload = envelope.get("payload") or {}
+    await anyio.sleep(payload.get("work_ms", 0) / 1000)  # the agent's work: busy time
     if payload.get("how") == "headers":
         headers = {"X-Reach-Usage": "input_tokens=7, output_tokens=3", "X-Reach-Cost": "0.5"}
         return JSONResponse({"ok": True}, headers=headers)
@@ -127,7 +129,7 @@ async def test_agents_report_usage_in_the_body_and_headers(conn: Connection) -> 
         running_sidecar(conn, "bill-1", ("text.echo",), url=agent.url),
         Client(conn) as client,
     ):
-        body = await client.request("text.echo", {"how": "body"}, tenant="team-a")
+        body = await client.request("text.echo", {"how": "body", "work_ms": 40}, tenant="team-a")
         heads = await client.request("text.echo", {"how": "headers"}, tenant="team-a")
         junk = await client.request("text.echo", {"how": "garbage"}, tenant="team-b")
         failed = await client.request("text.echo", {"how": "fail"}, max_attempts=1)
@@ -149,7 +151,7 @@ async def test_agents_report_usage_in_the_body_and_headers(conn: Connection) -> 
     assert by_tenant["-"]["failed"] == 1 and by_tenant["-"]["cost"] == 0.125
     [by_agent] = await usage_totals(conn, "agent", 1, now_ms())
     assert (by_agent.name, by_agent.figures["requests"]) == ("bill", 4)
-    assert by_agent.figures["busy_ms"] >= 0
+    assert by_agent.figures["busy_ms"] >= 40  # the one call that worked 40 ms, at least
 
     families = {f.name: f for f in await cluster_families(conn)}
     cost = {
@@ -181,13 +183,20 @@ async def test_a_retried_message_is_charged_per_attempt_and_says_so(conn: Connec
     figures = row.as_json()
     assert (figures["requests"], figures["failed"], figures["succeeded"]) == (2, 1, 1)
     assert figures["retried"] == 1
-    assert figures["output_tokens"] == 1  # the 503 is no answer: only the second call reported
+    # each attempt that reported usage is charged for it: the refusal (503) as well
+    assert (figures["input_tokens"], figures["output_tokens"]) == (20, 2)
+    assert figures["cost"] == pytest.approx(0.02)
+    charged = await conn.call("HMGET", conn.keys.record(result.id), "usage:1", "usage:2")
+    assert all(charged)  # each attempt's usage on the record
 
     printed = await cli(
         "usage", "--by", "tenant", "--redis", conn.url, "--prefix", conn.keys.prefix
     )
     assert printed.exit_code == 0, printed.output
     assert "t-retry" in printed.output and "were retries" in printed.output
+    for by, name in (("capability", "text.echo"), ("agent", "retry")):
+        shown = await cli("usage", "--by", by, "--redis", conn.url, "--prefix", conn.keys.prefix)
+        assert shown.exit_code == 0 and name in shown.output, shown.output
     as_json = await cli(
         "usage", "--json", "--since", "7d", "--redis", conn.url, "--prefix", conn.keys.prefix
     )
@@ -210,8 +219,19 @@ async def test_the_agent_is_recorded_with_the_outcome_so_feedback_outlives_its_c
         assert result.ok
         assert await conn.call("DEL", conn.keys.card("rated-1")) == 1  # forgotten, gone
         assert await record_feedback(conn, result.id, good=False) == "rated"
+        assert await client.feedback(result.id, good=True) == "rated"
+
+        def rate_blocking() -> str:
+            with SyncClient(settings=conn.settings) as sync:
+                return sync.feedback(result.id, good=False)
+
+        assert await anyio.to_thread.run_sync(rate_blocking) == "rated"
         ratings = await conn.call("LRANGE", conn.fleet.feedback("rated"), 0, -1)
-        assert ratings[0].startswith(f"bad {result.id} ".encode())
+        assert [r.split(b" ")[:2] for r in ratings] == [  # newest first, all three kept
+            [b"bad", result.id.encode()],
+            [b"good", result.id.encode()],
+            [b"bad", result.id.encode()],
+        ]
 
 
 async def test_a_budgeted_tenants_spending_is_kept_past_the_cap(settings: Settings) -> None:
