@@ -97,7 +97,7 @@ def child_envelope(parent: Envelope, child: str, instance_id: str) -> Envelope:
         callback_url=None,
         session_id=None,  # pinned: affinity has nothing to choose
         tags={},  # chosen already; a tag changed later must not strand the child
-        budget=None,
+        budget_per_task=None,
     )
 
 

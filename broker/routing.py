@@ -6,7 +6,7 @@ kept, which were excluded and why):
 
 1. **capability** — exact match (``strict``), or through the alias map (``loose``);
 2. **selectors** — ``tags`` exact match, ``target`` (agent or instance id), cost within
-   ``budget``, weight above zero;
+   ``budget_per_task``, weight above zero;
 3. **state** — DOWN (said so, or silent past ``down_after_ms``), DRAINING and backing-off
    (429/503 with ``Retry-After``) out; cooled-down and open-circuit instances out too, unless
    more than ``panic_threshold`` of the live ones are ejected (Envoy's panic threshold:
@@ -21,7 +21,8 @@ kept, which were excluded and why):
 6. **choose** — the session's instance when it survived the funnel; otherwise a weighted
    random pick (by reach) among the *top group*: instances whose reach before weight is within
    ``top_ratio`` of the best. Never always the top one; weight shapes traffic share without
-   pushing a canary out of the group. Under a ``budget`` the cheapest of the group win ties.
+   pushing a canary out of the group. Under a ``budget_per_task`` the cheapest of the group
+   win ties.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def _selectors(
     weighted: bool,
 ) -> list[Candidate]:
     """``pool`` itself when no selector applies and every weight is above zero."""
-    if weighted and not (request.tags or request.target) and request.budget is None:
+    if weighted and not (request.tags or request.target) and request.budget_per_task is None:
         steps.append(Step("selectors", len(pool)))
         return pool
     step = Step("selectors", 0)
@@ -173,8 +174,8 @@ def _selector_miss(request: RouteRequest, c: Candidate) -> str:
             return f"tag {key}={tags.get(key)!r}, wanted {wanted!r}"
     if request.target and request.target not in (c.instance_id, c.agent_id):
         return f"not the target {request.target!r}"
-    if request.budget is not None and c.cost > request.budget:
-        return f"cost {c.cost} over budget {request.budget}"
+    if request.budget_per_task is not None and c.cost > request.budget_per_task:
+        return f"cost {c.cost} over budget_per_task {request.budget_per_task}"
     if c.weight <= 0:
         return "weight 0"
     return ""
@@ -321,7 +322,7 @@ def _choose(
     top = [(c, score) for c, score in scored if score >= floor]
     if request.cheapest:
         top = scored
-    if request.budget is not None or request.cheapest:
+    if request.budget_per_task is not None or request.cheapest:
         cheapest = min(c.cost for c, _ in top)
         top = [(c, score) for c, score in top if c.cost == cheapest]
     weights = [score * c.weight for c, score in top]

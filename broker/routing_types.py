@@ -44,7 +44,7 @@ class RouteRequest:
     tags: Mapping[str, str] = field(default_factory=dict)
     target: str | None = None
     session_instance: str | None = None
-    budget: float | None = None
+    budget_per_task: float | None = None
     avoid: str | None = None  # an instance that just failed this message: elsewhere if possible
     # the tenant is over its budget and budget_mode is "cheapest": the cheapest capable
     # instance of all that pass the funnel, not only of the top group

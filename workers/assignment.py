@@ -63,7 +63,7 @@ def route_request(
         tags=envelope.tags,
         target=envelope.target,
         session_instance=sessions.get(envelope.session_id) if envelope.session_id else None,
-        budget=envelope.budget_per_task,
+        budget_per_task=envelope.budget_per_task,
         avoid=avoid or None,
         cheapest=cheapest,
     )

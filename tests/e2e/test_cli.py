@@ -282,6 +282,10 @@ async def test_an_error_inside_a_command_is_one_line_not_a_traceback(settings: S
         (["send", "a.b", "--id", "{x}"], "Invalid value for --id"),
         (["send", "a.b", "--payload", "\udcff"], "not UTF-8 text"),
         (["send", "a.b", "--timeout", "nan"], "is not a number"),
+        (["send", "--payload", "1"], "give a CAPABILITY, or an --intent"),
+        (["send", "a.b", "--budget-per-task", "-1"], "Invalid value for '--budget-per-task'"),
+        (["send", "a.b", "--tenant", "two words"], "tenant"),
+        (["send", "--intent", ""], "intent"),
     ],
 )
 def test_odd_command_line_values_are_usage_errors(argv: list[str], says: str) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import anyio
 import msgspec
+from click.testing import CliRunner, Result
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -21,7 +22,14 @@ from broker.stages import Stage
 from broker.timekeeping import now_ms
 from broker.usage_reader import tenant_spending
 from tests.support.agents import http_agent
-from tests.support.harness import connected, dead_letters, running_dispatcher, running_sidecar
+from tests.support.harness import (
+    connected,
+    dead_letters,
+    eventually,
+    running_dispatcher,
+    running_sidecar,
+)
+from workers.cli import main
 
 
 async def _costly(envelope: dict[str, Any], request: Request) -> Response:
@@ -44,6 +52,10 @@ async def past_the_refresh(conn: Connection) -> None:
     spent, _ = await tenant_spending(conn, now_ms())
     assert spent["team-a"] >= 0.5
     await anyio.sleep(conn.settings.budget_refresh_s * 3)
+
+
+async def _cli(*args: str) -> Result:
+    return await anyio.to_thread.run_sync(lambda: CliRunner().invoke(main, list(args)))
 
 
 async def _events(conn: Connection, kind: str) -> list[dict[bytes, bytes]]:
@@ -111,3 +123,73 @@ async def test_with_budget_mode_cheapest_an_overspender_goes_to_the_cheapest(
     assert reason.startswith(b"cheapest of 2 (cost 1")
     [event] = events
     assert msgspec.json.decode(event[b"detail"])["mode"] == "cheapest"
+
+
+async def test_a_tenant_over_its_monthly_budget_is_rejected(settings: Settings) -> None:
+    monthly = {"team-mo": TenantBudget(monthly=0.5)}  # no daily budget: the month alone rules
+    changed = msgspec.structs.replace(settings, budgets=monthly, budget_refresh_s=0.01)
+    async with (
+        connected(changed) as conn,
+        http_agent("dear", behaviour=_costly) as agent,
+        running_dispatcher(conn),
+        running_sidecar(conn, "dear-1", ("text.echo",), url=agent.url),
+        Client(conn) as client,
+    ):
+        for n in range(2):  # 0.3, then 0.6: over the month's 0.5 only after the second
+            assert (await client.request("text.echo", n, tenant="team-mo")).ok
+        _, month = await tenant_spending(conn, now_ms())
+        assert month["team-mo"] == 0.6
+        await anyio.sleep(conn.settings.budget_refresh_s * 3)  # the dispatcher's view ages out
+        refused = await client.request("text.echo", 2, tenant="team-mo")
+
+        async def told() -> bool:  # announced once the batch's rejections are told
+            return bool(await _events(conn, "budget.exceeded"))
+
+        await eventually(told, timeout_s=10)
+        events = await _events(conn, "budget.exceeded")
+    assert refused.stage is Stage.REJECTED
+    assert refused.error is not None and "0.6 of its monthly budget 0.5" in refused.error
+    assert agent.log.total == 2
+    [event] = events
+    assert msgspec.json.decode(event[b"detail"])["period"] == "monthly"
+
+
+async def test_send_carries_tenant_and_budget_per_task_from_the_command_line(
+    settings: Settings,
+) -> None:
+    async with (
+        connected(settings) as conn,
+        http_agent("dear") as dear,
+        http_agent("cheap") as cheap,
+        running_dispatcher(conn),
+        running_sidecar(conn, "dear-1", ("text.echo",), url=dear.url, cost=5.0),
+        running_sidecar(conn, "cheap-1", ("text.echo",), url=cheap.url, cost=1.0, weight=0.01),
+    ):
+        common = ["--redis", conn.url, "--prefix", conn.keys.prefix, "--wait", "--timeout", "10"]
+        sent = [
+            await _cli(
+                "send",
+                "text.echo",
+                "--payload",
+                str(n),
+                "--tenant",
+                "team-cli",
+                "--budget-per-task",
+                "2",
+                *common,
+            )
+            for n in range(5)
+        ]
+        ids = [msgspec.json.decode(s.output)["id"] for s in sent]
+        records = [
+            await conn.call("HMGET", conn.keys.record(i), "instance", "envelope", "route_from")
+            for i in ids
+        ]
+    assert all(s.exit_code == 0 for s in sent), [s.output for s in sent]
+    # the dear one is over the budget, whatever its weight: every message went to the cheap one
+    assert cheap.log.total == 5 and dear.log.total == 0
+    for instance, envelope, route_from in records:
+        assert instance == b"cheap-1"
+        fields = msgspec.json.decode(envelope)
+        assert (fields["tenant"], fields["budget_per_task"]) == ("team-cli", 2.0)
+        assert b"cost 5.0 over budget_per_task 2.0" in route_from

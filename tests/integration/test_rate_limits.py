@@ -213,6 +213,39 @@ async def test_an_agent_limit_spans_its_instances_and_another_agent_serves(
     assert len(other.times) > 0
 
 
+async def test_a_capability_limit_spans_every_agent_that_serves_it(settings: Settings) -> None:
+    limits = RateLimits(capability={"text.echo": RateLimit("10/s", burst=2)})
+    changed = msgspec.structs.replace(settings, rate_limits=limits)
+    arrivals = Arrivals()  # what both agents received, together
+    async with (
+        connected(changed) as conn,
+        http_agent("capa", behaviour=arrivals) as first,
+        http_agent("capb", behaviour=arrivals) as second,
+        running_dispatcher(conn),
+        running_sidecar(conn, "capa-1", ("text.echo",), url=first.url),
+        running_sidecar(conn, "capb-1", ("text.echo",), url=second.url),
+        Client(conn) as client,
+    ):
+        started = time.monotonic()
+        results = await _send_all(client, 40)
+        took = time.monotonic() - started
+        store = MessageStore(conn)
+        waits = [
+            e.reason
+            for r in results
+            for e in await store.get_timeline(r.id)
+            if e.stage == "WAITING" and "rate_limited" in e.reason
+        ]
+        events = await conn.call("XRANGE", conn.fleet.events, "-", "+")
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+    assert len(arrivals.times) == 40 and first.log.total > 0 and second.log.total > 0
+    assert arrivals.most_in_any_second() <= 2 + 10  # one limit over both agents
+    assert took >= (40 - 2) / 10 - 0.5
+    assert waits and all(w.startswith("rate_limited: capability 'text.echo'") for w in waits)
+    subjects = [dict(zip(f[::2], f[1::2], strict=True))[b"subject"] for _, f in events]
+    assert b"capability:text.echo" in subjects
+
+
 async def test_a_dispatcher_clock_an_hour_ahead_does_not_lock_the_limit(conn: Connection) -> None:
     key = conn.fleet.rate("test", "skew")
     take = conn.script_command

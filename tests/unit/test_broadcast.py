@@ -90,7 +90,7 @@ def test_members_respect_selectors() -> None:
         inst("c-1", "cache.flush", tags={"region": "eu"}, weight=0.0),
     ]
     assert chosen(pool, tags={"region": "eu"}) == ["a-1", "b-1"]
-    assert chosen(pool, tags={"region": "eu"}, budget=1.0) == ["a-1"]
+    assert chosen(pool, tags={"region": "eu"}, budget_per_task=1.0) == ["a-1"]
     assert chosen(pool, target="a") == ["a-1", "a-2"]  # an agent id: all its instances
     assert chosen(pool, target="a-2") == ["a-2"]
 
@@ -135,7 +135,7 @@ def test_a_child_is_a_pinned_unicast_without_a_reply_of_its_own() -> None:
         callback_url="https://example.com/hook",
         tags={"region": "eu"},
         session_id="s",
-        budget=2.0,
+        budget_per_task=2.0,
         priority=7,
         timeout_s=12.0,
         max_attempts=5,
@@ -146,7 +146,7 @@ def test_a_child_is_a_pinned_unicast_without_a_reply_of_its_own() -> None:
     assert child.id == "P.2" and child.parent == "P"
     assert child.mode == "unicast" and child.target == "b-1"
     assert child.reply_to is None and child.callback_url is None
-    assert child.tags == {} and child.session_id is None and child.budget is None
+    assert child.tags == {} and child.session_id is None and child.budget_per_task is None
     assert child.idempotency_key == "P.b-1"  # the parent's key (its id by default) + instance
     assert child.payload == parent.payload and child.priority == 7 and child.timeout_s == 12.0
     assert child.max_attempts == 5 and child.headers == {"h": "v"}

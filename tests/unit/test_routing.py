@@ -272,14 +272,16 @@ def test_budget_excludes_the_expensive_and_prefers_the_cheapest() -> None:
         inst("order-dear", cost=5.0),
     ]
     for seed in range(20):
-        decision = decide(pool, seed=seed, budget=3.0)
+        decision = decide(pool, seed=seed, budget_per_task=3.0)
         assert chosen(decision) == "order-cheap"
-    assert dict(step(decision, "selectors").excluded) == {"order-dear": "cost 5.0 over budget 3.0"}
+    assert dict(step(decision, "selectors").excluded) == {
+        "order-dear": "cost 5.0 over budget_per_task 3.0"
+    }
     assert step(decision, "choose").kept == 1
     # Without a budget, cost is no criterion: the mid one is picked too.
     picked = {chosen(decide(pool, seed=seed)) for seed in range(40)}
     assert picked == {"order-mid", "order-cheap", "order-dear"}
-    assert decide(pool, budget=0.5).outcome is Outcome.NO_SELECTOR_MATCH
+    assert decide(pool, budget_per_task=0.5).outcome is Outcome.NO_SELECTOR_MATCH
 
 
 def test_budget_cost_does_not_beat_a_much_better_instance() -> None:
@@ -288,7 +290,7 @@ def test_budget_cost_does_not_beat_a_much_better_instance() -> None:
     weak = InstanceStats(error_rate=0.6, successes=100)
     pool = [inst("order-good", cost=2.0), inst("order-weak", cost=0.0, stats=weak)]
     for seed in range(20):
-        assert chosen(decide(pool, seed=seed, budget=5.0)) == "order-good"
+        assert chosen(decide(pool, seed=seed, budget_per_task=5.0)) == "order-good"
 
 
 def test_weight_zero_is_excluded() -> None:
@@ -526,7 +528,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         tags=draw(st.sampled_from([{}, {}, {}, {"region": "eu"}, {"region": "us"}])),
         target=draw(st.sampled_from([None] * len(ids) + ids)),
         session_instance=draw(st.sampled_from([None] * len(ids) + ids)),
-        budget=draw(st.sampled_from([None, None, None, 0.0, 1.0, 3.0])),
+        budget_per_task=draw(st.sampled_from([None, None, None, 0.0, 1.0, 3.0])),
     )
     inflight = {
         v.instance_id: draw(st.integers(0, v.credits + 1))
@@ -545,7 +547,7 @@ def passes_selectors(view: InstanceView, request: RouteRequest) -> bool:
     return (
         all(card.tags.get(k) == v for k, v in request.tags.items())
         and (request.target is None or request.target in (card.instance_id, card.agent_id))
-        and (request.budget is None or card.cost <= request.budget)
+        and (request.budget_per_task is None or card.cost <= request.budget_per_task)
         and card.weight > 0
     )
 

@@ -65,6 +65,19 @@ SEND_OPTIONS = (
     click.option("--tag", "tags", multiple=True, metavar="KEY=VALUE", help="Routing selector."),
     click.option("--target", default=None, help="An agent id or instance id to send to."),
     click.option("--priority", type=click.IntRange(0, 9), default=0, show_default=True),
+    click.option("--tenant", default=None, help="Who pays: usage, budgets, rate limits."),
+    click.option(
+        "--intent",
+        default=None,
+        metavar="TEXT",
+        help="What is wanted, in words, in place of CAPABILITY (mapped by intent routing).",
+    ),
+    click.option(
+        "--budget-per-task",
+        type=click.FloatRange(0),
+        default=None,
+        help="The highest declared cost of an instance that may run it.",
+    ),
     click.option("--wait", is_flag=True, help="Wait for the result and print it."),
     click.option(
         "--broadcast",
@@ -98,25 +111,34 @@ def send_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 @click.command()
 @redis_options
-@click.argument("capability")
+@click.argument("capability", required=False)
 @send_options
 def send(
     settings: Settings,
-    capability: str,
+    capability: str | None,
     payload: str,
     message_id: str | None,
     session_id: str | None,
     tags: tuple[str, ...],
     target: str | None,
     priority: int,
+    tenant: str | None,
+    intent: str | None,
+    budget_per_task: float | None,
     wait: bool,
     broadcast: bool,
     callback_url: str | None,
     timeout_s: float,
 ) -> None:
-    """Submit one envelope; print its id, or with --wait its result."""
+    """Submit one envelope to CAPABILITY (or for an --intent); print its id, or with --wait
+    its result."""
     check_id(message_id, "--id")
+    if capability is None and intent is None:
+        raise click.UsageError("give a CAPABILITY, or an --intent in its place")
     fields: dict[str, Any] = {
+        "tenant": tenant,
+        "intent": intent,
+        "budget_per_task": budget_per_task,
         "capability": capability,
         "id": message_id,
         "timeout_s": timeout_s,
