@@ -76,7 +76,9 @@ class RoutingTable:
             if inst in self.rates:
                 self._took(inst, now_ms)
         elif decision.outcome is Outcome.RATE_LIMITED:
-            self.saturated.update(i for i, t in self.held.items() if t > now_ms)
+            # an instance's own limit only: one held by its agent's is the agent's saturation,
+            # reported by the rate gate (workers.rate_gate)
+            self.saturated.update(i for i, t in self.held.items() if t > now_ms and i in self.rates)
         return decision
 
     def _count(self, inst: str, used: int) -> None:

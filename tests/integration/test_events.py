@@ -23,7 +23,7 @@ from broker.connection import Connection
 from broker.envelope import Envelope
 from broker.event_log import emit, event_command, events_key, recent_events
 from broker.events import Event
-from broker.governance import EventSubscription
+from broker.governance import EventSubscription, RateLimit, RateLimits
 from broker.keyspace import FleetKeys
 from broker.stages import Stage
 from broker.store import MessageStore
@@ -38,6 +38,7 @@ from tests.support.harness import (
 from tests.support.processes import AGENT_REACH, process_env
 from tests.support.webhooks import SECRET, Receiver, serving, signature_ok
 from workers.cli import main
+from workers.reaper import Reaper
 
 
 def hooked(settings: Settings, **changes: Any) -> Settings:
@@ -159,6 +160,184 @@ async def test_the_stream_stays_capped(settings: Settings) -> None:
             await emit(conn, [event_command(conn, "circuit.closed", "x-1") for _ in range(100)])
         # MAXLEN ~ trims whole nodes (100 entries each): about the cap, never the 1,000
         assert 100 <= await conn.call("XLEN", events_key(conn)) < 300
+
+
+def detail_of(event: Event) -> dict[str, Any]:
+    decoded: dict[str, Any] = msgspec.json.decode(event.detail)
+    return decoded
+
+
+async def card_field(conn: Connection, instance_id: str, name: str) -> bytes | None:
+    value: bytes | None = await conn.call("HGET", conn.keys.card(instance_id), name)
+    return value
+
+
+@pytest.mark.timeout(60)
+async def test_a_circuit_that_opened_closes_again_once_the_agent_answers(
+    settings: Settings,
+) -> None:
+    # Errors alone never make the instance DOWN here (a DOWN instance gets no probe); its
+    # circuit opens after 4 failures, for 1 s, and closes after 2 successes half-open.
+    quick = msgspec.structs.replace(
+        settings,
+        retry_limit=0,
+        circuit_min_requests=4,
+        circuit_open_s=1.0,
+        circuit_probes=2,
+        cooldown_s=0.1,
+        down_error_rate=1.0,
+    )
+    broken = True
+
+    async def flaky(envelope: dict[str, Any], request: Request) -> Response | None:
+        return JSONResponse({"error": "broken"}, status_code=500) if broken else None
+
+    async with (
+        connected(quick) as conn,
+        http_agent("flaky", behaviour=flaky) as agent,
+        running_dispatcher(conn),
+        running_sidecar(conn, "flaky-1", ("text.echo",), url=agent.url),
+        Client(conn) as client,
+    ):
+        for _ in range(4):
+            await client.submit(echo())
+        await eventually(has(conn, "circuit.opened", "flaky-1"), timeout_s=20)
+        assert not await events_of(conn, "circuit.closed", "flaky-1")
+        broken = False
+
+        async def closed() -> bool:
+            # real work through the broker: once the open second is over, these are the probes
+            assert (await client.request("text.echo", {}, timeout=10)).ok
+            return bool(await events_of(conn, "circuit.closed", "flaky-1"))
+
+        await eventually(closed, timeout_s=20, interval_s=0.05)
+        (opened,) = await events_of(conn, "circuit.opened", "flaky-1")
+        (closing,) = await events_of(conn, "circuit.closed", "flaky-1")
+        assert await card_field(conn, "flaky-1", "circuit") == b"closed"
+    assert tuple(map(int, opened.id.split("-"))) < tuple(map(int, closing.id.split("-")))
+    until_ms = detail_of(opened)["until_ms"]
+    assert opened.ts < until_ms <= closing.ts  # closed only after the open time was over
+    detail = detail_of(closing)
+    assert set(detail) == {"error_rate", "requests"}
+    assert detail["requests"] >= 6 and 0 < detail["error_rate"] < 1  # 4 failures, 2+ probes
+
+
+@pytest.mark.timeout(60)
+async def test_a_silent_instance_is_reported_down_once_by_the_reaper(settings: Settings) -> None:
+    quick = msgspec.structs.replace(settings, heartbeat_s=0.2, down_after_s=1.0)
+    async with (
+        connected(quick) as conn,
+        http_agent("echo") as agent,
+        running_sidecar(conn, "live-1", ("text.echo",), url=agent.url),
+    ):
+        reaper = Reaper(conn)  # ticked here, as its loop would: each tick is a real pass
+        async with running_sidecar(conn, "quiet-1", ("text.echo",), url=agent.url):
+            await eventually(has(conn, "instance.registered", "quiet-1"))
+            await reaper.tick()
+            assert not await events_of(conn, "instance.state_changed", "quiet-1")
+        # leaving the block cancels the sidecar: it dies without deregistering, its card
+        # stays UP and no heartbeat comes any more
+
+        async def reported() -> bool:
+            await reaper.tick()
+            return bool(await events_of(conn, "instance.state_changed", "quiet-1"))
+
+        await eventually(reported, timeout_s=15, interval_s=0.1)
+        for _ in range(3):  # later passes find it dead still, and say nothing more
+            await reaper.tick()
+        changed = await events_of(conn, "instance.state_changed", "quiet-1")
+        last_beat = await card_field(conn, "quiet-1", "hb_ms")
+        state = await card_field(conn, "quiet-1", "state")
+        live = await events_of(conn, "instance.state_changed", "live-1")
+    assert len(changed) == 1, changed
+    (silent,) = changed
+    detail = detail_of(silent)
+    assert detail == {
+        "from": "UP",
+        "to": "DOWN",
+        "reason": "silent",
+        "last_heartbeat_ms": int(last_beat or 0),
+    }
+    assert silent.ts - detail["last_heartbeat_ms"] > 1000  # silent past down_after_s
+    assert state == b"UP"  # the card is not rewritten: it still says what the sidecar wrote
+    assert [e for e in live if detail_of(e).get("reason") == "silent"] == []
+
+
+@pytest.mark.timeout(60)
+async def test_an_instance_gone_for_good_is_forgotten_with_an_event(settings: Settings) -> None:
+    quick = msgspec.structs.replace(
+        settings,
+        heartbeat_s=0.2,
+        down_after_s=1.0,
+        instance_gone_after_s=2.0,
+        orphan_sweep_s=0.2,
+    )
+    async with (
+        connected(quick) as conn,
+        http_agent("echo") as agent,
+        running_dispatcher(conn),
+        running_sidecar(conn, "live-1", ("text.echo",), url=agent.url),
+    ):
+        async with running_sidecar(conn, "lost-1", ("text.echo",), url=agent.url):
+            await eventually(has(conn, "instance.registered", "lost-1"))
+        # cancelled: dead without deregistering, its card and stream left behind
+        assert await conn.call("EXISTS", conn.keys.card("lost-1")) == 1
+        await eventually(has(conn, "instance.gone", "lost-1"), timeout_s=15)
+        (gone,) = await events_of(conn, "instance.gone", "lost-1")
+        silent = await events_of(conn, "instance.state_changed", "lost-1")
+        left = [
+            int(await conn.call("EXISTS", key))
+            for key in (conn.keys.card("lost-1"), conn.keys.queue("lost-1"))
+        ]
+        registered = await conn.call("ZRANGE", conn.keys.agents, 0, -1)
+        live_gone = await events_of(conn, "instance.gone", "live-1")
+    assert detail_of(gone) == {"reason": "forgotten"}
+    # said silent (DOWN) by the reaper first, forgotten once silent for instance_gone_after_s
+    assert [detail_of(e).get("reason") for e in silent] == ["silent"]
+    assert silent[0].ts < gone.ts
+    assert gone.ts - detail_of(silent[0])["last_heartbeat_ms"] >= 2000
+    assert left == [0, 0] and registered == [b"live-1"]
+    assert live_gone == []  # the live one, heard from all along, is kept
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
+@pytest.mark.parametrize(
+    ("kind", "name"), [("agent", "lim"), ("capability", "text.echo")], ids=["agent", "capability"]
+)
+async def test_a_rate_limit_that_refuses_is_reported_saturated_once(
+    settings: Settings, kind: str, name: str
+) -> None:
+    limit = {name: RateLimit("10/s", burst=2)}
+    limits = RateLimits(agent=limit) if kind == "agent" else RateLimits(capability=limit)
+    limited = msgspec.structs.replace(settings, rate_limits=limits)
+    async with (
+        connected(limited) as conn,
+        http_agent("lim") as agent,
+        running_dispatcher(conn),
+        running_sidecar(conn, "lim-1", ("text.echo",), url=agent.url),
+        Client(conn) as client,
+    ):
+        results: list[Any] = []
+
+        async def one() -> None:
+            results.append(await client.request("text.echo", {}, timeout=30))
+
+        started = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for _ in range(15):
+                tg.start_soon(one)
+        took = time.monotonic() - started
+        saturated = await events_of(conn, "rate_limit.saturated")
+    assert len(results) == 15 and all(r.ok for r in results), results
+    assert took >= (15 - 2) / 10 - 0.2  # the limit held them: refusals happened, many
+    # many refusals, one event: at most one a minute per limit; and the instances an agent
+    # limit holds, which have no rate of their own, are not reported as saturated
+    assert [e.subject for e in saturated] == [f"{kind}:{name}"]
+    detail = detail_of(saturated[0])
+    assert set(detail) == {"per_second", "burst", "retry_in_ms"}
+    assert detail["per_second"] == 10.0 and detail["burst"] == 2
+    assert 0 < detail["retry_in_ms"] <= 101  # within one emission interval (100 ms)
 
 
 # -- subscriptions ---------------------------------------------------------------------------
