@@ -16,6 +16,11 @@ it holds none, and never raises, whatever the bytes.
   a ``P:t:{id}`` list item), the JSON array ``[ts, stage, instance, attempt, reason]`` of
   strings; written by the Lua scripts (``lua/timeline.lua``; their shape in Python:
   :func:`timeline_item_json`), read by :func:`parse_timeline_item`.
+- a record's ``route_from`` — the routing funnel, step by step: a JSON list whose items are
+  a step that excluded nothing, written ``"name:kept"`` (most steps of most decisions: the
+  short form keeps a finished record small), or an object ``{"step", "kept", "excluded",
+  "more_excluded", …}``; written by :func:`route_from_json`, read by :func:`route_steps`
+  (every item an object, whichever way it was written, and never an error).
 - a dead letter — a ``P:dlq`` entry, capped (it holds what others sent):
   :mod:`broker.deadletters` (``Letter``, ``letter_fields``, ``parse_letter``).
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
@@ -280,3 +286,37 @@ def _is_number(raw: bytes) -> bool:
 def _shown(raw: bytes | str) -> str:
     """``raw`` for a reason: its first 40 bytes (or characters), quoted."""
     return ascii(raw[:40]) + ("…" if len(raw) > 40 else "")
+
+
+# -- route_from ------------------------------------------------------------------------------
+
+_route_json = msgspec.json.Encoder()
+
+
+def route_from_json(steps: list[dict[str, Any]]) -> bytes:
+    """``route_from`` as written: a step that is only its name and count becomes
+    ``"name:kept"``."""
+    return _route_json.encode(
+        [
+            f"{step['step']}:{step['kept']}" if step.keys() == {"step", "kept"} else step
+            for step in steps
+        ]
+    )
+
+
+def route_steps(raw: bytes | None) -> list[dict[str, Any]]:
+    """The funnel steps of a ``route_from``, each an object (``"name:kept"`` read back as
+    ``{"step": name, "kept": kept}``); what does not read as steps is left out."""
+    try:
+        items = msgspec.json.decode(raw) if raw else []
+    except (msgspec.DecodeError, RecursionError):
+        return []
+    steps: list[dict[str, Any]] = []
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, str):
+            name, _, kept = item.rpartition(":")
+            if name and kept.isdigit() and len(kept) <= MAX_NUMBER_DIGITS:
+                steps.append({"step": name, "kept": int(kept)})
+        elif isinstance(item, dict) and isinstance(item.get("step"), str):
+            steps.append(item)
+    return steps

@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import msgspec
-
 from broker.envelope import Envelope
 from broker.records import AssignResult, Moved
 from broker.resp import Command
@@ -23,13 +21,13 @@ from broker.stages import Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
 from broker.waiting_sets import count_assigned_commands, park_commands
+from broker.wire import route_from_json
 
 from .budget_watch import BudgetWatch
 from .rate_gate import Limited, RateGate
 from .routing_table import RoutingTable
 
 OK = (AssignResult.ASSIGNED, AssignResult.ALREADY_ASSIGNED)
-_json = msgspec.json.Encoder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +70,7 @@ def route_request(
 def decision_fields(decision: Decision) -> dict[str, Any]:
     """What the record keeps of a decision: ``route_from`` (the funnel, step by step) and
     ``route_reason`` (why the winner won, or why nothing could)."""
-    return {"route_from": _json.encode(decision.route_from()), "route_reason": decision.reason}
+    return {"route_from": route_from_json(decision.route_from()), "route_reason": decision.reason}
 
 
 def routed_instance(decision: Decision) -> str | None:

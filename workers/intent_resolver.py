@@ -40,13 +40,12 @@ from broker.intent import (
     profile_text,
 )
 from broker.routing import RegistryIndex
+from broker.wire import route_from_json, route_steps
 
 from .intake import Intake, Rejection
 from .intent_embeddings import EmbeddingFailure, EmbeddingScorer
 
 log = logging.getLogger("agent_reach.intent")
-
-_json = msgspec.json.Encoder()
 
 
 def intent_policy(settings: Settings) -> IntentPolicy:
@@ -77,10 +76,10 @@ def profiles_of(index: RegistryIndex) -> dict[str, CapabilityProfile]:
 def with_intent(fields: Mapping[str, Any], reason: str, intent: IntentDecision) -> dict[str, Any]:
     """A routing decision's record fields with the intent decision in front: the first step
     of ``route_from``, the start of ``route_reason`` (and of the acceptance's reason)."""
-    steps = msgspec.json.decode(fields["route_from"]) if "route_from" in fields else []
+    steps = route_steps(fields.get("route_from"))
     return {
         **fields,
-        "route_from": _json.encode([intent.step(), *steps]),
+        "route_from": route_from_json([intent.step(), *steps]),
         "route_reason": f"{intent.reason}; {fields.get('route_reason', reason)}",
     }
 

@@ -15,6 +15,7 @@ from broker.registry import Registry
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore
 from broker.timekeeping import now_ms
+from broker.wire import route_steps
 from tests.support.agents import http_agent
 from tests.support.harness import (
     collect_replies,
@@ -98,7 +99,7 @@ async def test_route_from_lists_at_most_its_cap_of_exclusions(settings: Settings
             await eventually(parked)
         record = await MessageStore(conn).get_record(message_id)
     assert record is not None and record.route_from is not None
-    steps = msgspec.json.decode(record.route_from)
+    steps = route_steps(record.route_from)
     selectors = next(step for step in steps if step.get("excluded"))
     assert len(selectors["excluded"]) == 5 and selectors["more_excluded"] == 195
     assert len(record.route_from) < 2_000

@@ -34,6 +34,7 @@ from broker.governance import IntentRule
 from broker.intent import CapabilityProfile, cosine, profile_text, tokens
 from broker.stages import Stage
 from broker.store import MessageStore
+from broker.wire import route_steps
 from tests.support.a2a_agents import a2a_agent
 from tests.support.agents import RunningAgent, http_agent
 from tests.support.embeddings import embed, embeddings_server
@@ -109,7 +110,7 @@ async def ask(conn: Connection, *intents: str) -> dict[str, Any]:
 async def intent_step(conn: Connection, message_id: str) -> tuple[dict[str, Any], str]:
     record = await MessageStore(conn).get_record(message_id)
     assert record is not None and record.route_from is not None
-    steps = msgspec.json.decode(record.route_from)
+    steps = route_steps(record.route_from)
     assert steps[0]["step"] == "intent", steps
     return steps[0], record.route_reason or ""
 

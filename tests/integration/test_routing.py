@@ -20,6 +20,7 @@ from broker.records import InstanceCard, InstanceState
 from broker.registry import Registry
 from broker.stages import Stage
 from broker.store import MessageStore
+from broker.wire import route_steps
 from tests.support.agents import http_agent
 from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
 
@@ -46,7 +47,7 @@ async def test_the_decision_is_recorded_and_traced(conn: Connection) -> None:
     record = await MessageStore(conn).get_record(message_id)
     assert record is not None and record.instance == "logistics-1"
     assert record.route_reason is not None and "weighted random" in record.route_reason
-    steps = msgspec.json.decode(record.route_from or b"[]")
+    steps = route_steps(record.route_from)
     assert [s["step"] for s in steps] == [
         "capability",
         "selectors",

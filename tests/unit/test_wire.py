@@ -21,6 +21,8 @@ from broker.wire import (
     parse_reply_entry,
     parse_timeline_item,
     reply_fields,
+    route_from_json,
+    route_steps,
     timeline_item_json,
 )
 
@@ -344,3 +346,48 @@ def test_a_trace_shows_an_unreadable_item_as_such_and_reads_on() -> None:
     entry = timeline_entry(b'{"not": "an item"}')
 
     assert entry.stage == "UNREADABLE" and entry.reason.startswith("not a timeline item")
+
+
+_names = st.sampled_from(["intent", "capability", "selectors", "state", "load", "score", "x:y"])
+_steps = st.lists(
+    st.one_of(
+        st.builds(lambda n, k: {"step": n, "kept": k}, _names, st.integers(0, 10**6)),
+        st.builds(
+            lambda n, k, ex, more: {"step": n, "kept": k, "excluded": ex, "more_excluded": more},
+            _names,
+            st.integers(0, 10**6),
+            st.dictionaries(st.text(max_size=8), st.text(max_size=20), max_size=3),
+            st.integers(1, 100),
+        ),
+        st.builds(lambda s: {"step": "intent", "layer": "rules", "score": s}, st.floats(0, 1)),
+    ),
+    max_size=8,
+)
+
+
+@given(_steps)
+def test_route_from_reads_back_as_written(steps: list[dict[str, object]]) -> None:
+    assert route_steps(route_from_json(steps)) == steps
+
+
+def test_a_step_that_excluded_nothing_is_written_short() -> None:
+    steps = [
+        {"step": "capability", "kept": 1},
+        {"step": "selectors", "kept": 0, "excluded": {"a-1": "cost 5.0 over budget_per_task 2"}},
+    ]
+    written = route_from_json(steps)
+    assert written.startswith(b'["capability:1",{"step":"selectors"')
+    # what older records hold, every step an object, still reads
+    assert route_steps(msgspec.json.encode(steps)) == steps
+
+
+@given(st.binary(max_size=200))
+def test_route_from_of_any_bytes_reads_as_steps_or_none(raw: bytes) -> None:
+    for step in route_steps(raw):
+        assert isinstance(step, dict) and isinstance(step["step"], str)
+
+
+@given(st.lists(st.one_of(st.text(max_size=30), st.integers(), st.none()), max_size=6))
+def test_route_from_items_that_are_no_step_are_left_out(items: list[object]) -> None:
+    for step in route_steps(msgspec.json.encode(items)):
+        assert isinstance(step["step"], str) and isinstance(step["kept"], int)

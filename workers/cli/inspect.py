@@ -21,6 +21,7 @@ from broker.registry import Registry
 from broker.routing import factors
 from broker.stats import BacklogStats, backlog_stats
 from broker.timekeeping import now_ms
+from broker.wire import route_steps
 
 from ..overview import broadcast_children
 from ..routing_table import routing_policy
@@ -86,7 +87,7 @@ def trace_document(found: Trace) -> dict[str, Any]:
         "error": record.error,
         "result": msgspec.json.decode(record.result) if record.result else None,
         "route_reason": record.route_reason,
-        "route_from": msgspec.json.decode(record.route_from) if record.route_from else None,
+        "route_from": route_steps(record.route_from) if record.route_from else None,
         "stages": [msgspec.to_builtins(e) for e in found.timeline],
     }
 
@@ -127,7 +128,7 @@ def print_trace(found: Trace) -> None:
         )
     if record.route_from:
         click.echo(f"  route: {record.route_reason}")
-        for step in msgspec.json.decode(record.route_from):
+        for step in route_steps(record.route_from):
             excluded = step.get("excluded", {})
             listed = "; ".join(f"{inst}: {why}" for inst, why in excluded.items())
             more = f" (+{step['more_excluded']} more)" if step.get("more_excluded") else ""

@@ -24,6 +24,7 @@ from broker.stages import IN_FLIGHT, PARKED, QUEUED, Stage
 from broker.timekeeping import now_ms
 from broker.usage import DIMENSIONS
 from broker.usage_reader import usage_totals
+from broker.wire import route_steps
 
 from ..overview import broadcast_children
 from .state import ConsoleState, is_id
@@ -118,11 +119,10 @@ def shown(raw: bytes | None) -> str | None:
 async def message_context(state: ConsoleState, message_id: str) -> dict[str, Any]:
     found = await Client(state.conn).trace(message_id)
     record = found.record
-    funnel = msgspec.json.decode(record.route_from) if record.route_from else []
     return {
         "record": record,
         "timeline": found.timeline,
-        "funnel": funnel if isinstance(funnel, list) else [],
+        "funnel": route_steps(record.route_from),
         "children": await broadcast_children(state.conn, message_id),
         "result": shown(record.result),
         "payload": shown(_payload(record.envelope)),
