@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .cluster_map import ORDER_BARRIER
 from .connection import Connection
 from .notifications import credit_announcement
 from .record_codec import raised
@@ -57,10 +58,12 @@ class Credits:
         self, assignments: list[tuple[str, str, int]], *, ahead: Sequence[Command] = ()
     ) -> list[AssignResult]:
         """``(instance_id, message_id, attempt)`` triples, in one round trip, after the writes
-        ``ahead`` (whose first error reply is raised)."""
+        ``ahead`` (whose first error reply is raised; on a cluster they are written first)."""
+        barrier = [ORDER_BARRIER] if ahead else []
         replies = await self.conn.call_many(
-            [*ahead, *(assign_command(self.conn, *a) for a in assignments)]
+            [*ahead, *barrier, *(assign_command(self.conn, *a) for a in assignments)]
         )
+        start = len(ahead) + len(barrier)
         for reply in replies[: len(ahead)]:
             raised(reply)
-        return [AssignResult(raised(r)) for r in replies[len(ahead) :]]
+        return [AssignResult(raised(r)) for r in replies[start:]]

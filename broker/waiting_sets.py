@@ -34,7 +34,7 @@ def park_commands(keys: Keyspace, items: list[tuple[str, str, int, int]]) -> lis
     """``(capability, message_id, priority, accepted_ms)``: the waiting-set entries, then the
     capability index — in that order, so that a prune of the index
     (:meth:`WaitingSets.prune_index`) never drops a capability that has just been given work.
-    The deadline index (``P:due``) is written at acceptance."""
+    The deadline index (``P:due``) is written by admission (:mod:`workers.admission`)."""
     commands: list[Command] = [
         ("ZADD", keys.waiting(capability), waiting_score(priority, accepted), message_id)
         for capability, message_id, priority, accepted in items

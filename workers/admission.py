@@ -2,10 +2,11 @@
 
 Routes each envelope (or plans a broadcast's fan-out), creates every record in one round
 trip (``lua/accept.lua``), then writes the batch's waiting sets and sessions in one more, when
-it has any. The deadline entries are left to ride with the batch's assignments
-(:meth:`workers.assignment.Assigner.assign`, ``ahead``): one round trip fewer between a
-message's arrival and its instance. A stop between the two leaves the ingress entry pending;
-handled again, the record exists and its deadline entry is written then (``_reapply``).
+it has any, with the deadline entries. Without them, the deadline entries ride with the
+batch's assignments (:meth:`workers.assignment.Assigner.assign`, ``ahead``): one round trip
+fewer between a message's arrival and its instance. A stop between the two leaves the ingress
+entry pending; handled again, the record exists and its deadline entry is written then
+(``_reapply``).
 
 A broadcast parent is created before its children. An id that already names a
 message is the same request handled again (its index writes re-applied, idempotently) or
@@ -133,11 +134,13 @@ class Admission:
             ]
             admitted.fan_outs = []
             await self._admit(children, admitted, now)
-        # waiting sets before a drain can look for them, sessions before the next batch
-        await self.store.conn.run_all(
-            park_commands(self.store.keys, admitted.to_park)
-            + bind_session_commands(self.store.conn, admitted.bindings)
-        )
+        # waiting sets before a drain can look for them, sessions before the next batch, and
+        # with them the deadline entries; with neither, those go with the assignments
+        first = park_commands(self.store.keys, admitted.to_park)
+        first += bind_session_commands(self.store.conn, admitted.bindings)
+        if first:
+            await self.store.conn.run_all(admitted.due + first)
+            admitted.due = []
         if admitted.to_park:
             parked = {capability for capability, *_ in admitted.to_park}
             self.waiting.note_waiting(parked)

@@ -44,10 +44,9 @@ class Routed:
 
 
 class Assigned(NamedTuple):
-    """The attempts assigned, and the writes that follow them (the refused parked, the
-    assignment counters): for the caller's next round trip, so they cost none of their own.
-    Each is idempotent or a counter, and the ingress entry or waiting-set entry that led here
-    is removed only with or after them."""
+    """The attempts assigned, and the writes that may follow them in the caller's next round
+    trip, at no cost of their own: the assignment counters (a statistic; one lost to a
+    failure is only a count)."""
 
     routed: list[Routed]
     after: list[Command]
@@ -88,8 +87,8 @@ class Assigner:
 
     async def assign(self, routed: list[Routed], *, ahead: Sequence[Command] = ()) -> Assigned:
         """Assign each ROUTED attempt within the rate limits; the refused go back to WAITING
-        (parked by the writes in ``after``). ``ahead``: writes sent in the same round trip as
-        the assignments, before them (admission's deadline entries)."""
+        and are parked. ``ahead``: writes made before the assignments, in their round trip on
+        one server (admission's deadline entries)."""
         now = now_ms()
         await self._saturated_instances(now)
         if not routed:
@@ -107,15 +106,23 @@ class Assigner:
         for r, res in zip(routed, results, strict=True):
             if res not in OK:
                 refused.append(self._refused(r, res, now))
-        moved = await self.return_to_waiting(refused)
+        await self._send_back(refused)
         counts = Counter(
             r.capability
             for r, res in zip(routed, results, strict=True)
             if res is AssignResult.ASSIGNED
         )
-        # the refused parked, and the assignments counted (for `stats`)
         return Assigned(
             [r for r, res in zip(routed, results, strict=True) if res in OK],
+            count_assigned_commands(self.store.keys, counts, now_ms()),
+        )
+
+    async def _send_back(self, refused: list[tuple[Routed, str, int]]) -> None:
+        """The refused back to WAITING, and parked where the move was made: before anything
+        acknowledges the work that led here, so a failed park leaves that work to be done
+        again."""
+        moved = await self.return_to_waiting(refused)
+        await self.store.conn.run_all(
             park_commands(
                 self.store.keys,
                 [  # one held by a limit takes the place of one that comes when it may go
@@ -124,7 +131,6 @@ class Assigner:
                     if m.ok
                 ],
             )
-            + count_assigned_commands(self.store.keys, counts, now_ms()),
         )
 
     async def _saturated_instances(self, now: int) -> None:

@@ -165,7 +165,7 @@ class IngressLane:
         """Take in, map intents to capabilities, accept, route, assign or park, then
         acknowledge: a few round trips per batch, whatever the entries hold
         (:mod:`workers.intake`, :mod:`workers.intent_resolver`). The deadline entries go
-        with the assignments, and what follows the assignments (counters, the refused parked)
+        with the assignments (or the parks, when there are any), and the assignment counters
         with the acknowledgement, which comes last."""
         started_ns = time.time_ns()
         intaken = await self.intake.take(entries, recovering=recovering)
@@ -173,12 +173,12 @@ class IngressLane:
         admitted = await self.admission.admit(resolved.envelopes, resolved.decisions)
         routed = admitted.routed
         assigned = await self.assigner.assign(routed, ahead=admitted.due)
-        await self.intake.acknowledge(
-            [entry_id for entry_id, _ in entries], intaken.minted, after=assigned.after
-        )
         if len(assigned.routed) < len(routed):  # refused for want of a credit: now they wait
             taken = {r.message_id for r in assigned.routed}
             self.waiting.note_waiting({r.capability for r in routed if r.message_id not in taken})
+        await self.intake.acknowledge(
+            [entry_id for entry_id, _ in entries], intaken.minted, after=assigned.after
+        )
         tracing.dispatched(intaken.envelopes, self.stream, started_ns, time.time_ns())
 
     async def trim(self) -> None:

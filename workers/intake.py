@@ -33,7 +33,6 @@ from typing import Any
 import msgspec
 
 from broker.broadcast import id_problem
-from broker.cluster_map import ORDER_BARRIER
 from broker.connection import Connection
 from broker.deadletters import Letter, cap_bytes
 from broker.delivery import dead_letter_commands
@@ -114,9 +113,8 @@ class Intake:
         self, entry_ids: Sequence[str], minted: Sequence[str], *, after: Sequence[Command] = ()
     ) -> None:
         """The batch is done: acknowledge its entries and forget the ids minted for them, in
-        the round trip that carries ``after``, the batch's last writes, ahead of them."""
-        commands: list[Command] = [*after, ORDER_BARRIER] if after else []
-        commands += [("XACK", self.stream, DISPATCH_GROUP, *entry_ids)]
+        the round trip that carries ``after``: writes nothing waits on (counters)."""
+        commands: list[Command] = [*after, ("XACK", self.stream, DISPATCH_GROUP, *entry_ids)]
         commands += [("DEL", name) for name in minted]  # each its own slot on a cluster
         await self.store.conn.run_all(commands)
 

@@ -126,7 +126,7 @@ class WaitingRoom:
         aside = {c: [r for c2, r in unmatched if c2 == c] for c in heads}
         aside_now, self._stand_aside = self._stand_aside, []
         await self.store.conn.run_all(
-            after
+            after  # the assignment counters
             + unpark_commands(self.store.keys, removed)
             + stand_aside_commands(self.store.keys, aside_now)
             + [
