@@ -17,15 +17,21 @@ from .scripts import ScriptName
 from .timekeeping import now_ms
 
 
-def assign_command(
-    conn: Connection, instance_id: str, message_id: str, attempt: int
-) -> tuple[Any, ...]:
-    keys = (
+def assign_keys(conn: Connection, instance_id: str) -> tuple[str, str, str, str]:
+    """The keys ``lua/assign_credit.lua`` reads and writes: the instance's card, credits in
+    use, stream and rate state."""
+    return (
         conn.keys.card(instance_id),
         conn.keys.inflight(instance_id),
         conn.keys.queue(instance_id),
         conn.fleet.rate("instance", instance_id),
     )
+
+
+def assign_command(
+    conn: Connection, instance_id: str, message_id: str, attempt: int
+) -> tuple[Any, ...]:
+    keys = assign_keys(conn, instance_id)
     down_after_ms = int(conn.settings.down_after_s * 1000)
     return conn.script_command(
         ScriptName.ASSIGN, keys, (message_id, attempt, now_ms(), down_after_ms)

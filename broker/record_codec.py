@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .keyspace import Keyspace
-from .records import Accepted, MessageRecord, Moved, TimelineEntry
+from .records import Accepted, AssignResult, MessageRecord, Moved, TimelineEntry
 from .stages import Stage
 from .wire import parse_timeline_item
 
@@ -43,8 +43,10 @@ def _int(value: Any) -> int:
 
 
 def accepted(reply: list[Any]) -> Accepted:
-    """The reply of ``lua/accept.lua``."""
-    return Accepted(bool(reply[0]), STAGE_OF[reply[1]], int(reply[2]))
+    """The reply of ``lua/accept.lua`` (or ``lua/accept_assign.lua``: with the assignment's
+    answer when it created the record)."""
+    assigned = AssignResult(reply[3]) if len(reply) > 3 and reply[0] else None
+    return Accepted(bool(reply[0]), STAGE_OF[reply[1]], int(reply[2]), assigned)
 
 
 def moved(reply: list[Any]) -> Moved:

@@ -141,11 +141,13 @@ class AssignResult(IntEnum):
 
 
 class Accepted(msgspec.Struct, frozen=True):
-    """The answer of ``lua/accept.lua``: whether this call created the record, and its stage."""
+    """The answer of ``lua/accept.lua``: whether this call created the record, and its stage;
+    of ``lua/accept_assign.lua`` also the assignment's answer (``None``: none was tried)."""
 
     created: bool
     stage: Stage
     attempt: int
+    assigned: AssignResult | None = None
 
 
 class Moved(msgspec.Struct, frozen=True):

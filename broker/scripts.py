@@ -10,6 +10,7 @@ from pathlib import Path
 
 class ScriptName(StrEnum):
     ACCEPT = "accept"
+    ACCEPT_ASSIGN = "accept_assign"
     ASSIGN = "assign"
     TRANSITION = "transition"
     RELEASE = "release"
@@ -36,13 +37,22 @@ def _script(name: ScriptName, source: str) -> Script:
 
 _ROOT = Path(__file__).parent / "lua"  # package data, shipped beside this module
 # These count what they do (lua/count.lua, prepended): the scripts that end or retry a message.
-COUNTING = frozenset({ScriptName.ACCEPT, ScriptName.TRANSITION, ScriptName.CHILD_DONE})
+COUNTING = frozenset(
+    {ScriptName.ACCEPT, ScriptName.ACCEPT_ASSIGN, ScriptName.TRANSITION, ScriptName.CHILD_DONE}
+)
 # These write a message's timeline (lua/timeline.lua, prepended: the field and its cap).
 TIMELINE = COUNTING | {ScriptName.NOTE}
+# The functions shared by scripts, each prepended to those that use it, in this order.
+PRELUDES: tuple[tuple[str, frozenset[ScriptName]], ...] = (
+    ("count", COUNTING),
+    ("timeline", TIMELINE),
+    ("accept_record", frozenset({ScriptName.ACCEPT, ScriptName.ACCEPT_ASSIGN})),
+    ("assign_credit", frozenset({ScriptName.ASSIGN, ScriptName.ACCEPT_ASSIGN})),
+)
 
 
 def script_source(name: ScriptName) -> str:
-    preludes = [p for p, uses in (("count", COUNTING), ("timeline", TIMELINE)) if name in uses]
+    preludes = [part for part, uses in PRELUDES if name in uses]
     return "".join((_ROOT / f"{part}.lua").read_text() for part in [*preludes, name])
 
 

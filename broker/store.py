@@ -18,10 +18,11 @@ from typing import Any
 import msgspec
 
 from .connection import Connection
-from .credits import Credits
+from .credits import Credits, assign_keys
 from .delivery import Delivery
 from .due_clock import DueClock
 from .event_log import emit, event_command
+from .keyspace import due_for
 from .record_codec import (
     STAGE_OF,
     accepted,
@@ -60,6 +61,9 @@ class Acceptance:
     instance: str = ""
     reason: str = ""
     fields: Mapping[str, str | bytes] | None = None
+    # On a single server, a record ROUTED to ``instance`` may be assigned there in the same
+    # script (``lua/accept_assign.lua``), its deadline entry written at this time (ms)
+    assign_due_ms: int = 0
 
 
 class Move(msgspec.Struct):
@@ -106,6 +110,17 @@ def accept_command(conn: Connection, a: Acceptance) -> tuple[Any, ...]:
         *(item for pair in (a.fields or {}).items() for item in pair),
     )
     record = conn.keys.record(a.message_id)
+    if a.assign_due_ms:
+        assert a.next_stage is Stage.ROUTED and not conn.cluster
+        down_after_ms = int(conn.settings.down_after_s * 1000)
+        keys = (
+            record,
+            *assign_keys(conn, a.instance),
+            due_for(conn.keys, a.message_id),
+            *counting.keys(record),
+        )
+        fused = (*args[:12], a.message_id, down_after_ms, a.assign_due_ms, *args[12:])
+        return conn.script_command(ScriptName.ACCEPT_ASSIGN, keys, fused)
     keys = (record, *counting.keys(record))
     return conn.script_command(ScriptName.ACCEPT, keys, args)
 

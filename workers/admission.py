@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -38,7 +38,7 @@ from broker.deadletters import Letter
 from broker.due_clock import due_at_most_command, due_command
 from broker.envelope import Envelope, encode_envelope, load_envelope
 from broker.intent import IntentDecision
-from broker.records import MessageRecord
+from broker.records import AssignResult, MessageRecord
 from broker.routing import Decision
 from broker.sessions import bind_session_commands, bound_instances
 from broker.stages import Stage
@@ -76,6 +76,8 @@ class Admitted:
     to_park: list[tuple[str, str, int, int]] = field(default_factory=list)
     bindings: list[tuple[str, str]] = field(default_factory=list)
     due: list[tuple[Any, ...]] = field(default_factory=list)
+    # the routed already assigned with their records (lua/accept_assign.lua): the answers
+    assigned: dict[str, AssignResult] = field(default_factory=dict)
     fan_outs: list[tuple[Envelope, Children, int]] = field(default_factory=list)
     rejected: list[tuple[Envelope, str]] = field(default_factory=list)
 
@@ -153,9 +155,19 @@ class Admission:
         return admitted
 
     async def _admit(self, plans: list[Plan], admitted: Admitted, now: int) -> None:
-        """Create the planned records (one round trip) and sort out what each needs next."""
-        results = await self.store.accept_many([p.acceptance for p in plans])
+        """Create the planned records (one round trip) and sort out what each needs next. On
+        one server, with no configured rate limit to check first, a record ROUTED is assigned
+        in the same script, its deadline entry written with it (``lua/accept_assign.lua``)."""
         reaper_look = now + int(self.settings.delivery_timeout_s * 1000)
+        fuse = not self.conn.cluster and not self.assigner.gate.active
+        results = await self.store.accept_many(
+            [
+                replace(p.acceptance, assign_due_ms=min(p.acceptance.deadline_ms, reaper_look))
+                if fuse and p.acceptance.next_stage is Stage.ROUTED
+                else p.acceptance
+                for p in plans
+            ]
+        )
         existing: list[tuple[str, Envelope]] = []
         for plan, result in zip(plans, results, strict=True):
             a = plan.acceptance
@@ -169,10 +181,10 @@ class Admission:
             if a.next_stage is Stage.REJECTED:
                 admitted.rejected.append((plan.envelope, a.reason))
                 continue
-            # the reaper's first look: when a delivery would be late, or the deadline
-            admitted.due.append(
-                due_command(self.store.keys, a.message_id, min(a.deadline_ms, reaper_look))
-            )
+            if result.assigned is None:  # the reaper's first look: a late delivery, or the end
+                admitted.due.append(
+                    due_command(self.store.keys, a.message_id, min(a.deadline_ms, reaper_look))
+                )
             if a.next_stage is Stage.FANNED_OUT:
                 admitted.fan_outs.append((plan.envelope, plan.children, a.deadline_ms))
             elif a.next_stage is Stage.ROUTED:
@@ -187,6 +199,8 @@ class Admission:
                         plan.envelope.tenant,
                     )
                 )
+                if result.assigned is not None:
+                    admitted.assigned[a.message_id] = result.assigned
                 if plan.envelope.session_id:
                     admitted.bindings.append((plan.envelope.session_id, a.instance))
             else:

@@ -9,7 +9,7 @@ and gives the attempt number back: no stream entry exists for it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -85,24 +85,35 @@ class Assigner:
         self.gate = RateGate(store.conn, table)
         self.budgets = BudgetWatch(store.conn)  # one view of spending for admission and drain
 
-    async def assign(self, routed: list[Routed], *, ahead: Sequence[Command] = ()) -> Assigned:
+    async def assign(
+        self,
+        routed: list[Routed],
+        *,
+        ahead: Sequence[Command] = (),
+        known: Mapping[str, AssignResult] | None = None,
+    ) -> Assigned:
         """Assign each ROUTED attempt within the rate limits; the refused go back to WAITING
         and are parked. ``ahead``: writes made before the assignments, in their round trip on
-        one server (admission's deadline entries)."""
+        one server (admission's deadline entries). ``known``: the answers of assignments
+        already made (with the record, ``lua/accept_assign.lua``), by message id."""
         now = now_ms()
         await self._saturated_instances(now)
         if not routed:
             await self.store.conn.run_all(list(ahead))
             return Assigned([], [])
+        known = known or {}
         refused: list[tuple[Routed, str, int]] = []  # (attempt, why, retry at ms or 0)
+        asked = [r for r in routed if r.message_id not in known]
         if self.gate.active:
-            scopes = [self.gate.scopes(r.capability, r.instance_id, r.tenant) for r in routed]
+            scopes = [self.gate.scopes(r.capability, r.instance_id, r.tenant) for r in asked]
             verdicts = await self.gate.check(scopes, now)
-            refused = [self._limited(r, v, now) for r, v in zip(routed, verdicts, strict=True) if v]
-            routed = [r for r, v in zip(routed, verdicts, strict=True) if v is None]
-        results = await self.store.credits.assign_many(
-            [(r.instance_id, r.message_id, r.attempt) for r in routed], ahead=ahead
+            refused = [self._limited(r, v, now) for r, v in zip(asked, verdicts, strict=True) if v]
+            asked = [r for r, v in zip(asked, verdicts, strict=True) if v is None]
+        answers = await self.store.credits.assign_many(
+            [(r.instance_id, r.message_id, r.attempt) for r in asked], ahead=ahead
         )
+        routed = [r for r in routed if r.message_id in known] + asked
+        results = [known[r.message_id] for r in routed if r.message_id in known] + answers
         for r, res in zip(routed, results, strict=True):
             if res not in OK:
                 refused.append(self._refused(r, res, now))

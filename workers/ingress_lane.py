@@ -172,7 +172,7 @@ class IngressLane:
         resolved = await self.intents.resolve(intaken.envelopes, self.intake)
         admitted = await self.admission.admit(resolved.envelopes, resolved.decisions)
         routed = admitted.routed
-        assigned = await self.assigner.assign(routed, ahead=admitted.due)
+        assigned = await self.assigner.assign(routed, ahead=admitted.due, known=admitted.assigned)
         if len(assigned.routed) < len(routed):  # refused for want of a credit: now they wait
             taken = {r.message_id for r in assigned.routed}
             self.waiting.note_waiting({r.capability for r in routed if r.message_id not in taken})

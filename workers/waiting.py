@@ -20,6 +20,7 @@ from broker.due_clock import due_at_most_command
 from broker.envelope import Envelope, load_envelope
 from broker.fairness import Rotation, fair_order
 from broker.records import MessageRecord
+from broker.resp import Command
 from broker.routing import Outcome
 from broker.sessions import bind_session_commands, bound_instances
 from broker.stages import QUEUED, Stage
@@ -116,8 +117,8 @@ class WaitingRoom:
             ],
             now,
         )
-        won = await self._claim(picks)
-        done, after = await self.assigner.assign(won)
+        won, indexes = await self._claim(picks)
+        done, after = await self.assigner.assign(won, ahead=indexes)
         self.assigned += len(done)
         for a in done:
             self.rotation.served(a.capability)
@@ -260,8 +261,12 @@ class WaitingRoom:
         await self.store.conn.run_all(commands)
         return restored
 
-    async def _claim(self, picks: list[Pick]) -> list[Routed]:
-        """WAITING -> ROUTED (a new attempt); the winners are this dispatcher's to assign."""
+    async def _claim(self, picks: list[Pick]) -> tuple[list[Routed], list[Command]]:
+        """WAITING -> ROUTED (a new attempt); the winners are this dispatcher's to assign, and
+        the index writes to make before their assignments (in the same round trip): the
+        sessions bound, and the reaper's next look brought forward to the delivery timeout.
+        A stop before that round trip leaves the records ROUTED with their earlier look, where
+        the reaper finds them, as a stop between the claim and those writes always did."""
         moved = await self.store.move_many(
             [
                 Move(
@@ -292,16 +297,11 @@ class WaitingRoom:
                 )
             else:
                 self.table.unreserve(p.instance_id)
-        # sessions bound, and the reaper's next look brought forward to the delivery timeout
         look = now_ms() + self.delivery_timeout_ms
-        await self.store.conn.run_all(
-            bind_session_commands(
-                self.store.conn,
-                [(p.envelope.session_id, p.instance_id) for p in picks if p.envelope.session_id],
-            )
-            + [due_at_most_command(self.store.keys, r.message_id, look) for r in won]
-        )
-        return won
+        return won, bind_session_commands(
+            self.store.conn,
+            [(p.envelope.session_id, p.instance_id) for p in picks if p.envelope.session_id],
+        ) + [due_at_most_command(self.store.keys, r.message_id, look) for r in won]
 
     async def expire(self, record: MessageRecord, now: int) -> bool:
         """End a waiting message past its deadline: EXPIRED with why nothing served it."""

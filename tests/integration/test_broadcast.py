@@ -297,11 +297,10 @@ async def test_a_dispatcher_stopped_mid_fan_out_creates_each_child_once(
             await first.handle_batch(entries)
         assert (await record_of(conn, parent)).stage is Stage.FANNED_OUT
         store = MessageStore(conn)
-        assert await store.stages([f"{parent}.{n}" for n in (1, 2, 3)]) == [
-            Stage.ROUTED,
-            None,
-            None,
-        ]
+        first_child, *rest = await store.stages([f"{parent}.{n}" for n in (1, 2, 3)])
+        # created (on one server assigned with it, so its sidecar may have it already)
+        assert first_child in (Stage.ROUTED, Stage.RECEIVED, Stage.PROCESSING, Stage.SUCCEEDED)
+        assert rest == [None, None]
         assert (await conn.call("XPENDING", conn.keys.ingress, DISPATCH_GROUP))[0] == 1
         async with running_dispatcher(conn, "d1"):  # the same consumer: its pending entries
             (result,) = (await collect_replies(conn, reply_to, 1)).values()

@@ -9,10 +9,11 @@ import msgspec
 
 from broker.client import Client, Result
 from broker.config import Settings
-from broker.connection import Connection, open_connection
+from broker.connection import Connection, ensure_group, open_connection
 from broker.envelope import Envelope
-from broker.keyspace import ingress_for, ingress_streams
+from broker.keyspace import DISPATCH_GROUP, ingress_for, ingress_streams
 from broker.registry import Registry
+from broker.scripts import ScriptName
 from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.agents import Gate, http_agent
@@ -23,6 +24,7 @@ from tests.support.harness import (
     running_dispatcher,
     running_sidecar,
 )
+from workers.dispatcher import Dispatcher
 
 HAPPY_PATH = [Stage.ACCEPTED, Stage.ROUTED, Stage.RECEIVED, Stage.PROCESSING, Stage.SUCCEEDED]
 
@@ -264,3 +266,50 @@ async def test_a_partitioned_ingress_carries_every_message_once(settings: Settin
     assert agent.log.total == 603 and max(agent.log.calls.values()) == 1
     spread = Counter(ingress_for(conn.keys, message_id, 3) for message_id in ids[:600])
     assert set(spread) == set(streams) and min(spread.values()) > 100, spread
+
+
+async def test_a_routed_message_takes_one_script_on_one_server(conn: Connection) -> None:
+    """On one server a record ROUTED is created and assigned by one script
+    (``lua/accept_assign.lua``); a cluster, whose record and instance keys live in other
+    slots, keeps the two. Either way the message runs once, every stage recorded."""
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    sent: list[tuple[object, ...]] = []
+    pipeliner = conn.pipeliner
+    inner = pipeliner.call_many
+
+    async def watched(commands: list[tuple[object, ...]]) -> list[object]:
+        sent.extend(commands)
+        return await inner(commands)
+
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+    ):
+        dispatcher = Dispatcher(conn, consumer="d1")
+        await ensure_group(conn, conn.keys.ingress, DISPATCH_GROUP)
+        await dispatcher.refresh()
+        ids = [await client.submit(echo(n, reply_to)) for n in range(3)]
+        async with conn.reader() as reader:
+            entries = await reader.read_raw(
+                conn.keys.ingress, DISPATCH_GROUP, "d1", count=10, block_ms=1000
+            )
+        pipeliner.call_many = watched  # type: ignore[method-assign]
+        try:
+            await dispatcher.handle_batch(entries)
+        finally:
+            pipeliner.call_many = inner  # type: ignore[method-assign]
+        results = await collect_replies(conn, reply_to, 3)
+        store = MessageStore(conn)
+        timelines = [[e.stage for e in await store.get_timeline(i)] for i in ids]
+    scripts = Counter(c[1] for c in sent if c[0] == "EVALSHA")
+    fused, accept, assign = (
+        conn.sha(name) for name in (ScriptName.ACCEPT_ASSIGN, ScriptName.ACCEPT, ScriptName.ASSIGN)
+    )
+    if conn.cluster:
+        assert (scripts[fused], scripts[accept], scripts[assign]) == (0, 3, 3)
+    else:
+        assert (scripts[fused], scripts[accept], scripts[assign]) == (3, 0, 0)
+    assert {r.stage for r in results.values()} == {Stage.SUCCEEDED}
+    assert agent.log.total == 3
+    assert timelines == [HAPPY_PATH] * 3
