@@ -58,7 +58,7 @@ from .a2a_wire import (
     task_view,
 )
 from .callbacks import CallbackTokens
-from .http import NOT_SENT, AgentAnswer, read_limited
+from .http import NOT_SENT, AgentAnswer, agent_limits, read_limited
 from .outcome import Accepted, Ambiguous, Failed, NotReached, Outcome
 from .transport import reach_headers
 
@@ -117,9 +117,7 @@ class A2ATransport:
         self.on_update: Callable[[str, str], Awaitable[None]] | None = None
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
+            limits=agent_limits(max_connections),
         )
 
     @property

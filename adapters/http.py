@@ -45,9 +45,7 @@ class HttpTransport:
         self.max_result_bytes = max_result_bytes
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
+            limits=agent_limits(max_connections),
         )
 
     async def deliver(self, envelope: Envelope, attempt: int) -> Outcome:
@@ -157,6 +155,23 @@ def _seconds_until(value: str) -> float:
         return (when - datetime.datetime.now(datetime.UTC)).total_seconds()
     except (TypeError, ValueError, OverflowError):
         return DEFAULT_RETRY_AFTER_S
+
+
+# An idle pooled connection is given up before a server would close it: a request sent on a
+# connection the server is closing at that moment fails unanswered (ReadError), and for an
+# agent that is not idempotent that is a call nobody can say ran or not (NEEDS_CONFIRMATION).
+# Servers close idle connections after 2 s (gunicorn), 5 s (uvicorn, Node), 75 s (nginx);
+# httpx's own expiry is 5 s, the same as uvicorn's: the race was there to lose.
+KEEPALIVE_EXPIRY_S = 1.5
+
+
+def agent_limits(max_connections: int) -> httpx.Limits:
+    """The connection pool of an adapter that calls an agent over HTTP."""
+    return httpx.Limits(
+        max_connections=max_connections,
+        max_keepalive_connections=max_connections,
+        keepalive_expiry=KEEPALIVE_EXPIRY_S,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,13 +50,21 @@ def accepted(reply: list[Any]) -> Accepted:
 
 
 def moved(reply: list[Any]) -> Moved:
-    """The reply of ``lua/transition.lua``."""
+    """The reply of ``lua/transition.lua`` (or ``lua/claim_assign.lua``: with the
+    assignment's answer when the claim was made)."""
     if reply[0] == -1:
         return Moved(False, None, 0, "")
     value = reply[4] if reply[0] == 1 and len(reply) > 4 and reply[4] else None
     accepted_ms = _int(reply[5]) if len(reply) > 5 else 0
+    assigned = AssignResult(reply[6]) if len(reply) > 6 else None  # lua/claim_assign.lua
     return Moved(
-        reply[0] == 1, STAGE_OF[reply[1]], int(reply[2]), reply[3].decode(), value, accepted_ms
+        reply[0] == 1,
+        STAGE_OF[reply[1]],
+        int(reply[2]),
+        reply[3].decode(),
+        value,
+        accepted_ms,
+        assigned,
     )
 
 

@@ -159,6 +159,7 @@ class Moved(msgspec.Struct, frozen=True):
     instance: str
     value: bytes | None = None
     accepted_ms: int = 0  # on success: when the broker accepted the message (for timings)
+    assigned: AssignResult | None = None  # lua/claim_assign.lua: the assignment's answer
 
     @property
     def missing(self) -> bool:

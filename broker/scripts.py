@@ -13,6 +13,7 @@ class ScriptName(StrEnum):
     ACCEPT_ASSIGN = "accept_assign"
     ASSIGN = "assign"
     TRANSITION = "transition"
+    CLAIM_ASSIGN = "claim_assign"
     RELEASE = "release"
     HEARTBEAT = "heartbeat"
     BACKLOG = "backlog"
@@ -38,7 +39,13 @@ def _script(name: ScriptName, source: str) -> Script:
 _ROOT = Path(__file__).parent / "lua"  # package data, shipped beside this module
 # These count what they do (lua/count.lua, prepended): the scripts that end or retry a message.
 COUNTING = frozenset(
-    {ScriptName.ACCEPT, ScriptName.ACCEPT_ASSIGN, ScriptName.TRANSITION, ScriptName.CHILD_DONE}
+    {
+        ScriptName.ACCEPT,
+        ScriptName.ACCEPT_ASSIGN,
+        ScriptName.TRANSITION,
+        ScriptName.CLAIM_ASSIGN,
+        ScriptName.CHILD_DONE,
+    }
 )
 # These write a message's timeline (lua/timeline.lua, prepended: the field and its cap).
 TIMELINE = COUNTING | {ScriptName.NOTE}
@@ -47,7 +54,11 @@ PRELUDES: tuple[tuple[str, frozenset[ScriptName]], ...] = (
     ("count", COUNTING),
     ("timeline", TIMELINE),
     ("accept_record", frozenset({ScriptName.ACCEPT, ScriptName.ACCEPT_ASSIGN})),
-    ("assign_credit", frozenset({ScriptName.ASSIGN, ScriptName.ACCEPT_ASSIGN})),
+    ("move_record", frozenset({ScriptName.TRANSITION, ScriptName.CLAIM_ASSIGN})),
+    (
+        "assign_credit",
+        frozenset({ScriptName.ASSIGN, ScriptName.ACCEPT_ASSIGN, ScriptName.CLAIM_ASSIGN}),
+    ),
 )
 
 

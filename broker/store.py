@@ -88,6 +88,10 @@ class Move(msgspec.Struct):
     counts: tuple[str, ...] = ()
     # the attempt's usage, charged to its day if the move is made (broker/usage.py)
     charge: Charge | None = None
+    # On a single server, a drain's claim (WAITING -> ROUTED to ``new_instance``) may assign
+    # it in the same script (``lua/claim_assign.lua``), the reaper's look brought forward to
+    # this time (ms); no charge then
+    assign_look_ms: int = 0
 
 
 def accept_command(conn: Connection, a: Acceptance) -> tuple[Any, ...]:
@@ -157,6 +161,17 @@ def move_command(conn: Connection, m: Move) -> tuple[Any, ...]:
     ]
     record = conn.keys.record(m.message_id)
     keys: tuple[str, ...] = (record, *counting.keys(record))
+    if m.assign_look_ms:
+        assert m.charge is None and m.new_instance and not conn.cluster
+        args.append("")
+        args += [item for pair in (m.fields or {}).items() for item in pair]
+        fused = (*assign_keys(conn, m.new_instance), due_for(conn.keys, m.message_id))
+        down_after_ms = int(conn.settings.down_after_s * 1000)
+        return conn.script_command(
+            ScriptName.CLAIM_ASSIGN,
+            (record, *fused, *counting.keys(record)),
+            (m.message_id, down_after_ms, m.assign_look_ms, *args),
+        )
     if m.charge is None:
         args.append("")
     else:

@@ -19,7 +19,7 @@ from typing import Any
 from broker.due_clock import due_at_most_command
 from broker.envelope import Envelope, load_envelope
 from broker.fairness import Rotation, fair_order
-from broker.records import MessageRecord
+from broker.records import AssignResult, MessageRecord
 from broker.resp import Command
 from broker.routing import Outcome
 from broker.sessions import bind_session_commands, bound_instances
@@ -117,8 +117,8 @@ class WaitingRoom:
             ],
             now,
         )
-        won, indexes = await self._claim(picks)
-        done, after = await self.assigner.assign(won, ahead=indexes)
+        won, indexes, known = await self._claim(picks)
+        done, after = await self.assigner.assign(won, ahead=indexes, known=known)
         self.assigned += len(done)
         for a in done:
             self.rotation.served(a.capability)
@@ -261,12 +261,17 @@ class WaitingRoom:
         await self.store.conn.run_all(commands)
         return restored
 
-    async def _claim(self, picks: list[Pick]) -> tuple[list[Routed], list[Command]]:
+    async def _claim(
+        self, picks: list[Pick]
+    ) -> tuple[list[Routed], list[Command], dict[str, AssignResult]]:
         """WAITING -> ROUTED (a new attempt); the winners are this dispatcher's to assign, and
         the index writes to make before their assignments (in the same round trip): the
         sessions bound, and the reaper's next look brought forward to the delivery timeout.
-        A stop before that round trip leaves the records ROUTED with their earlier look, where
-        the reaper finds them, as a stop between the claim and those writes always did."""
+        On one server with no configured rate limit, each claim is assigned in its script
+        (``lua/claim_assign.lua``, the look with it): the answers by message id. Elsewhere a
+        stop before that round trip leaves the records ROUTED with their earlier look."""
+        look = now_ms() + self.delivery_timeout_ms
+        fused = not self.store.conn.cluster and not self.assigner.gate.active
         moved = await self.store.move_many(
             [
                 Move(
@@ -277,31 +282,35 @@ class WaitingRoom:
                     new_instance=p.instance_id,
                     reason=str(p.fields["route_reason"]),
                     fields=p.fields,
+                    assign_look_ms=look if fused else 0,
                 )
                 for p in picks
             ]
         )
-        won = []
+        won: list[Routed] = []
+        known: dict[str, AssignResult] = {}
         for p, m in zip(picks, moved, strict=True):
-            if m.ok:
-                won.append(
-                    Routed(
-                        p.message_id,
-                        p.capability,
-                        p.instance_id,
-                        m.attempt,
-                        p.envelope.priority,
-                        p.accepted_ms,
-                        p.envelope.tenant,
-                    )
-                )
-            else:
+            if not m.ok:
                 self.table.unreserve(p.instance_id)
-        look = now_ms() + self.delivery_timeout_ms
-        return won, bind_session_commands(
-            self.store.conn,
-            [(p.envelope.session_id, p.instance_id) for p in picks if p.envelope.session_id],
-        ) + [due_at_most_command(self.store.keys, r.message_id, look) for r in won]
+                continue
+            if m.assigned is not None:
+                known[p.message_id] = m.assigned
+            won.append(
+                Routed(
+                    p.message_id,
+                    p.capability,
+                    p.instance_id,
+                    m.attempt,
+                    p.envelope.priority,
+                    p.accepted_ms,
+                    p.envelope.tenant,
+                )
+            )
+        sessions = [(p.envelope.session_id, p.instance_id) for p in picks if p.envelope.session_id]
+        indexes = bind_session_commands(self.store.conn, sessions)
+        if not fused:
+            indexes += [due_at_most_command(self.store.keys, r.message_id, look) for r in won]
+        return won, indexes, known
 
     async def expire(self, record: MessageRecord, now: int) -> bool:
         """End a waiting message past its deadline: EXPIRED with why nothing served it."""

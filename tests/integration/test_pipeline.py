@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import anyio
 import msgspec
@@ -268,12 +270,9 @@ async def test_a_partitioned_ingress_carries_every_message_once(settings: Settin
     assert set(spread) == set(streams) and min(spread.values()) > 100, spread
 
 
-async def test_a_routed_message_takes_one_script_on_one_server(conn: Connection) -> None:
-    """On one server a record ROUTED is created and assigned by one script
-    (``lua/accept_assign.lua``); a cluster, whose record and instance keys live in other
-    slots, keeps the two. Either way the message runs once, every stage recorded."""
-    client = Client(conn)
-    reply_to = client.new_reply_stream()
+@contextmanager
+def watching(conn: Connection) -> Iterator[list[tuple[object, ...]]]:
+    """Every command this process sends through ``conn`` while in the block, in order."""
     sent: list[tuple[object, ...]] = []
     pipeliner = conn.pipeliner
     inner = pipeliner.call_many
@@ -282,6 +281,19 @@ async def test_a_routed_message_takes_one_script_on_one_server(conn: Connection)
         sent.extend(commands)
         return await inner(commands)
 
+    pipeliner.call_many = watched  # type: ignore[method-assign]
+    try:
+        yield sent
+    finally:
+        pipeliner.call_many = inner  # type: ignore[method-assign]
+
+
+async def test_a_routed_message_takes_one_script_on_one_server(conn: Connection) -> None:
+    """On one server a record ROUTED is created and assigned by one script
+    (``lua/accept_assign.lua``); a cluster, whose record and instance keys live in other
+    slots, keeps the two. Either way the message runs once, every stage recorded."""
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
     async with (
         http_agent("a") as agent,
         running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
@@ -294,11 +306,8 @@ async def test_a_routed_message_takes_one_script_on_one_server(conn: Connection)
             entries = await reader.read_raw(
                 conn.keys.ingress, DISPATCH_GROUP, "d1", count=10, block_ms=1000
             )
-        pipeliner.call_many = watched  # type: ignore[method-assign]
-        try:
+        with watching(conn) as sent:
             await dispatcher.handle_batch(entries)
-        finally:
-            pipeliner.call_many = inner  # type: ignore[method-assign]
         results = await collect_replies(conn, reply_to, 3)
         store = MessageStore(conn)
         timelines = [[e.stage for e in await store.get_timeline(i)] for i in ids]
@@ -313,3 +322,30 @@ async def test_a_routed_message_takes_one_script_on_one_server(conn: Connection)
     assert {r.stage for r in results.values()} == {Stage.SUCCEEDED}
     assert agent.log.total == 3
     assert timelines == [HAPPY_PATH] * 3
+
+
+async def test_a_drained_message_is_claimed_and_assigned_in_one_script_on_one_server(
+    conn: Connection,
+) -> None:
+    """Work that waited for an instance: on one server the drain's claim and assignment are
+    one script (``lua/claim_assign.lua``); a cluster keeps the two."""
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    async with http_agent("a") as agent, running_dispatcher(conn):
+        ids = [await client.submit(echo(n, reply_to)) for n in range(3)]
+        store = MessageStore(conn)
+
+        async def all_wait() -> bool:
+            return await store.stages(ids) == [Stage.WAITING] * 3
+
+        await eventually(all_wait)
+        with watching(conn) as sent:
+            async with running_sidecar(conn, "a-1", ("text.echo",), url=agent.url):
+                results = await collect_replies(conn, reply_to, 3)
+        timelines = [[e.stage for e in await store.get_timeline(i)] for i in ids]
+    scripts = Counter(c[1] for c in sent if c[0] == "EVALSHA")
+    fused, assign = (conn.sha(name) for name in (ScriptName.CLAIM_ASSIGN, ScriptName.ASSIGN))
+    assert (scripts[fused], scripts[assign]) == ((0, 3) if conn.cluster else (3, 0))
+    assert {r.stage for r in results.values()} == {Stage.SUCCEEDED} and agent.log.total == 3
+    waited = [Stage.ACCEPTED, Stage.WAITING, *HAPPY_PATH[1:]]
+    assert timelines == [waited] * 3

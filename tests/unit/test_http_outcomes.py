@@ -8,7 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adapters.http import DEFAULT_RETRY_AFTER_S, MAX_RETRY_AFTER_S, retry_after_s
+from adapters.http import (
+    DEFAULT_RETRY_AFTER_S,
+    MAX_RETRY_AFTER_S,
+    agent_limits,
+    retry_after_s,
+)
 
 
 @pytest.mark.parametrize(
@@ -36,3 +41,12 @@ def test_any_retry_after_text_is_a_wait_a_process_can_take(value: str) -> None:
     seconds = retry_after_s(value)
     assert math.isfinite(seconds) and 0.0 <= seconds <= MAX_RETRY_AFTER_S
     assert int(seconds * 1000) >= 0  # what the notifier and the vitals do with it
+
+
+def test_an_agent_pool_gives_up_idle_connections_before_common_servers_close_them() -> None:
+    """A request on a connection the server is closing fails unanswered: for an agent that
+    is not idempotent, a call nobody can say ran. gunicorn closes idle connections after
+    2 s, uvicorn and Node after 5 s; httpx's default (5 s) raced uvicorn's."""
+    limits = agent_limits(16)
+    assert limits.keepalive_expiry is not None and limits.keepalive_expiry < 2.0
+    assert limits.max_connections == limits.max_keepalive_connections == 16

@@ -1,0 +1,72 @@
+-- move_record.lua: prepended to the scripts that move a record (transition.lua,
+-- claim_assign.lua; broker/scripts.py). `KEYS` and `ARGV` are transition.lua's, passed in:
+-- the caller's own, or the part of them a fused script gives it.
+local function move_record(KEYS, ARGV)
+  local rec = KEYS[1]
+  local n = tonumber(ARGV[14])
+  local charged = ARGV[15 + n] ~= ''
+  local counters = KEYS[2]
+  if charged and #KEYS == 3 then
+    counters = nil  -- KEYS[2] and KEYS[3] are the usage hashes
+  end
+  local fields_at = 16 + n
+  if charged then
+    fields_at = 22 + n + 2 * tonumber(ARGV[21 + n])
+  end
+  local cur = redis.call('HMGET', rec, 'stage', 'attempt', 'instance', ARGV[11], 'capability',
+                         'accepted_ms')
+  if not cur[1] then
+    return {-1}
+  end
+  local stage, attempt, instance = cur[1], cur[2] or '0', cur[3] or ''
+  if not string.find(',' .. ARGV[1] .. ',', ',' .. stage .. ',', 1, true)
+     or (ARGV[2] ~= '' and ARGV[2] ~= attempt)
+     or (ARGV[3] ~= '' and ARGV[3] ~= instance) then
+    return {0, stage, attempt, instance}
+  end
+  local new_attempt = attempt
+  if ARGV[5] == '+' then
+    new_attempt = tostring(tonumber(attempt) + 1)
+  elseif ARGV[5] ~= '' then
+    new_attempt = ARGV[5]
+  end
+  local new_instance = ARGV[6] ~= '' and ARGV[6] or instance
+  redis.call('HSET', rec, 'stage', ARGV[4], 'attempt', new_attempt, 'instance', new_instance,
+             'updated_ms', ARGV[7], unpack(ARGV, fields_at))
+  timeline_append(rec, ARGV[9], {{ARGV[7], ARGV[4], new_instance, new_attempt, ARGV[8]}})
+  -- a level, not a count: e.g. the messages now waiting for an operator
+  if counters and (stage == ARGV[12]) ~= (ARGV[4] == ARGV[12]) then
+    redis.call('HINCRBY', counters, 'level\t' .. ARGV[12], ARGV[4] == ARGV[12] and 1 or -1)
+  end
+  for i = 15, 14 + n do
+    count_in(counters, ARGV[13], ARGV[i])
+  end
+  if charged then
+    local day, month = KEYS[#KEYS - 1], KEYS[#KEYS]
+    local combo, tenant = ARGV[15 + n], ARGV[18 + n]
+    if redis.call('HEXISTS', day, combo .. '\trequests') == 0
+       and redis.call('HLEN', day) >= tonumber(ARGV[16 + n]) then
+      combo = '~other\t~other\t~other'
+      if ARGV[20 + n] ~= '1' then
+        tenant = '~other'
+      end
+    end
+    for i = 22 + n, 20 + n + 2 * tonumber(ARGV[21 + n]), 2 do
+      redis.call('HINCRBYFLOAT', day, combo .. '\t' .. ARGV[i], ARGV[i + 1])
+    end
+    if tonumber(ARGV[19 + n]) > 0 then
+      redis.call('HINCRBYFLOAT', day, 'spend\t' .. tenant, ARGV[19 + n])
+      redis.call('HINCRBYFLOAT', month, 'spend\t' .. tenant, ARGV[19 + n])
+    end
+    redis.call('EXPIRE', day, ARGV[17 + n])
+    redis.call('EXPIRE', month, ARGV[17 + n])
+  end
+  if ARGV[10] ~= '' then
+    count_in(counters, ARGV[13], 'finished\t' .. (cur[5] or '') .. '\t' .. ARGV[4])
+    redis.call('EXPIRE', rec, ARGV[10])
+  else
+    -- out of a terminal stage again (an operator's replay): keep it until it ends anew
+    redis.call('PERSIST', rec)
+  end
+  return {1, ARGV[4], new_attempt, new_instance, ARGV[11] ~= '' and cur[4] or false, cur[6] or '0'}
+end
