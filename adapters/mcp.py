@@ -33,7 +33,7 @@ import msgspec
 
 from broker.envelope import Envelope
 
-from .http import NOT_SENT, AgentAnswer, read_limited, refusal
+from .http import NOT_SENT, AgentAnswer, agent_limits, read_limited, refusal
 from .mcp_wire import (
     ACCEPT,
     SESSION_HEADER,
@@ -97,9 +97,7 @@ class McpSession:
         self._starting = anyio.Lock()
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
+            limits=agent_limits(max_connections),
         )
 
     async def request(

@@ -123,7 +123,7 @@ def accept_command(conn: Connection, a: Acceptance) -> tuple[Any, ...]:
             due_for(conn.keys, a.message_id),
             *counting.keys(record),
         )
-        fused = (*args[:12], a.message_id, down_after_ms, a.assign_due_ms, *args[12:])
+        fused = (*args[:12], a.message_id, down_after_ms, a.assign_due_ms, now_ms(), *args[12:])
         return conn.script_command(ScriptName.ACCEPT_ASSIGN, keys, fused)
     keys = (record, *counting.keys(record))
     return conn.script_command(ScriptName.ACCEPT, keys, args)

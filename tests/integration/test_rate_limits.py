@@ -23,8 +23,11 @@ from broker.connection import Connection
 from broker.envelope import Envelope
 from broker.gcra import gcra
 from broker.governance import RateLimit, RateLimits
+from broker.records import AssignResult
 from broker.scripts import ScriptName
-from broker.store import MessageStore
+from broker.stages import Stage
+from broker.store import Acceptance, MessageStore
+from broker.timekeeping import now_ms
 from tests.support.agents import http_agent
 from tests.support.harness import card, connected, running_dispatcher, running_sidecar
 
@@ -168,6 +171,41 @@ async def test_a_tenant_limit_holds_its_messages_and_no_other(settings: Settings
     saturated = [dict(zip(f[::2], f[1::2], strict=True)) for _, f in events]
     saturated = [e for e in saturated if e[b"type"] == b"rate_limit.saturated"]
     assert [e[b"subject"] for e in saturated] == [b"tenant:chatty"]
+
+
+async def test_a_fused_acceptance_checks_the_rate_at_the_time_it_runs(conn: Connection) -> None:
+    """``lua/accept_assign.lua`` checks an instance's rate at the time it is sent, not at the
+    message's acceptance time, taken earlier (a batch's planning, a broadcast's parents): an
+    old time read the rate's state as written by a clock ahead, reset it, and let a message
+    through that the limit refuses."""
+    store = MessageStore(conn)
+    now = now_ms()
+
+    def routed(message_id: str, accepted_ms: int) -> Acceptance:
+        return Acceptance(
+            message_id=message_id,
+            envelope_json=b'{"capability":"text.echo"}',
+            capability="text.echo",
+            deadline_ms=now + 60_000,
+            reply_to="",
+            priority=0,
+            next_stage=Stage.ROUTED,
+            accepted_ms=accepted_ms,
+            instance="once-1",
+            assign_due_ms=now + 30_000,
+        )
+
+    async with (
+        http_agent("once") as agent,
+        limited_sidecar(conn, "once-1", agent.url, rate_ms=60_000.0, burst=1),
+    ):
+        (first,) = await store.accept_many([routed("m1", now)])
+        (late,) = await store.accept_many([routed("m2", now - 600_000)])  # accepted 10 min ago
+        rate_key = conn.fleet.rate("instance", "once-1")
+        tat = float(await conn.call("GET", rate_key))
+    assert first.assigned is AssignResult.ASSIGNED
+    assert late.assigned is AssignResult.RATE_LIMITED
+    assert tat >= now + 60_000  # the rate's state was not wound back
 
 
 async def test_the_script_keeps_the_rule(conn: Connection) -> None:
