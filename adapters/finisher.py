@@ -74,10 +74,11 @@ def charged(options: dict[str, Any], attempt: int) -> dict[str, Any]:
     if bill is None:
         return options
     fields = {**(options.get("fields") or {}), "agent": bill.agent}
-    if (usage := reported(bill)) is not None:
-        fields[f"usage:{attempt}"] = msgspec.json.encode(usage)
-        options["reason"] = "; ".join(filter(None, (options.get("reason"), usage.describe())))
-    return {**options, "fields": fields}
+    if (usage := reported(bill)) is None:
+        return {**options, "fields": fields}
+    fields[f"usage:{attempt}"] = msgspec.json.encode(usage)
+    reason = "; ".join(filter(None, (options.get("reason"), usage.describe())))
+    return {**options, "fields": fields, "reason": reason}
 
 
 class Finisher:

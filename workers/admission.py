@@ -1,12 +1,12 @@
 """Admission: a batch's envelopes become records — routed, parked, or fanned out.
 
 Routes each envelope (or plans a broadcast's fan-out), creates every record in one round
-trip (``lua/accept.lua``), then writes the batch's waiting sets and sessions in one more, when
-it has any, with the deadline entries. Without them, the deadline entries ride with the
-batch's assignments (:meth:`workers.assignment.Assigner.assign`, ``ahead``): one round trip
-fewer between a message's arrival and its instance. A stop between the two leaves the ingress
-entry pending; handled again, the record exists and its deadline entry is written then
-(``_reapply``).
+trip (``lua/accept.lua``; on one server a record ROUTED is assigned in the same script,
+``lua/accept_assign.lua``, with its deadline entry), then writes the batch's waiting sets
+and sessions in one more, when it has any, with the other deadline entries. Without them,
+those ride with the batch's assignments (:meth:`workers.assignment.Assigner.assign`,
+``ahead``). A stop between the two leaves the ingress entry pending; handled again, the
+record exists and its deadline entry is written then (``_reapply``).
 
 A broadcast parent is created before its children. An id that already names a
 message is the same request handled again (its index writes re-applied, idempotently) or

@@ -9,7 +9,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-import httpx
 import msgspec
 import pytest
 from a2a.helpers import (
@@ -22,20 +21,13 @@ from a2a.helpers import (
 )
 from a2a.server.agent_execution import RequestContext
 from a2a.server.events import EventQueue
-from a2a.server.request_handlers import DefaultRequestHandler
-from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
 from a2a.server.tasks import (
-    BasePushNotificationSender,
-    InMemoryPushNotificationConfigStore,
-    InMemoryTaskStore,
     TaskUpdater,
 )
 from a2a.types import TaskState
 from click.testing import CliRunner
-from starlette.applications import Starlette
 
 from adapters.a2a import A2ATransport, CardError, fetch_card, status_url
-from adapters.asgi import serve_app
 from adapters.factory import SidecarOptionError, a2a_card_parts
 from adapters.sidecar import Sidecar
 from broker.client import Client
@@ -47,7 +39,7 @@ from broker.stages import Stage
 from broker.store import MessageStore
 from broker.timekeeping import now_ms
 from broker.usage_reader import usage_totals
-from tests.support.a2a_agents import A2AAgent, Executor, a2a_agent, agent_card
+from tests.support.a2a_agents import A2AAgent, Executor, a2a_agent
 from tests.support.harness import connected, eventually, running_dispatcher, running_sidecar
 from workers.cli import main
 
@@ -339,23 +331,9 @@ class BillingExecutor(Executor):
 
 @asynccontextmanager
 async def billing_agent(*, push: bool = True, streaming: bool = False) -> AsyncIterator[A2AAgent]:
-    """As :func:`tests.support.a2a_agents.a2a_agent` (JSON-RPC, protocol 1.0), with the
-    :class:`BillingExecutor`."""
-    port = free_port()
-    agent = A2AAgent(f"http://127.0.0.1:{port}/")
-    card = agent_card(agent.url, push=push, streaming=streaming)
-    store = InMemoryPushNotificationConfigStore()
-    async with httpx.AsyncClient() as pusher:
-        handler = DefaultRequestHandler(
-            agent_executor=BillingExecutor(agent),
-            task_store=InMemoryTaskStore(),
-            agent_card=card,
-            push_config_store=store if push else None,
-            push_sender=BasePushNotificationSender(pusher, store) if push else None,
-        )
-        routes = [*create_agent_card_routes(card), *create_jsonrpc_routes(handler, rpc_url="/")]
-        async with serve_app(Starlette(routes=routes), "127.0.0.1", port):
-            yield agent
+    """:func:`tests.support.a2a_agents.a2a_agent` with the :class:`BillingExecutor`."""
+    async with a2a_agent(push=push, streaming=streaming, executor=BillingExecutor) as agent:
+        yield agent
 
 
 def bill(input_tokens: int, output_tokens: int, cost: float) -> dict[str, Any]:

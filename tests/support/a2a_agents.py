@@ -13,7 +13,7 @@ A text part is echoed as a direct message. Every execution is counted by message
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,11 +124,17 @@ def agent_card(
 
 @asynccontextmanager
 async def a2a_agent(
-    *, push: bool = True, port: int = 0, streaming: bool = False, protocol: str = "1.0"
+    *,
+    push: bool = True,
+    port: int = 0,
+    streaming: bool = False,
+    protocol: str = "1.0",
+    executor: Callable[[A2AAgent], AgentExecutor] | None = None,
 ) -> AsyncIterator[A2AAgent]:
     """An SDK-built A2A agent on loopback for the block's life (``port``: the same one again,
     to restart an agent that forgot its tasks; ``protocol`` "0.3": a card and an endpoint of
-    that version; "rest": protocol 1.0 over the HTTP+JSON binding only)."""
+    that version; "rest": protocol 1.0 over the HTTP+JSON binding only; ``executor``: what
+    runs its tasks, :class:`Executor` by default)."""
     port = port or free_port()
     base = f"http://127.0.0.1:{port}/"
     agent = A2AAgent(base)
@@ -136,7 +142,7 @@ async def a2a_agent(
     store = InMemoryPushNotificationConfigStore()
     async with httpx.AsyncClient() as pusher:
         handler = DefaultRequestHandler(
-            agent_executor=Executor(agent),
+            agent_executor=(executor or Executor)(agent),
             task_store=InMemoryTaskStore(),
             agent_card=card,
             push_config_store=store if push else None,
