@@ -58,18 +58,23 @@ class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
         return f"usage in={self.input_tokens} out={self.output_tokens} cost={self.cost:g}"
 
 
-def _count(value: Any) -> int | None:
+def _within(value: Any, most: float) -> float | None:
+    """``value`` when it is a number from 0 to ``most``. Compared before any conversion: a
+    JSON integer of 400 digits is a Python int no float can hold."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    if not math.isfinite(value) or value < 0 or value > _MAX_TOKENS or value != int(value):
+    if isinstance(value, float) and not math.isfinite(value):
         return None
-    return int(value)
+    return float(value) if 0 <= value <= most else None
+
+
+def _count(value: Any) -> int | None:
+    found = _within(value, _MAX_TOKENS)
+    return int(found) if found is not None and found == int(found) else None
 
 
 def _money(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) and 0 <= value <= _MAX_COST else None
+    return _within(value, _MAX_COST)
 
 
 def usage_from_mapping(value: Any, cost: Any = None) -> Usage | None:

@@ -63,6 +63,15 @@ def test_no_result_makes_the_reader_raise(value: Any) -> None:
     assert found is None or (found.output_tokens >= 0 and 0 <= found.cost <= 1e12)
 
 
+@given(st.integers(min_value=-(10**400), max_value=10**400))
+def test_an_integer_too_large_for_a_float_is_left_out_not_raised(n: int) -> None:
+    body = b'{"usage": {"input_tokens": %d, "cost": %d}}' % (n, n)
+    found = usage_in_result(body)
+    assert found is None or (0 <= found.input_tokens and 0 <= found.cost <= 1e12)
+    huge = b'{"usage": {"cost": 1' + b"0" * 400 + b', "output_tokens": 3}}'
+    assert usage_in_result(huge) == Usage(output_tokens=3)
+
+
 def test_a_charge_counts_the_attempt_and_what_it_reported() -> None:
     first = charge("a", "c.d", None, attempt=1, answered=False, busy_ms=3.6, usage=None, ms=0)
     assert first.figures == {"requests": 1, "busy_ms": 4, "failed": 1}
