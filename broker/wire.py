@@ -315,8 +315,21 @@ def route_steps(raw: bytes | None) -> list[dict[str, Any]]:
     for item in items if isinstance(items, list) else []:
         if isinstance(item, str):
             name, _, kept = item.rpartition(":")
-            if name and kept.isdigit() and len(kept) <= MAX_NUMBER_DIGITS:
+            if name and _is_number(kept.encode()):
                 steps.append({"step": name, "kept": int(kept)})
-        elif isinstance(item, dict) and isinstance(item.get("step"), str):
+        elif isinstance(item, dict) and _is_step(item):
             steps.append(item)
     return steps
+
+
+def _is_step(item: dict[str, Any]) -> bool:
+    """An object step every reader can print: a name, a count, exclusions by instance."""
+    kept, excluded = item.get("kept"), item.get("excluded", {})
+    return (
+        isinstance(item.get("step"), str)
+        and isinstance(kept, int)
+        and not isinstance(kept, bool)
+        and isinstance(excluded, dict)
+        and all(isinstance(v, str) for v in excluded.values())
+        and isinstance(item.get("more_excluded", 0), int)
+    )

@@ -359,7 +359,9 @@ _steps = st.lists(
             st.dictionaries(st.text(max_size=8), st.text(max_size=20), max_size=3),
             st.integers(1, 100),
         ),
-        st.builds(lambda s: {"step": "intent", "layer": "rules", "score": s}, st.floats(0, 1)),
+        st.builds(
+            lambda s: {"step": "intent", "kept": 1, "layer": "rules", "score": s}, st.floats(0, 1)
+        ),
     ),
     max_size=8,
 )
@@ -381,10 +383,37 @@ def test_a_step_that_excluded_nothing_is_written_short() -> None:
     assert route_steps(msgspec.json.encode(steps)) == steps
 
 
+def printable(step: dict[str, object]) -> bool:
+    """What `agent-reach trace` needs of a step to print it."""
+    excluded = step.get("excluded", {})
+    return (
+        isinstance(step["step"], str)
+        and type(step["kept"]) is int
+        and isinstance(excluded, dict)
+        and all(isinstance(v, str) for v in excluded.values())
+        and type(step.get("more_excluded", 0)) is int
+    )
+
+
 @given(st.binary(max_size=200))
 def test_route_from_of_any_bytes_reads_as_steps_or_none(raw: bytes) -> None:
-    for step in route_steps(raw):
-        assert isinstance(step, dict) and isinstance(step["step"], str)
+    assert all(printable(step) for step in route_steps(raw))
+
+
+def test_route_from_items_no_reader_could_print_are_left_out() -> None:
+    odd = [
+        "a:\u00b2",  # a superscript two: a digit to str.isdigit, not to int()
+        "a:\u0663",  # an Arabic-Indic three
+        "a:" + "9" * 40,
+        {"step": "x"},
+        {"step": "x", "kept": None},
+        {"step": "x", "kept": True},
+        {"step": "x", "kept": 1, "excluded": None},
+        {"step": "x", "kept": 1, "excluded": ["a"]},
+        {"step": "x", "kept": 1, "excluded": {"a": 1}},
+        {"step": "x", "kept": 1, "more_excluded": "many"},
+    ]
+    assert route_steps(msgspec.json.encode([*odd, "ok:2"])) == [{"step": "ok", "kept": 2}]
 
 
 @given(st.lists(st.one_of(st.text(max_size=30), st.integers(), st.none()), max_size=6))
