@@ -286,6 +286,11 @@ async def test_an_error_inside_a_command_is_one_line_not_a_traceback(settings: S
         (["send", "a.b", "--budget-per-task", "-1"], "Invalid value for '--budget-per-task'"),
         (["send", "a.b", "--tenant", "two words"], "tenant"),
         (["send", "--intent", ""], "intent"),
+        (["send", "--intent", "caf\udce9"], "intent: not UTF-8 text"),
+        (["send", "a.b", "--session", "s\udcff"], "session_id: not UTF-8 text"),
+        (["send", "a.b", "--tag", "a=\udcff"], "tags: not UTF-8 text"),
+        # refused before any connection: no Redis answers at this address
+        (["send", "a.b", "--tenant", "two words", "--redis", "redis://127.0.0.1:9"], "tenant"),
     ],
 )
 def test_odd_command_line_values_are_usage_errors(argv: list[str], says: str) -> None:

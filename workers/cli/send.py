@@ -47,6 +47,10 @@ def parse_payload(payload: str) -> Any:
 
 def build_envelope(fields: dict[str, Any], payload: str) -> Envelope:
     """An envelope from command-line values, with the same validation as the dispatcher's."""
+    for name, value in fields.items():
+        texts = [*value.items()] if isinstance(value, dict) else [(value, "")]
+        if not all(_is_utf8(t) for pair in texts for t in pair if isinstance(t, str)):
+            raise click.BadParameter(f"{name}: not UTF-8 text")
     raw_payload = msgspec.Raw(msgspec.json.encode(parse_payload(payload)))
     try:
         envelope = msgspec.convert({k: v for k, v in fields.items() if v is not None}, Envelope)
@@ -55,6 +59,15 @@ def build_envelope(fields: dict[str, Any], payload: str) -> Envelope:
     if problem := envelope_problem(envelope):
         raise click.BadParameter(problem)
     return msgspec.structs.replace(envelope, payload=raw_payload)
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether ``text`` is text: command-line bytes that are not UTF-8 arrive as surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # The options of `send`, as data: the command below is what it does with them.
@@ -149,6 +162,7 @@ def send(
         "mode": "broadcast" if broadcast else None,
         "callback_url": callback_url,
     }
+    build_envelope(fields, payload)  # a bad value is a usage error before Redis is asked
     tracing.setup("agent-reach-client")
     sys.exit(run(submit, settings, fields, payload, wait=wait, timeout_s=timeout_s))
 
