@@ -73,13 +73,18 @@ async def crash_then_restart(
     client = Client(conn)
     reply_to = client.new_reply_stream()
     store = MessageStore(conn)
-    async with http_agent("crash") as agent, running_dispatcher(conn):
+    async with http_agent("crash") as agent, running_dispatcher(conn) as dispatcher:
         doomed = start(
             sidecar_args(agent, *extra),
             process_env(settings, AGENT_REACH_FAILPOINTS=f"{failpoint}=kill"),
             tmp_path / "sidecar1.log",
         )
         await registered(conn, "crash-1")
+
+        async def routable() -> bool:  # the dispatcher has heard of it: the message is routed
+            return "crash-1" in dispatcher.table.index.by_instance
+
+        await eventually(routable, timeout_s=30)
         message_id = await client.submit(
             Envelope(capability="text.echo", reply_to=reply_to, payload=msgspec.Raw(b'{"n": 1}'))
         )
