@@ -144,7 +144,7 @@ class A2ATransport:
             "reach": {
                 "message_id": message_id,
                 "attempt": attempt,
-                "idempotency_key": envelope.idempotency_key or message_id,
+                "idempotency_key": envelope.idempotency,
                 "capability": envelope.capability,
                 **({"traceparent": envelope.traceparent} if envelope.traceparent else {}),
             }

@@ -31,7 +31,7 @@ from broker.timekeeping import now_ms
 from .callback_desk import CallbackDesk
 from .finisher import Finisher
 from .holdings import Holdings, Taken
-from .runner import NOT_AWAITING, Runner
+from .runner import Runner, not_awaiting
 from .workpool import WorkPool
 
 log = logging.getLogger("agent_reach.sidecar")
@@ -168,7 +168,9 @@ class SidecarIntake:
         fenced = self.finisher.fenced
         return (
             fenced(t, Stage.RECEIVED, Stage.ROUTED, return_field="envelope"),
-            fenced(t, Stage.PROCESSING, Stage.RECEIVED, fields=NOT_AWAITING),
+            fenced(
+                t, Stage.PROCESSING, Stage.RECEIVED, fields=not_awaiting(Stage.RECEIVED, t.attempt)
+            ),
         )
 
     async def _receive_and_process(self, taken: list[Taken]) -> tuple[list[Moved], list[Moved]]:

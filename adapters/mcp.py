@@ -227,7 +227,7 @@ class McpTransport:
         meta = {
             "agent-reach/messageId": envelope.message_id,
             "agent-reach/attempt": attempt,
-            "agent-reach/idempotencyKey": envelope.idempotency_key or envelope.message_id,
+            "agent-reach/idempotencyKey": envelope.idempotency,
             **({"traceparent": envelope.traceparent} if envelope.traceparent else {}),
         }
         params = call_params(

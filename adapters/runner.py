@@ -57,9 +57,18 @@ SIDECAR_ERROR = "SIDECAR_ERROR"
 # failed inside the sidecar
 RESUMED = "resumed from this instance's pending entries"
 RESTARTED = "sidecar restarted while the agent was processing"
-# Written with every PROCESSING that is about to call the agent: a retry's attempt awaits no
-# callback until its own agent answers 202.
+# Written with a PROCESSING that is about to call the agent: a retry's attempt awaits no
+# callback until its own agent answers 202 (see not_awaiting).
 NOT_AWAITING: dict[str, str | bytes | int] = {"awaiting_callback": "", "agent_task": ""}
+
+
+def not_awaiting(source: Stage, attempt: int) -> dict[str, str | bytes | int] | None:
+    """The fields a move from ``source`` to PROCESSING clears, if any. A callback's fields
+    are set only in PROCESSING, and every way back to ROUTED starts a new attempt, so the
+    first attempt coming from RECEIVED has nothing to clear — and its record stores no empty
+    fields (``python -m bench.memory``)."""
+    return None if source is Stage.RECEIVED and attempt == 1 else NOT_AWAITING
+
 
 _CALL: dict[type, str] = {  # the outcome label of agent_reach_agent_calls_total
     Succeeded: "succeeded",
@@ -240,7 +249,11 @@ class Runner:
     async def execute(self, taken: Taken, envelope: Envelope, source: Stage, reason: str) -> None:
         processing = await self.store.apply(
             self.finisher.fenced(
-                taken, Stage.PROCESSING, source, reason=reason, fields=NOT_AWAITING
+                taken,
+                Stage.PROCESSING,
+                source,
+                reason=reason,
+                fields=not_awaiting(source, taken.attempt),
             )
         )
         if not processing.ok:

@@ -23,7 +23,7 @@ def reach_headers(envelope: Envelope, attempt: int) -> dict[str, str]:
     ours, set last so that each appears once (:func:`broker.headers.agent_headers`)."""
     ours = {
         "X-Reach-Message-Id": envelope.message_id,
-        "X-Reach-Idempotency-Key": envelope.idempotency_key or envelope.message_id,
+        "X-Reach-Idempotency-Key": envelope.idempotency,
         "X-Reach-Attempt": str(attempt),
         "X-Reach-Capability": envelope.capability,
     }

@@ -85,14 +85,13 @@ def child_envelope(parent: Envelope, child: str, instance_id: str) -> Envelope:
     a shared store must not take a sibling's execution for their own — while every retry of
     the same child carries the same key. A producer's retry of the whole broadcast is
     de-duplicated by the parent's id."""
-    key = parent.idempotency_key or parent.message_id
     return msgspec.structs.replace(
         parent,
         id=child,
         mode="unicast",
         target=instance_id,
         parent=parent.message_id,
-        idempotency_key=f"{key}.{instance_id}",
+        idempotency_key=f"{parent.idempotency}.{instance_id}",
         reply_to=None,
         callback_url=None,
         session_id=None,  # pinned: affinity has nothing to choose

@@ -99,6 +99,13 @@ class Envelope(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
         assert self.id is not None, "envelope has not been accepted"
         return self.id
 
+    @property
+    def idempotency(self) -> str:
+        """The key an agent de-duplicates by: the producer's ``idempotency_key``, else the
+        message id. An accepted envelope stores no key equal to its id (:func:`complete`):
+        the record is ~47 bytes shorter for it (``python -m bench.memory``)."""
+        return self.idempotency_key or self.message_id
+
 
 CAPABILITY_RULE = (
     "capability must be lower-case, dot-separated `domain.action` (e.g. `payment.refund`)"
@@ -193,16 +200,33 @@ def _describe_decode_error(text: str) -> str:
 
 
 def complete(envelope: Envelope, *, now_s: float | None = None) -> Envelope:
-    """Fill what the broker owns at acceptance: ``id``, ``idempotency_key``, ``created_at``."""
+    """Fill what the broker owns at acceptance: ``id`` and ``created_at``. A missing
+    ``idempotency_key`` stays missing: it is the id (:attr:`Envelope.idempotency`)."""
     message_id = envelope.id or new_message_id()
     return msgspec.structs.replace(
         envelope,
         id=message_id,
-        idempotency_key=envelope.idempotency_key or message_id,
         created_at=envelope.created_at
         if envelope.created_at is not None
         else (now_s if now_s is not None else time.time()),
     )
+
+
+class _ReplyToOnly(msgspec.Struct):
+    reply_to: str | None = None
+
+
+_reply_to_decoder = msgspec.json.Decoder(_ReplyToOnly)
+
+
+def stored_reply_to(raw: bytes) -> str:
+    """The ``reply_to`` of an envelope a record stores ("" when it names none, or when the
+    bytes are not an envelope). A record keeps no copy of its own of what its accepted
+    envelope says (:mod:`broker.record_codec`)."""
+    try:
+        return _reply_to_decoder.decode(raw).reply_to or ""
+    except (msgspec.DecodeError, RecursionError):
+        return ""
 
 
 _sorted_encoder = msgspec.json.Encoder(order="sorted")
@@ -211,13 +235,16 @@ _sorted_encoder = msgspec.json.Encoder(order="sorted")
 def request_fingerprint(envelope: Envelope) -> bytes:
     """What makes two envelopes under one id the same request: every field but ``id``, the
     ways of telling the producer (``reply_to``, ``callback_url``), its trace context and its
-    clock (``created_at``) — a retry from a new client legitimately changes those. Compare
-    completed envelopes (``idempotency_key`` filled). The payload counts as JSON, not as
-    bytes: ``{"a": 1}`` and ``{"a":1}`` are the same request."""
+    clock (``created_at``) — a retry from a new client legitimately changes those. A key
+    equal to the id is no key: both mean the id (records written before :func:`complete`
+    stopped filling it in hold it). The payload counts as JSON, not as bytes: ``{"a": 1}``
+    and ``{"a":1}`` are the same request."""
+    key = envelope.idempotency_key
     return _sorted_encoder.encode(
         msgspec.structs.replace(
             envelope,
             id=None,
+            idempotency_key=None if key == envelope.id else key,
             reply_to=None,
             callback_url=None,
             traceparent=None,

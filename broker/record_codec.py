@@ -11,6 +11,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .envelope import stored_reply_to
 from .keyspace import Keyspace
 from .records import Accepted, AssignResult, MessageRecord, Moved, TimelineEntry
 from .stages import Stage
@@ -93,7 +94,10 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
         accepted_ms=_int(get("accepted_ms")),
         deadline_ms=_int(get("deadline_ms")),
         updated_ms=_int(get("updated_ms")),
-        reply_to=text(get("reply_to")),
+        # an accepted envelope's reply_to is not copied (broker.store.Acceptance); an
+        # invalid one's was salvaged, checked, and stored when there was one
+        reply_to=text(get("reply_to"))
+        or ("" if get("invalid") else stored_reply_to(get("envelope"))),
         priority=_int(get("priority")),
         result=result,
         error=text(error) if error is not None else None,

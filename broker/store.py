@@ -64,6 +64,9 @@ class Acceptance:
     # On a single server, a record ROUTED to ``instance`` may be assigned there in the same
     # script (``lua/accept_assign.lua``), its deadline entry written at this time (ms)
     assign_due_ms: int = 0
+    # ``reply_to`` is the accepted envelope's own: the record stores no copy of it (read back
+    # by broker.record_codec); a rejected envelope's salvaged one is stored
+    reply_to_in_envelope: bool = False
 
 
 class Move(msgspec.Struct):
@@ -103,7 +106,7 @@ def accept_command(conn: Connection, a: Acceptance) -> tuple[Any, ...]:
         a.capability,
         a.accepted_ms,
         a.deadline_ms,
-        a.reply_to,
+        "" if a.reply_to_in_envelope else a.reply_to,
         a.priority,
         conn.settings.timeline_max,
         a.next_stage.value,

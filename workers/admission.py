@@ -400,4 +400,5 @@ def _acceptance(
         instance=instance,
         reason=reason,
         fields=fields,
+        reply_to_in_envelope=True,
     )

@@ -2,11 +2,11 @@
 --
 -- KEYS[1]  record    P:m:{id}   (hash; its timeline in the field `timeline`, lua/timeline.lua)
 -- KEYS[2]  counters  P:counters (hash, lua/count.lua), or absent: nothing counted
--- ARGV[1]  envelope JSON (completed: id, idempotency_key, created_at filled)
+-- ARGV[1]  envelope JSON (completed: id, created_at filled)
 -- ARGV[2]  capability
 -- ARGV[3]  now (ms)
 -- ARGV[4]  deadline (ms)
--- ARGV[5]  reply_to, or ""
+-- ARGV[5]  reply_to the envelope does not hold (a rejection's salvaged one), or ""
 -- ARGV[6]  priority
 -- ARGV[7]  timeline cap (entries)
 -- ARGV[8]  next stage: "ROUTED", "WAITING", "REJECTED" or "FANNED_OUT" (a broadcast parent)

@@ -12,10 +12,18 @@ local function accept_record(rec, counters, argv, fields_at)
   end
   local attempt = argv[8] == 'ROUTED' and '1' or '0'
   local error = argv[8] == 'REJECTED' and argv[10] or ''
-  redis.call('HSET', rec, 'envelope', argv[1], 'capability', argv[2], 'accepted_ms', argv[3],
-             'deadline_ms', argv[4], 'reply_to', argv[5], 'priority', argv[6],
-             'stage', argv[8], 'attempt', attempt, 'instance', argv[9], 'updated_ms', argv[3],
-             'error', error, unpack(argv, fields_at))
+  local fields = {'envelope', argv[1], 'capability', argv[2], 'accepted_ms', argv[3],
+                  'deadline_ms', argv[4], 'priority', argv[6], 'stage', argv[8],
+                  'attempt', attempt, 'instance', argv[9], 'updated_ms', argv[3], 'error', error}
+  -- a reply_to the envelope holds is not copied (broker/store.py passes "")
+  if argv[5] ~= '' then
+    fields[#fields + 1] = 'reply_to'
+    fields[#fields + 1] = argv[5]
+  end
+  for i = fields_at, #argv do
+    fields[#fields + 1] = argv[i]
+  end
+  redis.call('HSET', rec, unpack(fields))
   timeline_append(rec, argv[7], {{argv[3], 'ACCEPTED', '', '0', ''},
                                  {argv[3], argv[8], argv[9], attempt, argv[10]}})
   if argv[8] == 'REJECTED' then

@@ -19,6 +19,8 @@ from adapters.callbacks import (
     parse_callback,
 )
 from adapters.outcome import Failed, Succeeded
+from adapters.runner import not_awaiting
+from broker.stages import Stage
 
 
 def test_a_token_names_its_message_and_attempt() -> None:
@@ -197,3 +199,16 @@ async def test_a_body_that_does_not_arrive_in_time_gets_408() -> None:
             Trickle(b"", 0), max_bytes=10_240, headers=[], body_timeout_s=0.2
         )
     assert status == 408 and received == []
+
+
+@given(st.sampled_from(list(Stage)), st.integers(min_value=1, max_value=10**6))
+def test_processing_clears_a_callbacks_fields_unless_nothing_can_have_set_them(
+    source: Stage, attempt: int
+) -> None:
+    """A callback's fields are set only in PROCESSING, and every way back to ROUTED starts a
+    new attempt: the first attempt from RECEIVED is the one PROCESSING with nothing to clear."""
+    cleared = not_awaiting(source, attempt)
+    if source is Stage.RECEIVED and attempt == 1:
+        assert cleared is None
+    else:
+        assert cleared == {"awaiting_callback": "", "agent_task": ""}

@@ -20,8 +20,10 @@ from broker.envelope import (
     encode_envelope,
     envelope_schema,
     load_envelope,
+    request_fingerprint,
     salvage_id,
     salvage_reply_to,
+    stored_reply_to,
 )
 from broker.errors import InvalidEnvelope
 from broker.headers import is_reserved
@@ -209,14 +211,25 @@ def test_payload_round_trips_byte_identical() -> None:
 # -- completion at acceptance -----------------------------------------------------------------
 
 
-def test_complete_fills_id_key_and_time() -> None:
+def test_complete_fills_id_and_time_and_the_key_is_the_id() -> None:
     envelope = complete(decode(b'{"capability":"text.echo"}'), now_s=1234.5)
 
     assert envelope.id is not None
     assert ULID.match(envelope.id)
     assert envelope.message_id == envelope.id
-    assert envelope.idempotency_key == envelope.id
+    assert envelope.idempotency == envelope.id
     assert envelope.created_at == 1234.5
+    # the key is not stored when it is the id: the record is that much shorter
+    assert b"idempotency_key" not in encode_envelope(envelope)
+
+
+def test_a_key_equal_to_the_id_is_the_same_request_as_none() -> None:
+    bare = complete(decode(envelope_bytes(id="order-9")), now_s=1.0)
+    keyed = complete(decode(envelope_bytes(id="order-9", idempotency_key="order-9")), now_s=1.0)
+    other = complete(decode(envelope_bytes(id="order-9", idempotency_key="k-2")), now_s=1.0)
+
+    assert request_fingerprint(bare) == request_fingerprint(keyed)
+    assert request_fingerprint(bare) != request_fingerprint(other)
 
 
 def test_complete_keeps_what_the_producer_gave() -> None:
@@ -225,6 +238,7 @@ def test_complete_keeps_what_the_producer_gave() -> None:
 
     assert envelope.id == "order-7"
     assert envelope.idempotency_key == "k-1"
+    assert envelope.idempotency == "k-1"
     assert envelope.created_at == 5.0
 
 
@@ -234,7 +248,7 @@ def test_complete_keeps_a_zero_created_at() -> None:
 
 def test_complete_key_defaults_to_a_given_id() -> None:
     envelope = complete(decode(envelope_bytes(id="order-8")), now_s=1.0)
-    assert envelope.idempotency_key == "order-8"
+    assert envelope.idempotency == "order-8"
 
 
 def test_complete_uses_the_clock_without_now() -> None:
@@ -461,7 +475,7 @@ def test_complete_then_store_round_trips(fields: dict[str, Any], now: float) -> 
         assert loaded.id == fields["id"]
     else:
         assert ULID.match(loaded.message_id)
-    assert loaded.idempotency_key == (fields.get("idempotency_key") or loaded.id)
+    assert loaded.idempotency == (fields.get("idempotency_key") or loaded.id)
     expected_created = fields.get("created_at")
     assert loaded.created_at == (now if expected_created is None else expected_created)
 
@@ -545,3 +559,13 @@ def test_budget_is_read_as_budget_per_task_and_intent_may_stand_in_for_capabilit
         decode(b'{"payload": 1}', max_bytes=1024)
     with pytest.raises(InvalidEnvelope, match="tenant"):
         decode(b'{"capability": "a.b", "tenant": "has space"}', max_bytes=1024)
+
+
+@given(
+    st.binary(max_size=300) | st.builds(lambda v: json.dumps({"reply_to": v}).encode(), st.text())
+)
+def test_a_stored_reply_to_reads_from_any_bytes(raw: bytes) -> None:
+    found = stored_reply_to(raw)
+    assert isinstance(found, str)
+    if found:
+        assert json.loads(raw)["reply_to"] == found
