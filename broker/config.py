@@ -32,7 +32,7 @@ from .webhooks import Allowlist, webhook_secret_problem
 
 ENV_PREFIX = "AGENT_REACH_"
 # Variables under the prefix that are read elsewhere, not settings.
-NON_SETTING_ENV = frozenset({"CONFIG", "FAILPOINTS", "CHAOS", "STATE_DIR"})
+NON_SETTING_ENV = frozenset({"CONFIG", "FAILPOINTS", "CHAOS", "STATE_DIR", "EVENT_LOOP"})
 
 # Durations: from a hundredth of a second (a smaller one would make a loop spin) to a day.
 Positive = Annotated[float, msgspec.Meta(ge=0.01, le=86400)]

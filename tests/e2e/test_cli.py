@@ -66,6 +66,12 @@ def test_bad_config_fails_with_the_key_name(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "AGENT_REACH_HEARTBEAT" in result.output
 
 
+def test_an_unknown_event_loop_is_refused_with_the_variable_name() -> None:
+    result = CliRunner().invoke(main, ["agents"], env={"AGENT_REACH_EVENT_LOOP": "trio"})
+    assert result.exit_code == 2
+    assert "AGENT_REACH_EVENT_LOOP" in result.output and "auto, uvloop, asyncio" in result.output
+
+
 def test_sidecar_rejects_a_malformed_capability() -> None:
     argv = ["sidecar", "--agent-id", "a", "--capability", "Bad", "--http", "http://127.0.0.1:9/"]
     result = CliRunner().invoke(main, argv)

@@ -16,14 +16,18 @@ from broker.config import load_settings
 from broker.envelope import MESSAGE_ID_PATTERN
 from broker.errors import ConfigError, ReachError
 
+from .event_loop import loop_factory
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
 
 def run(main: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
-    """Run a coroutine on asyncio; our errors become one clear line and a non-zero exit."""
+    """Run a coroutine on asyncio (uvloop's loop where installed: :mod:`.event_loop`); our
+    errors become one clear line and a non-zero exit."""
     try:
-        return anyio.run(lambda: main(*args, **kwargs), backend="asyncio")
+        options = {"loop_factory": loop_factory()}
+        return anyio.run(lambda: main(*args, **kwargs), backend="asyncio", backend_options=options)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     except ReachError as exc:
