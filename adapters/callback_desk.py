@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 
 import anyio
 from anyio.abc import TaskStatus
@@ -63,7 +64,7 @@ class CallbackDesk:
         self.agent_id = agent_id
         self.tokens: CallbackTokens | None = None
         self.url = ""
-        self.awaiting: dict[str, float] = {}  # message id -> since (monotonic)
+        self.awaiting: dict[str, float] = {}  # message id -> since (time.perf_counter)
         self.finishing: set[str] = set()  # message ids a callback is finishing
         self.routes: list[Route] = []  # more endpoints (adapters.a2a_tasks: push notifications)
         finisher.on_let_go.append(self._let_go)
@@ -131,7 +132,7 @@ class CallbackDesk:
         since = self.awaiting.pop(message_id, None)
         latency_ms = 0.0
         if since is not None:
-            latency_ms = (anyio.current_time() - since) * 1000
+            latency_ms = (time.perf_counter() - since) * 1000
             self.vitals.record(outcome, latency_ms=latency_ms, now_ms=now_ms())
         envelope = load_envelope(record.envelope)
         taken = self.holdings.holding(message_id)
@@ -195,7 +196,7 @@ class CallbackDesk:
     async def await_callback(self, taken: Taken, task_id: str) -> None:
         """The agent took the work (202): it stays PROCESSING, its credit held, until the
         callback comes (or the reaper, asking the status endpoint, settles it)."""
-        since = anyio.current_time()
+        since = time.perf_counter()
         reason = "accepted by the agent (202)" + (f", task {task_id}" if task_id else "")
         moved = await self.store.apply(
             self.finisher.fenced(
@@ -214,7 +215,7 @@ class CallbackDesk:
 
     def resume_awaiting(self, taken: Taken) -> None:
         """A restart found the message awaiting its callback: it still is."""
-        self.awaiting[taken.message_id] = anyio.current_time()
+        self.awaiting[taken.message_id] = time.perf_counter()
 
     def forget(self, taken: Taken) -> None:
         """An error stopped its handling here (it will be taken again)."""

@@ -53,7 +53,7 @@ class HttpTransport:
             request = self._client.build_request(
                 "POST",
                 self.url,
-                content=encode_envelope(envelope),
+                content=encode_envelope(envelope.for_agent()),
                 headers=self.headers(envelope, attempt),
             )
         except Exception as exc:  # whatever it was, it happened before anything was sent

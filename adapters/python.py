@@ -50,7 +50,7 @@ class Agent:
         if handler is None:
             return Failed(f"agent {self.agent_id!r} has no handler for {envelope.capability!r}")
         try:
-            result = await handler(envelope)
+            result = await handler(envelope.for_agent())
         except Exception as exc:
             return Failed(f"handler raised {type(exc).__name__}: {exc}")
         try:

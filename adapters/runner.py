@@ -12,9 +12,8 @@ sidecar busy for ever.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
-
-import anyio
 
 from broker import metric_fields, process_metrics, tracing
 from broker.connection import Connection
@@ -124,8 +123,9 @@ class Runner:
         self.desk = desk
         self.on_health_change = on_health_change
         self.status = StatusClient(max_answer_bytes=conn.settings.max_result_bytes)
-        # calls to the agent now running: entry id -> start (monotonic); and those already
-        # counted as overdue by the credit limit
+        # calls to the agent now running: entry id -> start (time.perf_counter: the loop's
+        # clock is milliseconds on uvloop); and those already counted as overdue by the
+        # credit limit
         self.calls: dict[str, float] = {}
         self.overdue_counted: set[str] = set()
 
@@ -265,7 +265,7 @@ class Runner:
 
     async def call_agent(self, taken: Taken, envelope: Envelope) -> None:
         with tracing.processing(envelope, self.card.instance_id, taken.attempt) as span:
-            started = self.calls[taken.entry_id] = anyio.current_time()
+            started = self.calls[taken.entry_id] = time.perf_counter()
             try:
                 with span.calling(envelope, self.card.agent_id) as carrying_the_call:
                     outcome = await self._deliver(taken, carrying_the_call)
@@ -280,7 +280,7 @@ class Runner:
     async def _after_call(
         self, taken: Taken, envelope: Envelope, outcome: Outcome, started: float
     ) -> Action:
-        latency_ms = (anyio.current_time() - started) * 1000
+        latency_ms = (time.perf_counter() - started) * 1000
         process_metrics.agent_call(self.card.agent_id, envelope.capability, latency_ms / 1000)
         if self.vitals.record(outcome, latency_ms=latency_ms, now_ms=now_ms()):
             self.on_health_change()  # the circuit or cooldown changed: tell the dispatchers
@@ -323,7 +323,7 @@ class Runner:
     def overdue(self) -> bool:
         """Count the calls running past twice the agent's normal latency (the credit limit
         sees a slowdown before its first slow answer). Whether the limit changed."""
-        now = anyio.current_time()
+        now = time.perf_counter()
         running = [(e, now - t) for e, t in self.calls.items() if e not in self.overdue_counted]
         if not running:
             return False

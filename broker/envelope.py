@@ -99,6 +99,12 @@ class Envelope(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
         assert self.id is not None, "envelope has not been accepted"
         return self.id
 
+    def for_agent(self) -> Envelope:
+        """The envelope as an agent gets it: its ``idempotency_key`` always there."""
+        if self.idempotency_key is not None:
+            return self
+        return msgspec.structs.replace(self, idempotency_key=self.message_id)
+
     @property
     def idempotency(self) -> str:
         """The key an agent de-duplicates by: the producer's ``idempotency_key``, else the
@@ -235,16 +241,15 @@ _sorted_encoder = msgspec.json.Encoder(order="sorted")
 def request_fingerprint(envelope: Envelope) -> bytes:
     """What makes two envelopes under one id the same request: every field but ``id``, the
     ways of telling the producer (``reply_to``, ``callback_url``), its trace context and its
-    clock (``created_at``) — a retry from a new client legitimately changes those. A key
-    equal to the id is no key: both mean the id (records written before :func:`complete`
-    stopped filling it in hold it). The payload counts as JSON, not as bytes: ``{"a": 1}``
-    and ``{"a":1}`` are the same request."""
-    key = envelope.idempotency_key
+    clock (``created_at``) — a retry from a new client legitimately changes those. A missing
+    key counts as the id it stands for (:attr:`Envelope.idempotency`), as versions that
+    filled it in sent and stored it: their digests and ours agree. The payload counts as
+    JSON, not as bytes: ``{"a": 1}`` and ``{"a":1}`` are the same request."""
     return _sorted_encoder.encode(
         msgspec.structs.replace(
             envelope,
             id=None,
-            idempotency_key=None if key == envelope.id else key,
+            idempotency_key=envelope.idempotency_key or envelope.id,
             reply_to=None,
             callback_url=None,
             traceparent=None,

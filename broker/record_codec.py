@@ -94,10 +94,10 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
         accepted_ms=_int(get("accepted_ms")),
         deadline_ms=_int(get("deadline_ms")),
         updated_ms=_int(get("updated_ms")),
-        # an accepted envelope's reply_to is not copied (broker.store.Acceptance); an
-        # invalid one's was salvaged, checked, and stored when there was one
+        # an accepted envelope's reply_to is not copied (broker.store.Acceptance); a
+        # REJECTED record keeps its own, and never lends its envelope's (unchecked: invalid)
         reply_to=text(get("reply_to"))
-        or ("" if get("invalid") else stored_reply_to(get("envelope"))),
+        or ("" if get("stage") == b"REJECTED" else stored_reply_to(get("envelope"))),
         priority=_int(get("priority")),
         result=result,
         error=text(error) if error is not None else None,

@@ -65,7 +65,8 @@ class Acceptance:
     # script (``lua/accept_assign.lua``), its deadline entry written at this time (ms)
     assign_due_ms: int = 0
     # ``reply_to`` is the accepted envelope's own: the record stores no copy of it (read back
-    # by broker.record_codec); a rejected envelope's salvaged one is stored
+    # by broker.record_codec) — unless REJECTED: a rejected record keeps the reply_to it was
+    # answered on (an invalid envelope's checked, salvaged one), never the envelope's
     reply_to_in_envelope: bool = False
 
 
@@ -106,7 +107,7 @@ def accept_command(conn: Connection, a: Acceptance) -> tuple[Any, ...]:
         a.capability,
         a.accepted_ms,
         a.deadline_ms,
-        "" if a.reply_to_in_envelope else a.reply_to,
+        "" if a.reply_to_in_envelope and a.next_stage is not Stage.REJECTED else a.reply_to,
         a.priority,
         conn.settings.timeline_max,
         a.next_stage.value,

@@ -4,7 +4,10 @@ first attempt — and reads back as if it did."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+from starlette.requests import Request
 
 from broker.client import Client
 from broker.connection import Connection
@@ -30,8 +33,13 @@ async def test_a_finished_record_keeps_no_copies_and_reads_back_whole(conn: Conn
         reply_to=reply_to,
         idempotency_key="order-77",
     )
+    bodies: dict[str, str | None] = {}
+
+    async def seen(envelope: dict[str, Any], request: Request) -> None:
+        bodies[envelope["id"]] = envelope.get("idempotency_key")
+
     async with (
-        http_agent("a") as agent,
+        http_agent("a", behaviour=seen) as agent,
         running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
         running_dispatcher(conn),
     ):
@@ -52,9 +60,32 @@ async def test_a_finished_record_keeps_no_copies_and_reads_back_whole(conn: Conn
     first, second = [await conn.call("HGET", conn.keys.record(i), "envelope") for i in ids]
     assert b"idempotency_key" not in first
     assert b'"idempotency_key":"order-77"' in second
-    # the agent is told the key all the same: the id where the producer gave none
+    # the agent is told the key all the same, in its header and in the envelope it gets: the
+    # id where the producer gave none
     sent = {h["x-reach-message-id"]: h["x-reach-idempotency-key"] for h in agent.log.headers}
     assert sent == {ids[0]: ids[0], ids[1]: "order-77"}
+    assert bodies == sent
+
+
+async def test_a_rejected_record_keeps_the_reply_to_it_was_answered_on(conn: Connection) -> None:
+    """Refused at admission (a broadcast no instance serves): the record keeps its own copy
+    of reply_to, as every REJECTED record does."""
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    refused = Envelope(
+        capability="nobody.serves",
+        payload=msgspec.Raw(b"1"),
+        reply_to=reply_to,
+        mode="broadcast",
+    )
+    store = MessageStore(conn)
+    async with running_dispatcher(conn):
+        (message_id,) = await client.submit_many([refused])
+        replies = await collect_replies(conn, reply_to, 1, timeout_s=10)
+    assert replies[message_id].stage is Stage.REJECTED
+    assert await conn.call("HGET", conn.keys.record(message_id), "reply_to") == reply_to.encode()
+    record = await store.get_record(message_id)
+    assert record is not None and record.reply_to == reply_to
 
 
 async def test_an_invalid_envelope_never_lends_its_reply_to(conn: Connection) -> None:

@@ -36,6 +36,16 @@ from tests.support.processes import AGENT_REACH, process_env
 pytestmark = pytest.mark.anyio
 
 
+@pytest.fixture(
+    params=[("asyncio", {}), ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"]
+)
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
+    """On both loops a command may run on (``workers/cli/event_loop.py``): TLS is where
+    uvloop's transports differ most from asyncio's."""
+    params: tuple[str, dict[str, bool]] = request.param
+    return params
+
+
 # -- a Redis that speaks only TLS ----------------------------------------------------------
 
 

@@ -569,3 +569,10 @@ def test_a_stored_reply_to_reads_from_any_bytes(raw: bytes) -> None:
     assert isinstance(found, str)
     if found:
         assert json.loads(raw)["reply_to"] == found
+
+
+def test_an_agent_always_gets_the_key() -> None:
+    bare = complete(decode(envelope_bytes(id="order-5")), now_s=1.0)
+    keyed = complete(decode(envelope_bytes(id="order-6", idempotency_key="k-6")), now_s=1.0)
+    assert bare.idempotency_key is None and bare.for_agent().idempotency_key == "order-5"
+    assert keyed.for_agent() is keyed
