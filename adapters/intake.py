@@ -174,8 +174,8 @@ class SidecarIntake:
         )
 
     async def _receive_and_process(self, taken: list[Taken]) -> tuple[list[Moved], list[Moved]]:
-        moved = await self.store.move_many([m for t in taken for m in self._moves(t)])
-        return moved[0::2], moved[1::2]
+        moved = await self.store.receive_and_process([self._moves(t) for t in taken])
+        return [received for received, _ in moved], [processing for _, processing in moved]
 
     async def _receive_then_process(self, taken: list[Taken]) -> tuple[list[Moved], list[Moved]]:
         moves = [self._moves(t) for t in taken]

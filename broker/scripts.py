@@ -13,6 +13,7 @@ class ScriptName(StrEnum):
     ACCEPT_ASSIGN = "accept_assign"
     ASSIGN = "assign"
     TRANSITION = "transition"
+    RECEIVE_PROCESS = "receive_process"
     CLAIM_ASSIGN = "claim_assign"
     RELEASE = "release"
     HEARTBEAT = "heartbeat"
@@ -43,6 +44,7 @@ COUNTING = frozenset(
         ScriptName.ACCEPT,
         ScriptName.ACCEPT_ASSIGN,
         ScriptName.TRANSITION,
+        ScriptName.RECEIVE_PROCESS,
         ScriptName.CLAIM_ASSIGN,
         ScriptName.CHILD_DONE,
     }
@@ -54,7 +56,10 @@ PRELUDES: tuple[tuple[str, frozenset[ScriptName]], ...] = (
     ("count", COUNTING),
     ("timeline", TIMELINE),
     ("accept_record", frozenset({ScriptName.ACCEPT, ScriptName.ACCEPT_ASSIGN})),
-    ("move_record", frozenset({ScriptName.TRANSITION, ScriptName.CLAIM_ASSIGN})),
+    (
+        "move_record",
+        frozenset({ScriptName.TRANSITION, ScriptName.RECEIVE_PROCESS, ScriptName.CLAIM_ASSIGN}),
+    ),
     (
         "assign_credit",
         frozenset({ScriptName.ASSIGN, ScriptName.ACCEPT_ASSIGN, ScriptName.CLAIM_ASSIGN}),

@@ -140,13 +140,13 @@ _SOURCES: dict[tuple[Stage, Stage | None], str] = {
 }
 
 
-def move_command(conn: Connection, m: Move) -> tuple[Any, ...]:
+def _move_args(conn: Connection, m: Move) -> list[Any]:
+    """``lua/transition.lua``'s ARGV up to the charge."""
     sources = (
         ",".join(sorted(m.any_of)) if m.any_of is not None else _SOURCES[m.target, m.only_from]
     )
     ttl = conn.settings.record_ttl_s if m.target in TERMINAL else ""
-    counting = conn.counting()
-    args: list[Any] = [
+    return [
         sources,
         "" if m.expect_attempt is None else m.expect_attempt,
         "" if m.expect_instance is None else m.expect_instance,
@@ -159,16 +159,24 @@ def move_command(conn: Connection, m: Move) -> tuple[Any, ...]:
         ttl,
         m.return_field,
         LEVEL_STAGE,
-        counting.max_series,
+        conn.counting().max_series,
         len(m.counts),
         *m.counts,
     ]
+
+
+def _field_args(m: Move) -> list[Any]:
+    return [item for pair in (m.fields or {}).items() for item in pair]
+
+
+def move_command(conn: Connection, m: Move) -> tuple[Any, ...]:
+    args = _move_args(conn, m)
+    counting = conn.counting()
     record = conn.keys.record(m.message_id)
     keys: tuple[str, ...] = (record, *counting.keys(record))
     if m.assign_look_ms:
         assert m.charge is None and m.new_instance and not conn.cluster
-        args.append("")
-        args += [item for pair in (m.fields or {}).items() for item in pair]
+        args += ["", *_field_args(m)]
         fused = (*assign_keys(conn, m.new_instance), due_for(conn.keys, m.message_id))
         down_after_ms = int(conn.settings.down_after_s * 1000)
         return conn.script_command(
@@ -181,9 +189,21 @@ def move_command(conn: Connection, m: Move) -> tuple[Any, ...]:
     else:
         keys += usage_keys(conn, m.charge.ms, record)
         args += charge_args(conn, m.charge)
-    for key, value in (m.fields or {}).items():
-        args += [key, value]
+    args += _field_args(m)
     return conn.script_command(ScriptName.TRANSITION, keys, args)
+
+
+def receive_process_command(conn: Connection, received: Move, processing: Move) -> tuple[Any, ...]:
+    """RECEIVED and then PROCESSING of one message in one script (``lua/receive_process.lua``):
+    neither charges, both on the record's own keys."""
+    assert received.message_id == processing.message_id
+    assert received.charge is None and processing.charge is None
+    assert not (received.assign_look_ms or processing.assign_look_ms)
+    first = [*_move_args(conn, received), "", *_field_args(received)]
+    second = [*_move_args(conn, processing), "", *_field_args(processing)]
+    record = conn.keys.record(received.message_id)
+    keys = (record, *conn.counting().keys(record))
+    return conn.script_command(ScriptName.RECEIVE_PROCESS, keys, (len(first), *first, *second))
 
 
 def usage_keys(conn: Connection, ms: int, near: str) -> tuple[str, str]:
@@ -252,6 +272,14 @@ class MessageStore:
         done = [moved(raised(r)) for r in replies]
         await emit(self.conn, parked_events(self.conn, moves, done))
         return done
+
+    async def receive_and_process(
+        self, pairs: list[tuple[Move, Move]]
+    ) -> list[tuple[Moved, Moved]]:
+        """RECEIVED then PROCESSING of each message, one script each (PROCESSING made only
+        where RECEIVED was), all in one round trip."""
+        replies = await self.conn.call_many([receive_process_command(self.conn, *p) for p in pairs])
+        return [(moved(r[0]), moved(r[1])) for r in map(raised, replies)]
 
     # -- reading -----------------------------------------------------------------------------
 

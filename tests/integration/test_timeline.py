@@ -9,7 +9,7 @@ import msgspec
 from broker.connection import Connection, open_connection
 from broker.record_codec import timeline_entries
 from broker.stages import Stage
-from broker.store import Acceptance, MessageStore
+from broker.store import Acceptance, MessageStore, Move
 from broker.timekeeping import now_ms
 from broker.timeline import note_event
 from tests.support.harness import an_acceptance, eventually
@@ -100,3 +100,37 @@ async def test_the_janitor_lets_an_older_timeline_list_go_with_its_record(
     assert int(await conn.call("TTL", conn.keys.timeline("m-live"))) == -1
     assert int(await conn.call("EXISTS", conn.keys.timeline("m-gone"))) == 0
     assert [e.reason for e in await store.get_timeline("m-ended")] == ["", "deadline"]
+
+
+def first_moves(message_id: str, instance: str) -> tuple[Move, Move]:
+    """A sidecar's RECEIVED and PROCESSING of attempt 1 on ``instance`` (adapters/intake.py)."""
+    fenced = {"expect_attempt": 1, "expect_instance": instance}
+    return (
+        Move(message_id, Stage.RECEIVED, only_from=Stage.ROUTED, return_field="envelope", **fenced),
+        Move(message_id, Stage.PROCESSING, only_from=Stage.RECEIVED, **fenced),
+    )
+
+
+async def test_received_and_processing_in_one_script(conn: Connection) -> None:
+    """Made together (``lua/receive_process.lua``); and where RECEIVED is not made — the
+    record was RECEIVED already — neither is, though PROCESSING's own fence would pass."""
+    store = MessageStore(conn)
+    envelope = msgspec.json.encode({"capability": "t.cap", "payload": 1})
+    for message_id in ("m-fresh", "m-taken"):
+        routed = an_acceptance(
+            message_id, envelope, capability="t.cap", next_stage=Stage.ROUTED, instance="i-1"
+        )
+        await store.accept(routed)
+    assert (await store.move_many([first_moves("m-taken", "i-1")[0]]))[0].ok
+
+    (fresh, taken) = await store.receive_and_process(
+        [first_moves("m-fresh", "i-1"), first_moves("m-taken", "i-1")]
+    )
+
+    assert fresh[0].ok and fresh[0].value == envelope and fresh[1].ok
+    assert [str(e.stage) for e in await store.get_timeline("m-fresh")][-2:] == [
+        "RECEIVED",
+        "PROCESSING",
+    ]
+    assert not taken[0].ok and not taken[1].ok and taken[1].stage is Stage.RECEIVED
+    assert await store.stages(["m-fresh", "m-taken"]) == [Stage.PROCESSING, Stage.RECEIVED]
