@@ -1,11 +1,13 @@
 """A sidecar's intake: reading its instance's stream and taking what it holds.
 
 Entries are read in batches (at start, first this instance's own pending list: a restart
-finishes what it had taken). A batch is taken in two round trips whatever its size:
-RECEIVED for every entry whose record is ROUTED here at its attempt (the fence: a stale
-delivery is never executed), then PROCESSING — written before the request leaves for the
-agent — for those received; then each goes to the work pool. An entry that is not an
-assignment (someone else wrote to the stream) is dead-lettered and acknowledged.
+finishes what it had taken). A batch is taken in one round trip whatever its size: RECEIVED
+for every entry whose record is ROUTED here at its attempt (the fence: a stale delivery is
+never executed) and PROCESSING — written before the request leaves for the agent — where
+RECEIVED was made, one script a message (``lua/receive_process.lua``); then each goes to the
+work pool. The pending list after a restart takes two round trips
+(:meth:`SidecarIntake.take`). An entry that is not an assignment (someone else wrote to the
+stream) is dead-lettered and acknowledged.
 """
 
 from __future__ import annotations
@@ -104,9 +106,9 @@ class SidecarIntake:
         self, pool: WorkPool, entries: list[StreamEntry], *, fresh: bool = False
     ) -> None:
         """RECEIVED and PROCESSING (write-ahead) for a whole batch, then one job per message
-        in the pool. Entries read for the first time (``fresh``) get both moves in one round
-        trip: PROCESSING is fenced on RECEIVED at the same attempt, so it applies only where
-        RECEIVED just did. Entries found again (this instance's pending list, after a
+        in the pool. Entries read for the first time (``fresh``) get both moves in one script
+        each, all in one round trip: PROCESSING only where RECEIVED was just made. Entries
+        found again (this instance's pending list, after a
         restart) get RECEIVED first and PROCESSING only where it applied: one of them may be
         RECEIVED already, and is then resumed (:meth:`Runner.resume`)."""
         if not entries:

@@ -197,6 +197,7 @@ def receive_process_command(conn: Connection, received: Move, processing: Move) 
     """RECEIVED and then PROCESSING of one message in one script (``lua/receive_process.lua``):
     neither charges, both on the record's own keys."""
     assert received.message_id == processing.message_id
+    assert (received.target, processing.target) == (Stage.RECEIVED, Stage.PROCESSING)
     assert received.charge is None and processing.charge is None
     assert not (received.assign_look_ms or processing.assign_look_ms)
     first = [*_move_args(conn, received), "", *_field_args(received)]

@@ -279,7 +279,16 @@ def test_the_broker_role_runs_its_processes_and_every_script() -> None:
 def test_the_sidecar_role_runs_the_sidecar_and_its_scripts() -> None:
     scripts = [
         ROOT / "broker" / "lua" / f"{name}.lua"
-        for name in ("heartbeat", "release", "transition", "child_done")
+        for name in (
+            "heartbeat",
+            "release",
+            "transition",
+            "receive_process",
+            "move_record",
+            "timeline",
+            "count",
+            "child_done",
+        )
     ]
     found = commands_in([*scripts, *(ROOT / "adapters").glob("*.py")])
     user = sidecar(Keyspace("reach"), "7", "a")
