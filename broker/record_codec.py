@@ -11,7 +11,6 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .envelope import stored_reply_to
 from .keyspace import Keyspace
 from .records import Accepted, AssignResult, MessageRecord, Moved, TimelineEntry
 from .stages import Stage
@@ -94,10 +93,7 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
         accepted_ms=_int(get("accepted_ms")),
         deadline_ms=_int(get("deadline_ms")),
         updated_ms=_int(get("updated_ms")),
-        # an accepted envelope's reply_to is not copied (broker.store.Acceptance); a
-        # REJECTED record keeps its own, and never lends its envelope's (unchecked: invalid)
-        reply_to=text(get("reply_to"))
-        or ("" if get("stage") == b"REJECTED" else stored_reply_to(get("envelope"))),
+        kept_reply_to=text(get("reply_to")),  # MessageRecord.reply_to reads the rest
         priority=_int(get("priority")),
         result=result,
         error=text(error) if error is not None else None,

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import msgspec
 
-from .envelope import MESSAGE_ID_PATTERN
+from .envelope import MESSAGE_ID_PATTERN, stored_reply_to
 from .stages import Stage
 
 
@@ -114,7 +114,7 @@ class MessageRecord(msgspec.Struct, frozen=True, kw_only=True):
     accepted_ms: int
     deadline_ms: int
     updated_ms: int
-    reply_to: str
+    kept_reply_to: str  # the record's own reply_to field ("" for most: see reply_to)
     priority: int
     result: bytes | None = None
     error: str | None = None
@@ -126,6 +126,16 @@ class MessageRecord(msgspec.Struct, frozen=True, kw_only=True):
     reply_pending: bool = False  # ended by the reaper, the producer not yet told
     awaiting_callback: bool = False  # an async agent took it (202) and will call back
     agent_task: str = ""  # the async agent's own id for the work, when it gave one
+
+    @property
+    def reply_to(self) -> str:
+        """Where the producer is told. An accepted envelope's reply_to is not copied into
+        the record (``broker.store.Acceptance``): it is read from the envelope, only when
+        asked. A REJECTED record keeps its own, and never lends its envelope's (an invalid
+        one's is unchecked)."""
+        if self.kept_reply_to or self.stage is Stage.REJECTED:
+            return self.kept_reply_to
+        return stored_reply_to(self.envelope)
 
 
 class AssignResult(IntEnum):

@@ -6,7 +6,8 @@
 -- ARGV[2]  capability
 -- ARGV[3]  now (ms)
 -- ARGV[4]  deadline (ms)
--- ARGV[5]  reply_to the envelope does not hold (a rejection's salvaged one), or ""
+-- ARGV[5]  reply_to to keep on the record (a REJECTED one's; an accepted envelope's is not
+--          copied: broker/store.py), or ""
 -- ARGV[6]  priority
 -- ARGV[7]  timeline cap (entries)
 -- ARGV[8]  next stage: "ROUTED", "WAITING", "REJECTED" or "FANNED_OUT" (a broadcast parent)
