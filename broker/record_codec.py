@@ -78,11 +78,15 @@ def readable_record(message_id: str, raw: Mapping[bytes, bytes]) -> MessageRecor
 
 
 def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageRecord:
+    """A record hash read back. A field holding its default is not written
+    (``lua/accept_record.lua``): an absent ``attempt`` or ``priority`` is 0, ``instance`` and
+    ``error`` are empty, and ``updated_ms`` is ``accepted_ms`` until the record first moves."""
+
     def get(name: str) -> bytes:
         return raw.get(name.encode(), b"")
 
     result = raw.get(b"result")
-    error = raw.get(b"error")
+    accepted_ms = _int(get("accepted_ms"))
     return MessageRecord(
         id=message_id,
         stage=Stage(text(get("stage"))),
@@ -90,13 +94,13 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
         instance=text(get("instance")),
         capability=text(get("capability")),
         envelope=get("envelope"),
-        accepted_ms=_int(get("accepted_ms")),
+        accepted_ms=accepted_ms,
         deadline_ms=_int(get("deadline_ms")),
-        updated_ms=_int(get("updated_ms")),
+        updated_ms=_int(get("updated_ms")) or accepted_ms,
         kept_reply_to=text(get("reply_to")),  # MessageRecord.reply_to reads the rest
         priority=_int(get("priority")),
         result=result,
-        error=text(error) if error is not None else None,
+        error=text(get("error")),
         route_reason=text(raw[b"route_reason"]) if b"route_reason" in raw else None,
         route_from=raw.get(b"route_from"),
         avoid=text(get("avoid")),

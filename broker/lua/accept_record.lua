@@ -11,14 +11,19 @@ local function accept_record(rec, counters, argv, fields_at)
     redis.call('DEL', rec)
   end
   local attempt = argv[8] == 'ROUTED' and '1' or '0'
-  local error = argv[8] == 'REJECTED' and argv[10] or ''
   local fields = {'envelope', argv[1], 'capability', argv[2], 'accepted_ms', argv[3],
-                  'deadline_ms', argv[4], 'priority', argv[6], 'stage', argv[8],
-                  'attempt', attempt, 'instance', argv[9], 'updated_ms', argv[3], 'error', error}
-  -- a reply_to the envelope holds is not copied (broker/store.py passes "")
-  if argv[5] ~= '' then
-    fields[#fields + 1] = 'reply_to'
-    fields[#fields + 1] = argv[5]
+                  'deadline_ms', argv[4], 'stage', argv[8]}
+  -- a field that would hold its default is not written (broker/record_codec.py reads it
+  -- back): attempt 0, no instance yet, priority 0, no error, updated when accepted; a
+  -- reply_to the envelope holds is not copied (broker/store.py passes "")
+  local optional = {'attempt', attempt ~= '0' and attempt or '', 'instance', argv[9],
+                    'priority', argv[6] ~= '0' and argv[6] or '',
+                    'error', argv[8] == 'REJECTED' and argv[10] or '', 'reply_to', argv[5]}
+  for i = 1, #optional, 2 do
+    if optional[i + 1] ~= '' then
+      fields[#fields + 1] = optional[i]
+      fields[#fields + 1] = optional[i + 1]
+    end
   end
   for i = fields_at, #argv do
     fields[#fields + 1] = argv[i]

@@ -106,3 +106,31 @@ async def test_an_invalid_envelope_never_lends_its_reply_to(conn: Connection) ->
     assert record is not None and record.stage is Stage.REJECTED
     assert record.envelope == outside
     assert record.reply_to == ""
+
+
+async def test_a_waiting_record_writes_no_defaults_and_reads_them_back(conn: Connection) -> None:
+    """A message no instance serves waits: its record holds no attempt 0, empty instance or
+    error, priority 0, nor an updated_ms equal to accepted_ms; it reads back with them. A
+    second, with a priority, keeps that."""
+    client = Client(conn)
+    plain = Envelope(capability="nobody.yet", payload=msgspec.Raw(b"1"), timeout_s=600)
+    urgent = Envelope(capability="nobody.yet", payload=msgspec.Raw(b"2"), priority=5)
+    store = MessageStore(conn)
+
+    async def both_waiting() -> bool:
+        stages = [await conn.call("HGET", conn.keys.record(i), "stage") for i in ids]
+        return stages == [b"WAITING", b"WAITING"]
+
+    async with running_dispatcher(conn):
+        ids = await client.submit_many([plain, urgent])
+        await eventually(both_waiting, timeout_s=10)
+    stored = await conn.call("HGETALL", conn.keys.record(ids[0]))
+    names = set(stored[::2])
+    assert names.isdisjoint({b"attempt", b"instance", b"error", b"priority", b"updated_ms"})
+    record = await store.get_record(ids[0])
+    assert record is not None and record.stage is Stage.WAITING
+    assert (record.attempt, record.instance, record.error, record.priority) == (0, "", "", 0)
+    assert record.updated_ms == record.accepted_ms > 0
+    assert await conn.call("HGET", conn.keys.record(ids[1]), "priority") == b"5"
+    second = await store.get_record(ids[1])
+    assert second is not None and second.priority == 5
