@@ -41,7 +41,7 @@ def test_defaults() -> None:
     assert settings.prefix == "reach"
     assert settings.heartbeat_s == 5.0
     assert settings.down_after_s == 15.0
-    assert settings.dispatch_batch == 256
+    assert settings.dispatch_batch == 32
     assert settings.max_envelope_bytes == 1024 * 1024
     assert settings.record_ttl_s == 7 * 86400
     assert settings.timeline_max == 200
@@ -87,13 +87,13 @@ def test_none_override_does_not_mask_lower_layers(tmp_path: Path) -> None:
 
 def test_env_strings_are_converted() -> None:
     environ = {
-        "AGENT_REACH_DISPATCH_BATCH": "32",
+        "AGENT_REACH_DISPATCH_BATCH": "48",
         "AGENT_REACH_SWEEP_INTERVAL_S": "0.25",
         "AGENT_REACH_REDIS_URL": "redis://h:1/0",
     }
     settings = load_settings(environ=environ)
 
-    assert settings.dispatch_batch == 32
+    assert settings.dispatch_batch == 48
     assert settings.sweep_interval_s == 0.25
     assert settings.redis_url == "redis://h:1/0"
 
