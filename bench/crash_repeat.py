@@ -18,8 +18,9 @@ restarted, the bench reads what the kill left:
 Then it restarts the sidecar, waits until every message has SUCCEEDED, and counts the bodies
 that ended twice (the harness's figure): the unrecorded count, if the instrument is right.
 Last, how many runs repeated at most the calls running at the kill plus one batch (a
-dispatcher hands out ``dispatch_batch`` assignments at a time, which a sidecar takes, runs and
-records together): an observation of how the stages overlap, not a bound anything enforces.
+dispatcher reads ``ingress_batch`` entries at a time and assigns those that find a credit
+together): the issue's yardstick, compared as counts — an observation of how the stages
+overlap, not a bound anything enforces.
 
 Usage: ``python -m bench.crash_repeat [--reps 3] [--messages 2000] [--kill-at 800]``. No
 threshold: CI never runs it.
@@ -188,11 +189,11 @@ def main() -> None:
         time.sleep(0.5)
     for key in ("running", "unrecorded", "oldest ms", "ran twice"):
         print(f"  median {key}: {statistics.median(r[key] for r in rows):g}")
-    batch = load_settings().dispatch_batch  # as the processes it spawns read it
+    batch = load_settings().ingress_batch  # as the processes it spawns read it
     within = sum(1 for r in rows if r["ran twice"] <= r["running"] + batch)
     print(
         f"  runs whose repeats stayed within the calls running plus one batch"
-        f" (dispatch_batch {batch}): {within} of {len(rows)}"
+        f" (ingress_batch {batch}): {within} of {len(rows)}"
     )
 
 

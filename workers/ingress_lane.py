@@ -107,7 +107,7 @@ class IngressLane:
                     self.stream,
                     DISPATCH_GROUP,
                     self.consumer,
-                    count=self.settings.dispatch_batch,
+                    count=self.settings.ingress_batch,
                     block_ms=READ_BLOCK_MS,
                 )
                 if entries:
