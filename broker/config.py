@@ -52,7 +52,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     # ingress entries a dispatcher reads at once. Small on purpose: a batch is one pipeline of
     # as many scripts, which holds Redis (and the dispatcher's loop) while every other client
     # waits — a sidecar's outcomes, the drain that hands out freed credits. At 256, a
-    # saturated instance sat idle between convoys; 32 ran ~20-30 % faster (README, "Benchmarks").
+    # saturated instance sat idle between convoys; 32 ran 13-19 % faster (README, "Benchmarks").
     ingress_batch: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 32
     # ingress streams: P:in, P:in:{1}, ... (more than one spreads them over a cluster's nodes)
     ingress_partitions: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1

@@ -88,13 +88,13 @@ def test_none_override_does_not_mask_lower_layers(tmp_path: Path) -> None:
 
 def test_env_strings_are_converted() -> None:
     environ = {
-        "AGENT_REACH_DISPATCH_BATCH": "48",
+        "AGENT_REACH_DISPATCH_BATCH": "32",
         "AGENT_REACH_SWEEP_INTERVAL_S": "0.25",
         "AGENT_REACH_REDIS_URL": "redis://h:1/0",
     }
     settings = load_settings(environ=environ)
 
-    assert settings.dispatch_batch == 48
+    assert settings.dispatch_batch == 32
     assert settings.sweep_interval_s == 0.25
     assert settings.redis_url == "redis://h:1/0"
 
@@ -169,6 +169,8 @@ def test_redis_pool_size_is_gone_and_named_when_given() -> None:
         ("heartbeat_s", 86401),
         ("dispatch_batch", 0),
         ("dispatch_batch", 10_001),
+        ("ingress_batch", 0),
+        ("ingress_batch", 10_001),
         ("max_envelope_bytes", 255),
         ("record_ttl_s", 59),
         ("timeline_max", 9),
