@@ -49,11 +49,12 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     down_after_s: Positive = 15.0
     # waiting messages a dispatcher assigns in one pass (and restores, claims at once)
     dispatch_batch: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 256
-    # ingress entries a dispatcher reads at once. Small on purpose: a batch is one pipeline of
-    # as many scripts, which holds Redis (and the dispatcher's loop) while every other client
-    # waits — a sidecar's outcomes, the drain that hands out freed credits. At 256, a
-    # saturated instance sat idle between convoys; 32 ran 13-19 % faster (README, "Benchmarks").
-    ingress_batch: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 32
+    # ingress entries a dispatcher reads at once. One read is a pipeline of as many scripts,
+    # which holds Redis while a sidecar's outcomes and the credit drain wait: 32 ran 13-19 %
+    # faster under saturation (README, "Benchmarks"), but with small reads a new arrival can
+    # take a credit that just freed ahead of waiting work (the backlog rule in
+    # workers/waiting.py lets go between drains), so the default stays 256 until it holds.
+    ingress_batch: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 256
     # ingress streams: P:in, P:in:{1}, ... (more than one spreads them over a cluster's nodes)
     ingress_partitions: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
     # WAIT for this many replicas after each round trip that writes (broker/durability.py)
