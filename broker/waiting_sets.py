@@ -134,13 +134,15 @@ class WaitingSets:
             if not raised(replies[2 * i]) and not raised(replies[2 * i + 1])
         ]
 
-    async def heads(self, windows: Mapping[str, int]) -> dict[str, list[tuple[str, int]]]:
-        """The first ``count`` ``(message_id, priority)`` of each capability's waiting set, in
-        waiting order: one round trip."""
+    async def heads(
+        self, windows: Mapping[str, tuple[int, int]]
+    ) -> dict[str, list[tuple[str, int]]]:
+        """``(message_id, priority)`` in each capability's waiting set from ``(start, count)``,
+        in waiting order: one round trip."""
         capabilities = list(windows)
         replies = await self.conn.call_many(
             [
-                ("ZRANGE", self.keys.waiting(c), 0, windows[c] - 1, "WITHSCORES")
+                ("ZRANGE", self.keys.waiting(c), windows[c][0], sum(windows[c]) - 1, "WITHSCORES")
                 for c in capabilities
             ]
         )

@@ -72,6 +72,7 @@ class WaitingRoom:
         self.backlogged: set[str] = set()
         self.assigned = 0  # messages this room has assigned, over its life
         self._review_from: dict[str, int] = {}  # where the next review of unmatched starts
+        self._pass_from: dict[str, int] = {}  # where the next wide pass starts
         # (capability, id, priority, until): met at the head but not to go before `until`
         self._stand_aside: list[tuple[str, str, int, int]] = []
 
@@ -83,33 +84,50 @@ class WaitingRoom:
         Each capability's window is as many messages as it has free credits: a record read
         and not assigned is work for nothing, and credits come back a few at a time, so under
         a backlog most of a wider window would be. Where that window was full and still left
-        credits unused (head messages no free instance takes: their tags, say), a second pass
-        reads four times wider and 16 more, so they do not block the ones behind them."""
-        assigned, blocked = await self._drain_once(set(capabilities), wide=False)
-        if blocked:
-            more, _ = await self._drain_once(blocked, wide=True)
+        credits unused (head messages no free instance takes: they name a busy one, say),
+        wide passes look further on — four times the credits and 16 more, then twice as wide
+        each time, up to ``batch`` records a drain — so they do not block the ones behind
+        them. A drain that ends blocked leaves its place, and the next one goes on from there:
+        however long the line of such messages, what can be served is reached."""
+        wanted = set(capabilities)
+        assigned, blocked = await self._drain_once(wanted, {})
+        for capability in wanted - blocked:  # the head took every credit it could: start over
+            self._pass_from.pop(capability, None)
+        width = dict.fromkeys(blocked, 0)
+        read = dict.fromkeys(blocked, 0)
+        while blocked:
+            now = now_ms()
+            for c in blocked:
+                credits = self.table.free_credits(c, now_ms=now)
+                width[c] = min(self.batch - read[c], max(4 * credits + 16, 2 * width[c]))
+                read[c] += width[c]
+            more, blocked = await self._drain_once(blocked, {c: width[c] for c in blocked})
             assigned += more
+            blocked = {c for c in blocked if read[c] < self.batch}
         return assigned
 
-    async def _drain_once(self, capabilities: set[str], *, wide: bool) -> tuple[int, set[str]]:
-        """One pass over windows of the free credits (``wide``: four times that and 16 more):
-        how many were assigned, and the capabilities whose full window left credits unused."""
+    async def _drain_once(
+        self, capabilities: set[str], wide: dict[str, int]
+    ) -> tuple[int, set[str]]:
+        """One pass over windows of the free credits, or for a wide pass (``wide``: its
+        width by capability) that many from where the last one left off: how many were
+        assigned, and the capabilities whose full window left credits unused because messages
+        in it could not use them (no free instance takes them, or they stood aside)."""
         now = now_ms()
         free = {c: self.table.free_credits(c, now_ms=now) for c in capabilities}
-        windows = {c: min(self.batch, 4 * n + 16 if wide else n) for c, n in free.items() if n > 0}
+        windows = {
+            c: (self._pass_from.get(c, 0), wide[c]) if wide else (0, min(self.batch, n))
+            for c, n in free.items()
+            if n > 0
+        }
         if not windows:
             return 0, set()
         heads = await self.store.waiting.heads(windows)
         offer = fair_order(heads, self.rotation.order(heads))
-        records = dict(
-            zip(
-                [i for _, i in offer],
-                await self.store.get_records([i for _, i in offer]),
-                strict=True,
-            )
-        )
+        ids = [i for _, i in offer]
+        records = dict(zip(ids, await self.store.get_records(ids), strict=True))
         stale = {c: [i for c2, i in offer if c2 == c and not _may_wait(records[i])] for c in heads}
-        picks, unmatched = await self._pick(
+        picks, unmatched, passed_over = await self._pick(
             [
                 (c, r)
                 for c, i in offer
@@ -130,27 +148,50 @@ class WaitingRoom:
             after  # the assignment counters
             + unpark_commands(self.store.keys, removed)
             + stand_aside_commands(self.store.keys, aside_now)
-            + [
-                cmd
-                for c, records in aside.items()
-                for cmd in set_aside_commands(self.store.keys, c, records)
-            ]
+            + [cmd for c, rs in aside.items() for cmd in set_aside_commands(self.store.keys, c, rs)]
         )
-        for capability, head in heads.items():
-            gone = len(removed[capability]) + len(aside[capability])
-            emptied = len(head) < windows[capability] and gone == len(head)
-            self.backlogged.discard(capability)
-            if not emptied:
-                self.note_waiting([capability])
+        stood = [c for c, *_ in aside_now]
+        for c, head in heads.items():
+            gone = len(removed[c]) + len(aside[c])  # and the stood aside moved back in the line
+            counts = (len(head), gone, gone + stood.count(c))
+            self._passed(c, counts, windows[c], passed_over, wide=bool(wide))
         for capability, ids in removed.items():
             await self._repark_returned(capability, ids)
         blocked = {
             c
             for c, head in heads.items()
-            if len(head) == windows[c] < self.batch
+            if len(head) == windows[c][1]
+            and (c in passed_over or c in stood)
             and sum(a.capability == c for a in done) < free[c]
         }
         return len(done), blocked
+
+    def _passed(
+        self,
+        capability: str,
+        counts: tuple[int, int, int],
+        window: tuple[int, int],
+        passed_over: set[str],
+        *,
+        wide: bool,
+    ) -> None:
+        """After a pass over ``window`` (start, count), with ``counts``: how many it read, how
+        many of those left the waiting set and how many left or moved back in it. Where the
+        next wide pass starts, and whether new arrivals queue behind what waits."""
+        read, gone, moved = counts
+        start, count = window
+        if wide:  # on from here next time, past what was read and stayed; at the end, over
+            self._pass_from[capability] = start + read - moved if read == count else 0
+        if start == 0 and read < count and gone == read:
+            self.backlogged.discard(capability)  # emptied: nothing waits any more
+        elif capability in passed_over:
+            # free credits no waiting message could use: later arrivals may take them
+            self.backlogged.discard(capability)
+            self.note_waiting([capability])
+        else:
+            # work still waits, and what was met could go wherever a credit is free:
+            # a credit that frees before the next drain is its, not a new arrival's
+            self.backlogged.add(capability)
 
     async def _repark_returned(self, capability: str, removed: list[str]) -> None:
         """A message may have come back to WAITING (its agent was not reached) between our
@@ -174,6 +215,7 @@ class WaitingRoom:
             self.backlogged.discard(capability)
             self.rotation.forget(capability)
             self._review_from.pop(capability, None)
+            self._pass_from.pop(capability, None)
 
     def note_waiting(self, capabilities: Iterable[str]) -> None:
         """Work of these capabilities now waits. Those without a free credit are backlogged;
@@ -186,14 +228,17 @@ class WaitingRoom:
 
     async def _pick(
         self, waiting: list[tuple[str, MessageRecord]], now: int
-    ) -> tuple[list[Pick], list[tuple[str, MessageRecord]]]:
+    ) -> tuple[list[Pick], list[tuple[str, MessageRecord]], set[str]]:
         """Route each offered message in turn while its capability has free credits. Returns
-        the picks, and the messages no instance can take at all (to be set aside)."""
+        the picks, the messages no instance can take at all (to be set aside), and the
+        capabilities with a message passed over while credits were free (no free instance
+        takes it: its tags, say)."""
         envelopes = [(c, load_envelope(r.envelope)) for c, r in waiting]
         sessions = await bound_instances(
             self.store.conn, sorted({e.session_id for _, e in envelopes if e.session_id})
         )
         picks, unmatched = [], []
+        passed_over: set[str] = set()
         gate, budgets = self.assigner.gate, self.assigner.budgets
         await budgets.refresh(now)
         for (capability, envelope), (_, record) in zip(envelopes, waiting, strict=True):
@@ -211,6 +256,8 @@ class WaitingRoom:
             if instance_id is None:
                 if decision.outcome in _EXPLAINED:  # no instance at all, credits or not
                     unmatched.append((capability, record))
+                else:
+                    passed_over.add(capability)
                 continue  # this one cannot go anywhere now; the next one may
             picks.append(
                 Pick(
@@ -224,7 +271,7 @@ class WaitingRoom:
             )
             if envelope.session_id:
                 sessions[envelope.session_id] = instance_id
-        return picks, unmatched
+        return picks, unmatched, passed_over
 
     async def reconsider_unmatched(self, capabilities: Iterable[str]) -> int:
         """Put back in their waiting sets the set-aside messages some instance can now take

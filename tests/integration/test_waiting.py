@@ -282,3 +282,43 @@ async def test_arrivals_do_not_queue_behind_waiting_work_no_instance_can_take(
     assert set_aside == 300  # out of the way of work that can be served
     assert {r.stage for r in everything.values()} == {Stage.SUCCEEDED}
     assert set(ghost.log.calls) == set(stranded)  # each went to the instance it named
+
+
+async def test_arrivals_take_free_credits_past_work_waiting_for_a_busy_instance(
+    conn: Connection,
+) -> None:
+    """Hundreds wait for the one instance they name, and it is busy; another has free
+    credits. New work any instance can take goes to it at once instead of queueing behind
+    them, and they run when their instance frees."""
+    held = Gate()
+    client = Client(conn)
+    store = MessageStore(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("a", behaviour=held) as a,
+        http_agent("b") as b,
+        running_sidecar(
+            conn, "a-1", ("text.echo",), url=a.url, max_inflight=1, adaptive_credits=False
+        ),
+        running_sidecar(
+            conn, "b-1", ("text.echo",), url=b.url, max_inflight=2, adaptive_credits=False
+        ),
+        running_dispatcher(conn),
+    ):
+        pinned = await submit_in_chunks(
+            client, [request("text.echo", reply_to, target="a-1") for _ in range(200)]
+        )
+
+        async def all_but_one_waiting() -> bool:
+            return await store.waiting.depth("text.echo") == 199
+
+        await eventually(all_but_one_waiting)
+        served = await client.submit_many([request("text.echo", reply_to) for _ in range(20)])
+        results = await collect_replies(conn, reply_to, 20, timeout_s=20)
+        still_waiting = await store.waiting.depth("text.echo")
+        held.open()
+        everything = await collect_replies(conn, reply_to, 220, timeout_s=60)
+    assert set(results) == set(served) and set(b.log.calls) == set(served)
+    assert still_waiting == 199  # they waited: none of them went anywhere but their instance
+    assert {r.stage for r in everything.values()} == {Stage.SUCCEEDED}
+    assert set(a.log.calls) == set(pinned)

@@ -42,7 +42,7 @@ def test_defaults() -> None:
     assert settings.heartbeat_s == 5.0
     assert settings.down_after_s == 15.0
     assert settings.dispatch_batch == 256
-    assert settings.ingress_batch == 256
+    assert settings.ingress_batch == 32
     assert settings.max_envelope_bytes == 1024 * 1024
     assert settings.record_ttl_s == 7 * 86400
     assert settings.timeline_max == 200
