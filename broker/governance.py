@@ -9,6 +9,7 @@ no process meets a malformed rate or regex at run time. A rate is written as peo
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Annotated, Literal
 
 import msgspec
@@ -92,9 +93,15 @@ def rate_problem(limit: RateLimit) -> str | None:
 
 
 def rule_problem(rule: IntentRule) -> str | None:
-    """Why an intent rule cannot be used (a regex that does not compile), or ``None``."""
-    try:
-        re.compile(rule.match)
-    except re.error as exc:
-        return f"match {rule.match!r}: {exc}"
+    """Why an intent rule cannot be used, or ``None``: a regex that does not compile, or one
+    Python warns will mean something else in a later version (``[[``: a possible nested
+    set), which would otherwise only log a warning where it is first used."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            re.compile(rule.match, re.IGNORECASE)  # as broker.intent.IntentRules compiles it
+        except re.error as exc:
+            return f"match {rule.match!r}: {exc}"
+        except Warning as exc:
+            return f"match {rule.match!r}: {exc} (escape it with a backslash to mean it as is)"
     return None

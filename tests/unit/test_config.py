@@ -329,6 +329,7 @@ def test_governance_keys_load_from_toml_and_print_back(tmp_path: Path) -> None:
         ({"rate_limits": {"agent": {"x": {"rate": "ten/s"}}}}, "rate_limits.agent.x", "rate is"),
         ({"rate_limits": {"agent": {"x": {"rate": "0/s"}}}}, "rate_limits.agent.x", "above zero"),
         ({"intent_rules": [{"match": "[", "capability": "a.b"}]}, "intent_rules[0]", "match"),
+        ({"intent_rules": [{"match": "[[", "capability": "a.b"}]}, "intent_rules[0]", "nested"),
         ({"intent_rules": [{"match": "x", "capability": "Bad"}]}, "intent_rules[0]", "lower-case"),
         ({"intent_hit": 0.5}, "intent_reject", "intent_hit"),
         ({"embedding_url": "ftp://x"}, "embedding_url", "http"),
