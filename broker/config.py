@@ -47,11 +47,13 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}(?!\n)$")] = "reach"
     heartbeat_s: Positive = 5.0
     down_after_s: Positive = 15.0
-    # waiting messages a dispatcher assigns in one pass (and restores, claims at once)
+    # waiting messages a drain reads past a pinned head, unmatched ones restored per sweep,
+    # abandoned ingress entries claimed at once
     dispatch_batch: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 256
-    # ingress entries a dispatcher reads at once. One read is a pipeline of as many scripts,
-    # which holds Redis while a sidecar's outcomes and the credit drain wait: 32 ran 13-19 %
-    # faster under saturation than 256 (README, "Benchmarks")
+    # ingress entries a dispatcher reads at once, and waiting messages a drain pass claims.
+    # One read is a pipeline of as many scripts, which holds Redis while a sidecar's outcomes
+    # and the credit drain wait: 32 ran 13-19 % faster under saturation than 256 (README,
+    # "Benchmarks")
     ingress_batch: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 32
     # ingress streams: P:in, P:in:{1}, ... (more than one spreads them over a cluster's nodes)
     ingress_partitions: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1

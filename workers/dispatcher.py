@@ -68,7 +68,11 @@ class Dispatcher:
         self.table = RoutingTable(routing_policy(self.settings))
         self.assigner = Assigner(self.store, self.table)
         self.waiting = WaitingRoom(
-            self.store, self.table, batch=self.settings.dispatch_batch, assigner=self.assigner
+            self.store,
+            self.table,
+            batch=self.settings.dispatch_batch,
+            pass_size=self.settings.ingress_batch,
+            assigner=self.assigner,
         )
         self.intents = IntentResolver(conn)
         streams = ingress_streams(self.keys, self.settings.ingress_partitions)

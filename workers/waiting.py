@@ -58,6 +58,7 @@ class WaitingRoom:
         table: RoutingTable,
         *,
         batch: int,
+        pass_size: int | None = None,
         assigner: Assigner | None = None,
     ) -> None:
         self.store = store
@@ -65,6 +66,8 @@ class WaitingRoom:
         # the dispatcher's own, so admission and drain share what the rate limits said
         self.assigner = assigner or Assigner(store, table)
         self.batch = batch
+        # messages a drain pass assigns at once: one pipeline of claims, like an ingress read
+        self.pass_size = pass_size or batch
         self.rotation = Rotation()
         self.delivery_timeout_ms = int(store.conn.settings.delivery_timeout_s * 1000)
         # Capabilities this dispatcher last saw with work waiting for a credit: new arrivals
@@ -83,14 +86,21 @@ class WaitingRoom:
 
         Each capability's window is as many messages as it has free credits: a record read
         and not assigned is work for nothing, and credits come back a few at a time, so under
-        a backlog most of a wider window would be. Where that window was full and still left
-        credits unused (head messages no free instance takes: they name a busy one, say),
-        wide passes look further on — four times the credits and 16 more, then twice as wide
-        each time, up to ``batch`` records a drain — so they do not block the ones behind
-        them. A drain that ends blocked leaves its place, and the next one goes on from there:
-        however long the line of such messages, what can be served is reached."""
+        a backlog most of a wider window would be. A pass assigns at most ``pass_size``: its
+        claims are one pipeline, which Redis runs through before it serves anyone else (the
+        sidecars recording outcomes), so more credits than that take pass after pass. Where
+        that window was full and still left credits unused (head messages no free instance
+        takes: they name a busy one, say), wide passes look further on — four times the
+        credits and 16 more, then twice as wide each time, up to ``batch`` records a drain —
+        so they do not block the ones behind them. A drain that ends blocked leaves its place,
+        and the next one goes on from there: however long the line of such messages, what
+        can be served is reached."""
         wanted = set(capabilities)
-        assigned, blocked = await self._drain_once(wanted, {})
+        assigned, blocked, again = await self._drain_once(wanted, {})
+        while again:  # more credits free than one pass hands out: pass after pass
+            more, more_blocked, again = await self._drain_once(again, {})
+            assigned += more
+            blocked |= more_blocked
         for capability in wanted - blocked:  # the head took every credit it could: start over
             self._pass_from.pop(capability, None)
         width = dict.fromkeys(blocked, 0)
@@ -101,27 +111,28 @@ class WaitingRoom:
                 credits = self.table.free_credits(c, now_ms=now)
                 width[c] = min(self.batch - read[c], max(4 * credits + 16, 2 * width[c]))
                 read[c] += width[c]
-            more, blocked = await self._drain_once(blocked, {c: width[c] for c in blocked})
+            more, blocked, _ = await self._drain_once(blocked, {c: width[c] for c in blocked})
             assigned += more
             blocked = {c for c in blocked if read[c] < self.batch}
         return assigned
 
     async def _drain_once(
         self, capabilities: set[str], wide: dict[str, int]
-    ) -> tuple[int, set[str]]:
-        """One pass over windows of the free credits, or for a wide pass (``wide``: its
-        width by capability) that many from where the last one left off: how many were
-        assigned, and the capabilities whose full window left credits unused because messages
-        in it could not use them (no free instance takes them, or they stood aside)."""
+    ) -> tuple[int, set[str], set[str]]:
+        """One pass over windows of the free credits (at most ``pass_size``), or for a wide
+        pass (``wide``: its width by capability) that many from where the last one left off.
+        Returns how many were assigned; the capabilities whose full window left credits
+        unused because messages in it could not use them (no free instance takes them, or
+        they stood aside); and those whose full window was all assigned, credits left."""
         now = now_ms()
         free = {c: self.table.free_credits(c, now_ms=now) for c in capabilities}
         windows = {
-            c: (self._pass_from.get(c, 0), wide[c]) if wide else (0, min(self.batch, n))
+            c: (self._pass_from.get(c, 0), wide[c]) if wide else (0, min(self.pass_size, n))
             for c, n in free.items()
             if n > 0
         }
         if not windows:
-            return 0, set()
+            return 0, set(), set()
         heads = await self.store.waiting.heads(windows)
         offer = fair_order(heads, self.rotation.order(heads))
         ids = [i for _, i in offer]
@@ -157,14 +168,12 @@ class WaitingRoom:
             self._passed(c, counts, windows[c], passed_over, wide=bool(wide))
         for capability, ids in removed.items():
             await self._repark_returned(capability, ids)
-        blocked = {
-            c
-            for c, head in heads.items()
-            if len(head) == windows[c][1]
-            and (c in passed_over or c in stood)
-            and sum(a.capability == c for a in done) < free[c]
-        }
-        return len(done), blocked
+        full = {c for c, head in heads.items() if len(head) == windows[c][1]}
+        used = {c: sum(a.capability == c for a in done) for c in full}
+        # whose credits the messages met could not use; whose full window went, credits left
+        blocked = {c for c in full if (c in passed_over or c in stood) and used[c] < free[c]}
+        again = {c for c in full - blocked if used[c] == windows[c][1] < free[c] and not wide}
+        return len(done), blocked, again
 
     def _passed(
         self,

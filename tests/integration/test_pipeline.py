@@ -271,21 +271,26 @@ async def test_a_partitioned_ingress_carries_every_message_once(settings: Settin
 
 
 @contextmanager
-def watching(conn: Connection) -> Iterator[list[tuple[object, ...]]]:
-    """Every command this process sends through ``conn`` while in the block, in order."""
-    sent: list[tuple[object, ...]] = []
+def watching(conn: Connection) -> Iterator[list[list[tuple[object, ...]]]]:
+    """Each round trip this process sends through ``conn`` while in the block, in order."""
+    rounds: list[list[tuple[object, ...]]] = []
     pipeliner = conn.pipeliner
     inner = pipeliner.call_many
 
     async def watched(commands: list[tuple[object, ...]]) -> list[object]:
-        sent.extend(commands)
+        rounds.append(list(commands))
         return await inner(commands)
 
     pipeliner.call_many = watched  # type: ignore[method-assign]
     try:
-        yield sent
+        yield rounds
     finally:
         pipeliner.call_many = inner  # type: ignore[method-assign]
+
+
+def scripts_sent(rounds: list[list[tuple[object, ...]]]) -> Counter[object]:
+    """How many times each script (by sha) was sent."""
+    return Counter(c[1] for r in rounds for c in r if c[0] == "EVALSHA")
 
 
 async def test_a_routed_message_takes_one_script_on_one_server(conn: Connection) -> None:
@@ -306,12 +311,12 @@ async def test_a_routed_message_takes_one_script_on_one_server(conn: Connection)
             entries = await reader.read_raw(
                 conn.keys.ingress, DISPATCH_GROUP, "d1", count=10, block_ms=1000
             )
-        with watching(conn) as sent:
+        with watching(conn) as rounds:
             await dispatcher.handle_batch(entries)
         results = await collect_replies(conn, reply_to, 3)
         store = MessageStore(conn)
         timelines = [[e.stage for e in await store.get_timeline(i)] for i in ids]
-    scripts = Counter(c[1] for c in sent if c[0] == "EVALSHA")
+    scripts = scripts_sent(rounds)
     fused, accept, assign = (
         conn.sha(name) for name in (ScriptName.ACCEPT_ASSIGN, ScriptName.ACCEPT, ScriptName.ASSIGN)
     )
@@ -322,6 +327,46 @@ async def test_a_routed_message_takes_one_script_on_one_server(conn: Connection)
     assert {r.stage for r in results.values()} == {Stage.SUCCEEDED}
     assert agent.log.total == 3
     assert timelines == [HAPPY_PATH] * 3
+
+
+async def test_many_free_credits_are_handed_out_in_passes_of_a_small_pipeline_each(
+    conn: Connection,
+) -> None:
+    """80 credits free at once, 200 messages waiting: one drain assigns 80, in passes of at
+    most ``ingress_batch`` claims, each its own round trip — one pipeline of 80 scripts would
+    hold Redis while the sidecars' outcomes wait."""
+    held = Gate()
+    client = Client(conn)
+    store = MessageStore(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("a", behaviour=held) as agent,
+        running_sidecar(
+            conn, "a-1", ("text.echo",), url=agent.url, max_inflight=80, adaptive_credits=False
+        ),
+    ):
+        dispatcher = Dispatcher(conn, consumer="d1")
+        await ensure_group(conn, conn.keys.ingress, DISPATCH_GROUP)
+        await dispatcher.refresh()
+        dispatcher.waiting.backlogged.add("text.echo")  # earlier work waits: these park behind
+        ids = await client.submit_many([echo(n, reply_to) for n in range(200)])
+        async with conn.reader() as reader:
+            entries = await reader.read_raw(
+                conn.keys.ingress, DISPATCH_GROUP, "d1", count=200, block_ms=1000
+            )
+        await dispatcher.handle_batch(entries)
+        parked = await store.waiting.depth("text.echo")
+        with watching(conn) as rounds:
+            assigned = await dispatcher.waiting.drain(["text.echo"])
+        held.open()
+        async with running_dispatcher(conn):
+            results = await collect_replies(conn, reply_to, 200)
+    claim = conn.sha(ScriptName.ASSIGN if conn.cluster else ScriptName.CLAIM_ASSIGN)
+    claims = [n for r in rounds if (n := sum(c[:2] == ("EVALSHA", claim) for c in r))]
+    assert parked == 200 and assigned == 80
+    assert sum(claims) == 80 and max(claims) == conn.settings.ingress_batch == 32, claims
+    assert {r.stage for r in results.values()} == {Stage.SUCCEEDED} and set(results) == set(ids)
+    assert agent.log.total == 200 and max(agent.log.calls.values()) == 1
 
 
 async def test_a_drained_message_is_claimed_and_assigned_in_one_script_on_one_server(
@@ -339,11 +384,11 @@ async def test_a_drained_message_is_claimed_and_assigned_in_one_script_on_one_se
             return await store.stages(ids) == [Stage.WAITING] * 3
 
         await eventually(all_wait)
-        with watching(conn) as sent:
+        with watching(conn) as rounds:
             async with running_sidecar(conn, "a-1", ("text.echo",), url=agent.url):
                 results = await collect_replies(conn, reply_to, 3)
         timelines = [[e.stage for e in await store.get_timeline(i)] for i in ids]
-    scripts = Counter(c[1] for c in sent if c[0] == "EVALSHA")
+    scripts = scripts_sent(rounds)
     fused, assign = (conn.sha(name) for name in (ScriptName.CLAIM_ASSIGN, ScriptName.ASSIGN))
     assert (scripts[fused], scripts[assign]) == ((0, 3) if conn.cluster else (3, 0))
     assert {r.stage for r in results.values()} == {Stage.SUCCEEDED} and agent.log.total == 3
