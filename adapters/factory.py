@@ -114,10 +114,16 @@ def a2a_card_parts(
     return served, tags
 
 
-def a2a_description(card: AgentCardView) -> str:
-    """An A2A agent's words for the intent router: its card's description and each skill's
-    name and description, within what a card may say."""
-    parts = [card.description, *(f"{s.name}: {s.description}".strip(": ") for s in card.skills)]
+def a2a_description(
+    card: AgentCardView, skills: Sequence[str] = (), capabilities: Sequence[str] = ()
+) -> str:
+    """An A2A agent's words for the intent router, within what a card may say: its card's
+    description and the name and description of each skill it is registered for — those
+    ``--skill`` pairs name, or all of them when ``--capability`` serves the agent whole. A
+    skill it does not serve would draw intents to a capability that cannot answer them."""
+    named = capability_pairs(skills, "--skill", "SKILL_ID")
+    serves = [s for s in card.skills if capabilities or s.id in named]
+    parts = [card.description, *(f"{s.name}: {s.description}".strip(": ") for s in serves)]
     return "\n".join(p for p in parts if p.strip())[:MAX_DESCRIPTION_CHARS]
 
 

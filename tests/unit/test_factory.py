@@ -12,9 +12,11 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from adapters.a2a_wire import AgentCardView, Skill
 from adapters.factory import (
     AgentAddress,
     SidecarOptionError,
+    a2a_description,
     agent_address,
     callback_warning,
     load_python_agent,
@@ -207,3 +209,17 @@ def test_the_command_says_a_refusal_as_a_usage_error() -> None:
     result = CliRunner().invoke(main, [*argv, "--http", "http://a/", "--adapter", "python"])
     assert result.exit_code == 2
     assert "Error: --adapter python needs --python MODULE:ATTR" in result.output
+
+
+def test_an_a2a_description_speaks_only_of_the_skills_served() -> None:
+    skills = (
+        Skill("refund", "Refunds", "gives money back"),
+        Skill("ship", "Shipping", "tracks parcels"),
+    )
+    card = AgentCardView(
+        "Shop", "1", "A shop's agent", "http://127.0.0.1:1", "1.0", skills, False, False
+    )
+    mapped = a2a_description(card, ["refund=payment.refund"], [])
+    assert mapped == "A shop's agent\nRefunds: gives money back"
+    whole = a2a_description(card, [], ["shop.any"])  # the agent as a whole: every skill
+    assert whole == "A shop's agent\nRefunds: gives money back\nShipping: tracks parcels"

@@ -177,7 +177,7 @@ def standard_agent(
                 status_url(card),
                 transport,
                 False,
-                a2a_description(card),
+                a2a_description(card, named.skills, capabilities),
             )
         if address.adapter == "mcp":
             tools = mcp_tool_parts(anyio.run(fetch_tools, url), named.tools, named.prefix)
