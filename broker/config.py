@@ -254,7 +254,10 @@ def _tenants_problem(settings: Settings) -> tuple[str, str] | None:
     ):
         for tenant in tenants:
             if not _TENANT.match(tenant):
-                return key, f"{tenant!r}: a tenant is 1-128 printable ASCII characters, no spaces"
+                return key, (
+                    f"{tenant!r}: a tenant is 1-128 printable ASCII characters, no spaces, "
+                    "and not '-' (no tenant, in usage)"
+                )
     return None
 
 

@@ -45,7 +45,8 @@ ReplyTo = Annotated[str, msgspec.Meta(max_length=MAX_REPLY_TO)]
 Target = Annotated[str, msgspec.Meta(pattern=MESSAGE_ID_PATTERN)]
 CallbackUrl = Annotated[str, msgspec.Meta(max_length=2048)]
 # Tenants label counters and name budget keys: a short printable word.
-TENANT_PATTERN = r"^[\x21-\x7e]{1,128}$"
+# printable ASCII, no spaces; not "-", which stands for no tenant in usage (broker.usage)
+TENANT_PATTERN = r"^(?!-$)[\x21-\x7e]{1,128}$"
 Tenant = Annotated[str, msgspec.Meta(pattern=TENANT_PATTERN)]
 Intent = Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
 

@@ -290,6 +290,8 @@ async def test_an_error_inside_a_command_is_one_line_not_a_traceback(settings: S
         (["send", "a.b", "--timeout", "nan"], "is not a number"),
         (["send", "--payload", "1"], "give a CAPABILITY, or an --intent"),
         (["send", "a.b", "--budget-per-task", "-1"], "Invalid value for '--budget-per-task'"),
+        (["send", "a.b", "--budget-per-task", "inf"], "Invalid value for '--budget-per-task'"),
+        (["send", "a.b", "--tenant", "-"], "tenant"),
         (["send", "a.b", "--tenant", "two words"], "tenant"),
         (["send", "--intent", ""], "intent"),
         (["send", "--intent", "caf\udce9"], "intent: not UTF-8 text"),

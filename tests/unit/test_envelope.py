@@ -559,6 +559,9 @@ def test_budget_is_read_as_budget_per_task_and_intent_may_stand_in_for_capabilit
         decode(b'{"payload": 1}', max_bytes=1024)
     with pytest.raises(InvalidEnvelope, match="tenant"):
         decode(b'{"capability": "a.b", "tenant": "has space"}', max_bytes=1024)
+    with pytest.raises(InvalidEnvelope, match="tenant"):  # "-" is no tenant in usage
+        decode(b'{"capability": "a.b", "tenant": "-"}', max_bytes=1024)
+    assert decode(b'{"capability": "a.b", "tenant": "-a"}', max_bytes=1024).tenant == "-a"
 
 
 @given(

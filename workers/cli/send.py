@@ -87,7 +87,7 @@ SEND_OPTIONS = (
     ),
     click.option(
         "--budget-per-task",
-        type=click.FloatRange(0),
+        type=click.FloatRange(0, 1e12),  # finite: JSON has no infinity, it would mean no cap
         default=None,
         help="The highest declared cost of an instance that may run it.",
     ),
