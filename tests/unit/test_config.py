@@ -297,7 +297,8 @@ def test_governance_keys_load_from_toml_and_print_back(tmp_path: Path) -> None:
         'budget_mode = "cheapest"\n'
         'rate_limits = {tenant = {"team-a" = {rate = "600/min", burst = 5}}}\n'
         'intent_rules = [{match = "refund|reimburs", capability = "payment.refund", '
-        "priority = 99}]\n"
+        'priority = 99}, {match = "\\U0001F4B8|caf\u00e9\\u007f", '
+        'capability = "payment.refund"}]\n'
         'event_subscriptions = [{url = "http://127.0.0.1:9/h", events = ["message.dead"]}]\n'
         'webhook_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"\n'
         'callback_hosts = ["127.0.0.1"]\n'
@@ -306,6 +307,7 @@ def test_governance_keys_load_from_toml_and_print_back(tmp_path: Path) -> None:
     assert settings.budgets["team-a"].daily == 20.0
     assert settings.rate_limits.tenant["team-a"].burst == 5
     assert settings.intent_rules[0].priority == 99
+    assert settings.intent_rules[1].match == "\U0001f4b8|caf\u00e9\x7f"  # past U+FFFF, DEL
     printed = CliRunner().invoke(main, ["config", "--config", str(path)], env={})
     assert printed.exit_code == 0, printed.output
     shown = tomllib.loads(

@@ -68,11 +68,15 @@ def toml_value(value: Any) -> str:
     key whose value is unset is left out of its table (the default applies)."""
     if isinstance(value, dict):
         inline = ", ".join(
-            f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items() if v is not None
+            f"{toml_value(k)} = {toml_value(v)}" for k, v in value.items() if v is not None
         )
         return f"{{ {inline} }}" if inline else "{}"
     if isinstance(value, list):
         return f"[{', '.join(toml_value(v) for v in value)}]"
+    if isinstance(value, str):
+        # JSON's escapes are TOML's, but for a character past U+FFFF (a surrogate pair in
+        # JSON, not allowed in TOML: written as itself) and DEL (TOML wants it escaped)
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     return json.dumps(value)
 
 
