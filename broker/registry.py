@@ -195,7 +195,10 @@ class Registry:
         script = self.conn.script_command(
             ScriptName.HEARTBEAT, (self.keys.card(instance_id),), [*args, *fields]
         )
-        replies = await self._all([script, ("ZADD", self.keys.agents, hb, instance_id)])
+        # XX: a beat never adds an instance (registering does): a late beat of a sidecar that
+        # has just deregistered must not list it again, with no card
+        beat = ("ZADD", self.keys.agents, "XX", hb, instance_id)
+        replies = await self._all([script, beat])
         if not replies[0]:
             return None
         now, before, circuit_before = (value.decode() for value in replies[0])

@@ -25,6 +25,8 @@ from broker.event_log import emit, event_command, events_key, recent_events
 from broker.events import Event
 from broker.governance import EventSubscription, RateLimit, RateLimits
 from broker.keyspace import FleetKeys
+from broker.records import InstanceCard, InstanceState, InstanceStats
+from broker.registry import Registry
 from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.agents import http_agent
@@ -471,3 +473,26 @@ async def test_events_follow_prints_what_arrives_after_it_started(
             if follower.stdout is not None:
                 follower.stdout.close()
         assert code == 0
+
+
+async def test_a_beat_late_after_deregistering_does_not_list_the_instance_again(
+    conn: Connection,
+) -> None:
+    """A sidecar's last heartbeat may reach Redis after its deregistration (the two leave on
+    different connections): the beat finds no card and lists nothing."""
+    registry = Registry(conn)
+    card = InstanceCard(
+        agent_id="late",
+        instance_id="late-1",
+        capabilities=("text.echo",),
+        endpoint="http://127.0.0.1:9/",
+        max_inflight=4,
+    )
+    await registry.register(card, credits=4)
+    assert [v.instance_id for v in await registry.snapshot()] == ["late-1"]
+    await registry.deregister("late-1")
+    assert await registry.heartbeat("late-1", InstanceState.UP, InstanceStats()) is None
+    assert await registry.snapshot() == []
+    assert await conn.call("ZSCORE", conn.keys.agents, "late-1") is None
+    await registry.register(card, credits=4)  # coming back is registering again
+    assert [v.instance_id for v in await registry.snapshot()] == ["late-1"]

@@ -47,3 +47,14 @@ async def test_a_command_does_not_wait_for_a_pipeline_already_on_its_way(
     finally:
         await watcher.close()
     assert popped == [[b"lanes:test", b"x"]]
+
+
+async def test_an_idle_process_keeps_one_connection(redis_server: RedisServer) -> None:
+    """One call after another, none overlapping: the first lane carries them all (the second
+    takes work only while the first is busy)."""
+    pipeliner = Pipeliner(redis_server.url, [])
+    async with anyio.create_task_group() as tg:
+        await tg.start(pipeliner.run)
+        ids = {await pipeliner.call("CLIENT", "ID") for _ in range(20)}
+        tg.cancel_scope.cancel()
+    assert len(ids) == 1
