@@ -435,7 +435,8 @@ valid_fields = st.fixed_dictionaries(
         "callback_url": optional_text,
         "max_attempts": st.integers(1, 100),
         "budget_per_task": st.none() | st.floats(min_value=0, allow_infinity=False),
-        "tenant": st.none() | st.from_regex(r"[!-~]{1,20}", fullmatch=True),
+        "tenant": st.none()
+        | st.from_regex(r"[!-~]{1,20}", fullmatch=True).filter(lambda t: t != "-"),
         "intent": st.none() | st.text(min_size=1, max_size=40),
         "traceparent": st.none() | traceparents,
         "headers": header_maps,
