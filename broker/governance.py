@@ -92,6 +92,11 @@ def rate_problem(limit: RateLimit) -> str | None:
     return None
 
 
+def rule_pattern(rule: IntentRule) -> re.Pattern[str]:
+    """The rule's regex as intent routing matches it: case does not count."""
+    return re.compile(rule.match, re.IGNORECASE)
+
+
 def rule_problem(rule: IntentRule) -> str | None:
     """Why an intent rule cannot be used, or ``None``: a regex that does not compile, or one
     Python warns will mean something else in a later version (``[[``: a possible nested
@@ -99,7 +104,7 @@ def rule_problem(rule: IntentRule) -> str | None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         try:
-            re.compile(rule.match, re.IGNORECASE)  # as broker.intent.IntentRules compiles it
+            rule_pattern(rule)
         except re.error as exc:
             return f"match {rule.match!r}: {exc}"
         except Warning as exc:

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .governance import IntentRule
+from .governance import IntentRule, rule_pattern
 
 MAX_INTENT_CHARS = 1024  # of an intent, only this much is read (rules and scorers alike)
 MAX_TEXT_CHARS = 8192  # of a capability's profile text, likewise
@@ -110,7 +110,7 @@ class IntentRules:
 
     def __init__(self, rules: Sequence[IntentRule]) -> None:
         ranked = sorted(enumerate(rules), key=lambda pair: (-pair[1].priority, pair[0]))
-        self.ranked = [(i, rule, re.compile(rule.match, re.IGNORECASE)) for i, rule in ranked]
+        self.ranked = [(i, rule, rule_pattern(rule)) for i, rule in ranked]
 
     def match(self, intent: str) -> tuple[int, IntentRule] | None:
         """The winning rule (with its index in config), or ``None``."""
