@@ -67,7 +67,7 @@ class WaitingRoom:
         self.assigner = assigner or Assigner(store, table)
         self.batch = batch
         # messages a drain pass assigns at once: one pipeline of claims, like an ingress read
-        self.pass_size = pass_size or batch
+        self.pass_size = min(pass_size or batch, batch)
         self.rotation = Rotation()
         self.delivery_timeout_ms = int(store.conn.settings.delivery_timeout_s * 1000)
         # Capabilities this dispatcher last saw with work waiting for a credit: new arrivals
@@ -96,12 +96,16 @@ class WaitingRoom:
         and the next one goes on from there: however long the line of such messages, what
         can be served is reached."""
         wanted = set(capabilities)
+        now = now_ms()
+        read_now = {c for c in wanted if self.table.free_credits(c, now_ms=now) > 0}
         assigned, blocked, again = await self._drain_once(wanted, {})
-        while again:  # more credits free than one pass hands out: pass after pass
+        passes = 1
+        while again and passes < self.batch // self.pass_size:  # pass after pass, bounded
             more, more_blocked, again = await self._drain_once(again, {})
             assigned += more
             blocked |= more_blocked
-        for capability in wanted - blocked:  # the head took every credit it could: start over
+            passes += 1
+        for capability in read_now - blocked:  # the head took every credit it could: start over
             self._pass_from.pop(capability, None)
         width = dict.fromkeys(blocked, 0)
         read = dict.fromkeys(blocked, 0)
@@ -146,6 +150,7 @@ class WaitingRoom:
             ],
             now,
         )
+        passed_over |= {c for c, i in offer if _elsewhere(records[i])}
         won, indexes, known = await self._claim(picks)
         done, after = await self.assigner.assign(won, ahead=indexes, known=known)
         self.assigned += len(done)
@@ -164,7 +169,7 @@ class WaitingRoom:
         stood = [c for c, *_ in aside_now]
         for c, head in heads.items():
             gone = len(removed[c]) + len(aside[c])  # and the stood aside moved back in the line
-            counts = (len(head), gone, gone + stood.count(c))
+            counts = (len(head), gone, gone + stood.count(c), sum(a.capability == c for a in done))
             self._passed(c, counts, windows[c], passed_over, wide=bool(wide))
         for capability, ids in removed.items():
             await self._repark_returned(capability, ids)
@@ -178,19 +183,23 @@ class WaitingRoom:
     def _passed(
         self,
         capability: str,
-        counts: tuple[int, int, int],
+        counts: tuple[int, int, int, int],
         window: tuple[int, int],
         passed_over: set[str],
         *,
         wide: bool,
     ) -> None:
         """After a pass over ``window`` (start, count), with ``counts``: how many it read, how
-        many of those left the waiting set and how many left or moved back in it. Where the
-        next wide pass starts, and whether new arrivals queue behind what waits."""
-        read, gone, moved = counts
+        many of those left the waiting set, how many left or moved back in it, and how many
+        were assigned. Where the next wide pass starts, and whether new arrivals queue behind
+        what waits."""
+        read, gone, moved, served = counts
         start, count = window
-        if wide:  # on from here next time, past what was read and stayed; at the end, over
-            self._pass_from[capability] = start + read - moved if read == count else 0
+        if wide:
+            # on past a full window that served nothing; once it served (credits may have run
+            # out before the rest was looked at) or at the end, from the top: first offers
+            # stay in age order
+            self._pass_from[capability] = start + read - moved if read == count > 0 == served else 0
         if start == 0 and read < count and gone == read:
             self.backlogged.discard(capability)  # emptied: nothing waits any more
         elif capability in passed_over:
@@ -397,6 +406,12 @@ class WaitingRoom:
         if decision.outcome in _EXPLAINED:
             return decision.reason
         return "waited_past_deadline"
+
+
+def _elsewhere(record: MessageRecord | None) -> bool:
+    """Still in a waiting set, but claimed by an assignment not yet finished (a crash may
+    leave it so): like work passed over, it must not hold the credits or the line behind."""
+    return _may_wait(record) and record is not None and record.stage is not Stage.WAITING
 
 
 def _may_wait(record: MessageRecord | None) -> bool:
