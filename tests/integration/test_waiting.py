@@ -15,7 +15,7 @@ from broker.client import Client
 from broker.connection import Connection
 from broker.envelope import Envelope
 from broker.stages import Stage
-from broker.store import MessageStore
+from broker.store import MessageStore, Move
 from tests.support.agents import Gate, http_agent
 from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
 
@@ -322,3 +322,88 @@ async def test_arrivals_take_free_credits_past_work_waiting_for_a_busy_instance(
     assert still_waiting == 199  # they waited: none of them went anywhere but their instance
     assert {r.stage for r in everything.values()} == {Stage.SUCCEEDED}
     assert set(a.log.calls) == set(pinned)
+
+
+async def test_entries_a_crash_left_claimed_do_not_hold_the_line_behind_them(
+    conn: Connection,
+) -> None:
+    """A dispatcher that stopped between claiming waiting messages (WAITING -> ROUTED) and
+    removing their waiting-set entries leaves those entries at the head of the line. They
+    must not hold the free credits: the work behind them, and new arrivals, are served."""
+    held = Gate()
+    client = Client(conn)
+    store = MessageStore(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("a", behaviour=held) as a,
+        http_agent("b") as b,
+        running_sidecar(
+            conn, "a-1", ("text.echo",), url=a.url, max_inflight=1, adaptive_credits=False
+        ),
+        running_dispatcher(conn),
+    ):
+        first = await client.submit_many([request("text.echo", reply_to) for _ in range(12)])
+
+        async def all_but_one_waiting() -> bool:
+            return await store.waiting.depth("text.echo") == 11
+
+        await eventually(all_but_one_waiting)
+        head = (await store.waiting.heads({"text.echo": (0, 4)}))["text.echo"]
+        claimed = [message_id for message_id, _ in head]
+        for message_id in claimed:  # claimed, and the claimer gone before it went on
+            moved = await store.apply(Move(message_id, Stage.ROUTED, only_from=Stage.WAITING))
+            assert moved.ok
+        async with running_sidecar(
+            conn, "b-1", ("text.echo",), url=b.url, max_inflight=2, adaptive_credits=False
+        ):
+            served = await client.submit_many([request("text.echo", reply_to) for _ in range(2)])
+            results = await collect_replies(conn, reply_to, 9, timeout_s=20)
+        held.open()
+    behind = set(first) - set(claimed) - set(a.log.calls)
+    assert len(behind) == 7
+    assert set(results) == behind | set(served) == set(b.log.calls)
+    assert {r.stage for r in results.values()} == {Stage.SUCCEEDED}
+    stages = await store.stages(claimed)
+    assert stages == [Stage.ROUTED] * 4  # left for the reaper: nothing else touched them
+
+
+async def test_work_behind_a_pinned_line_is_offered_in_the_order_it_arrived(
+    conn: Connection,
+) -> None:
+    """A long line of messages for a busy instance, and behind it messages any instance may
+    take, and one free credit at a time: each drain reads past the line (wider and wider),
+    and the messages behind it still go in the order they arrived, not from wherever the
+    last wide pass stopped."""
+    held = Gate()
+    client = Client(conn)
+    store = MessageStore(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("a", behaviour=held) as a,
+        http_agent("b") as b,
+        running_sidecar(
+            conn, "a-1", ("text.echo",), url=a.url, max_inflight=1, adaptive_credits=False
+        ),
+        running_dispatcher(conn),
+    ):
+        pinned = await submit_in_chunks(
+            client, [request("text.echo", reply_to, target="a-1") for _ in range(100)]
+        )
+        free = await submit_in_chunks(client, [request("text.echo", reply_to) for _ in range(100)])
+
+        async def all_but_one_waiting() -> bool:
+            return await store.waiting.depth("text.echo") == 199
+
+        await eventually(all_but_one_waiting)
+        line = (await store.waiting.heads({"text.echo": (0, 199)}))["text.echo"]
+        arrived = [message_id for message_id, _ in line if message_id in set(free)]
+        async with running_sidecar(
+            conn, "b-1", ("text.echo",), url=b.url, max_inflight=1, adaptive_credits=False
+        ):
+            results = await collect_replies(conn, reply_to, 100, timeout_s=60)
+        held.open()
+    assert set(results) == set(free) and {r.stage for r in results.values()} == {Stage.SUCCEEDED}
+    # one credit, one call at a time: in the order they came (to the millisecond; the
+    # waiting set orders messages accepted in the same one by id)
+    assert len(arrived) == 100 and list(b.log.calls) == arrived
+    assert set(a.log.calls) <= set(pinned)
