@@ -3,9 +3,12 @@ silent instance, the outcome window, and the cooldown / circuit breaker."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from broker.health import (
     Breaker,
@@ -206,11 +209,68 @@ def test_old_events_expire() -> None:
     assert window.figures(NOW + 5_000) == (1, 1.0, 7.0)
 
 
+def naive_figures(
+    events: list[tuple[int, bool, float]], now: int, span: int, since: int = 0
+) -> tuple[int, float, float]:
+    """The window's figures recomputed from every outcome, as it once did each time."""
+    kept = [e for e in events if e[0] > now - span and e[0] >= since]
+    if not kept:
+        return 0, 0.0, 0.0
+    latencies = sorted(latency for _, _, latency in kept)
+    failures = sum(failed for _, failed, _ in kept)
+    return len(kept), failures / len(kept), latencies[max(0, math.ceil(0.95 * len(kept)) - 1)]
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2),  # time step, in hundreds of ms: outcomes meet the mark
+            st.sampled_from(["add", "figures", "since"]),
+            st.booleans(),
+            st.floats(0.0, 1e6, allow_nan=False),
+            st.integers(-4, 1),  # since, in hundreds of ms from now: marks met again
+        ),
+        max_size=120,
+    )
+)
+# outcomes at the very millisecond of the mark: one added there after the mark was set, and
+# one there when it leaves the window
+@example([(0, "since", False, 1.0, 1), (1, "add", False, 1.0, 0), (0, "since", False, 1.0, 0)])
+@example(
+    [
+        (0, "add", True, 1.0, 0),
+        (0, "since", False, 1.0, 0),
+        (4, "since", False, 1.0, -4),
+        (0, "figures", False, 1.0, 0),
+    ]
+)
+def test_the_window_keeps_what_a_full_recount_would_say(
+    steps: list[tuple[int, str, bool, float, int]],
+) -> None:
+    """Whatever the order of outcomes, figures and marks, the running totals, the sorted
+    latencies and the count before the mark agree with recounting the whole window."""
+    span = 300
+    window = OutcomeWindow(span_ms=span)
+    events: list[tuple[int, bool, float]] = []
+    now = NOW
+    for step, what, failed, latency, since in steps:
+        now += step * 100
+        if what == "add":
+            window.add(now, failed=failed, latency_ms=latency)
+            events.append((now, failed, latency))
+        elif what == "figures":
+            assert window.figures(now) == pytest.approx(naive_figures(events, now, span))
+        else:
+            n, rate, _ = naive_figures(events, now, span, since=now + since * 100)
+            assert window.since(now, now + since * 100) == (n, pytest.approx(rate))
+
+
 def test_since_filters_older_outcomes() -> None:
     window = fill(OutcomeWindow(), [(NOW + i, i < 6, 100.0 if i < 6 else 5.0) for i in range(10)])
     assert window.figures(NOW + 10)[:2] == (10, pytest.approx(0.6))
-    assert window.figures(NOW + 10, since_ms=NOW + 6) == (4, 0.0, 5.0)
-    assert window.figures(NOW + 10, since_ms=NOW + 100) == (0, 0.0, 0.0)
+    assert window.since(NOW + 10, NOW + 6) == (4, 0.0)
+    assert window.since(NOW + 10, NOW + 100) == (0, 0.0)
+    assert window.since(NOW + 10, NOW + 3) == (7, pytest.approx(3 / 7))
     assert window.figures(NOW + 10)[0] == 10  # filtering removes nothing from the window
 
 
