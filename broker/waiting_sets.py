@@ -16,6 +16,9 @@ from .records import MessageRecord
 
 Command = tuple[Any, ...]
 RATE_WINDOW_MS = 10_000
+# On the registry channel, "waiting <capability>": work was parked for it. Instance ids (the
+# channel's other messages) have no spaces, so the two never meet.
+WAITING_HINT = b"waiting "
 RATE_SPAN_WINDOWS = 6  # the assignment rate is averaged over the last minute
 
 
@@ -33,7 +36,10 @@ def stand_aside_commands(keys: Keyspace, items: list[tuple[str, str, int, int]])
 def park_commands(keys: Keyspace, items: list[tuple[str, str, int, int]]) -> list[Command]:
     """``(capability, message_id, priority, accepted_ms)``: the waiting-set entries, then the
     capability index — in that order, so that a prune of the index
-    (:meth:`WaitingSets.prune_index`) never drops a capability that has just been given work.
+    (:meth:`WaitingSets.prune_index`) never drops a capability that has just been given work
+    — then a hint to the dispatchers (:func:`heard_waiting`): a credit release drains only
+    capabilities a dispatcher knows may have work waiting, and this is how it knows of work
+    parked by anyone else (a sidecar sending work back, the reaper, an operator's replay).
     The deadline index (``P:due``) is written by admission (:mod:`workers.admission`)."""
     commands: list[Command] = [
         ("ZADD", keys.waiting(capability), waiting_score(priority, accepted), message_id)
@@ -42,8 +48,22 @@ def park_commands(keys: Keyspace, items: list[tuple[str, str, int, int]]) -> lis
     if not items:
         return commands
     commands.append(ORDER_BARRIER)  # on a cluster: other slots, so the entries land first
-    commands += [("SADD", keys.waiting_index, capability) for capability in {i[0] for i in items}]
+    capabilities = sorted({i[0] for i in items})
+    commands += [("SADD", keys.waiting_index, capability) for capability in capabilities]
+    commands += [("PUBLISH", keys.registry_channel, waiting_hint(c)) for c in capabilities]
     return commands
+
+
+def waiting_hint(capability: str) -> bytes:
+    return WAITING_HINT + capability.encode()
+
+
+def heard_waiting(data: bytes) -> str | None:
+    """The capability a registry-channel message says was given waiting work; ``None`` for
+    any other message (an instance's id: its card changed)."""
+    if not data.startswith(WAITING_HINT):
+        return None
+    return data[len(WAITING_HINT) :].decode("utf-8", "replace")
 
 
 def unpark_commands(keys: Keyspace, removals: Mapping[str, list[str]]) -> list[Command]:

@@ -36,6 +36,7 @@ from broker.registry import Registry
 from broker.store import MessageStore
 from broker.streams import RawEntry
 from broker.timekeeping import now_ms
+from broker.waiting_sets import heard_waiting
 
 from .admission import Admission
 from .assignment import Assigner
@@ -159,12 +160,15 @@ class Dispatcher:
             capabilities, self._to_drain = self._to_drain, set()
             try:
                 if anyio.current_time() >= ready:  # a rate limit lets work through again
-                    capabilities |= set(await self.store.waiting.capabilities())
+                    held = await self.store.waiting.capabilities()
+                    self.waiting.may_have_work(held)
+                    capabilities |= set(held)
                 if anyio.current_time() >= next_sweep:
                     next_sweep = anyio.current_time() + self.settings.sweep_interval_s
                     await self.refresh()
                     await self.claim_abandoned()
                     waiting = await self._waiting_capabilities()
+                    self.waiting.may_have_work(waiting)
                     await self.waiting.reconsider_unmatched(waiting)
                     capabilities |= set(waiting)
                 await self.drain(capabilities)
@@ -216,18 +220,27 @@ class Dispatcher:
                     await self._notified(*message)
 
     async def _notified(self, channel: str, data: bytes) -> None:
-        if channel == self.keys.registry_channel:
-            try:
-                await self.refresh()
-                self._to_drain.update(await self.store.waiting.capabilities())
-            except (RedisUnavailable, RedisReplyError) as exc:
-                log.warning("registry refresh failed (the sweep retries): %s", exc)
-        else:
+        if channel != self.keys.registry_channel:
             released = credit_release(data)
             if released is None:
                 log.warning("credit notification not understood, dropped: %r", data[:80])
                 return
-            self._to_drain.update(self.table.credits_released(*released))
+            freed = self.table.credits_released(*released)
+            self._to_drain.update(self.waiting.worth_draining(freed))
+        elif (capability := heard_waiting(data)) is not None:
+            if capability not in self.table.index.by_capability:
+                return  # none of its instances here: a registry change brings it (below)
+            self.waiting.may_have_work([capability])
+            self._to_drain.add(capability)
+        else:
+            try:
+                await self.refresh()
+                waiting = await self.store.waiting.capabilities()
+            except (RedisUnavailable, RedisReplyError) as exc:
+                log.warning("registry refresh failed (the sweep retries): %s", exc)
+                return
+            self.waiting.may_have_work(waiting)
+            self._to_drain.update(waiting)
         self._credit_freed.set()
 
     async def _trim_loop(self) -> None:

@@ -76,6 +76,12 @@ class WaitingRoom:
         self.assigned = 0  # messages this room has assigned, over its life
         self._review_from: dict[str, int] = {}  # where the next review of unmatched starts
         self._pass_from: dict[str, int] = {}  # where the next wide pass starts
+        # Capabilities whose waiting sets may hold work: a credit release drains only these
+        # (most releases, at a light load, find nothing waiting: a read for nothing each).
+        # One leaves when a drain finds its set empty and no work was heard of meanwhile:
+        # ``_heard`` counts, per capability, the times it was.
+        self.may_wait: set[str] = set()
+        self._heard: dict[str, int] = {}
         # (capability, id, priority, until): met at the head but not to go before `until`
         self._stand_aside: list[tuple[str, str, int, int]] = []
 
@@ -137,19 +143,13 @@ class WaitingRoom:
         }
         if not windows:
             return 0, set(), set()
+        heard = {c: self._heard.get(c, 0) for c in windows}
         heads = await self.store.waiting.heads(windows)
         offer = fair_order(heads, self.rotation.order(heads))
         ids = [i for _, i in offer]
         records = dict(zip(ids, await self.store.get_records(ids), strict=True))
         stale = {c: [i for c2, i in offer if c2 == c and not _may_wait(records[i])] for c in heads}
-        picks, unmatched, passed_over = await self._pick(
-            [
-                (c, r)
-                for c, i in offer
-                if (r := records[i]) is not None and r.stage is Stage.WAITING
-            ],
-            now,
-        )
+        picks, unmatched, passed_over = await self._pick(_still_waiting(offer, records), now)
         passed_over |= {c for c, i in offer if _elsewhere(records[i])}
         won, indexes, known = await self._claim(picks)
         done, after = await self.assigner.assign(won, ahead=indexes, known=known)
@@ -170,7 +170,9 @@ class WaitingRoom:
         for c, head in heads.items():
             gone = len(removed[c]) + len(aside[c])  # and the stood aside moved back in the line
             counts = (len(head), gone, gone + stood.count(c), sum(a.capability == c for a in done))
-            self._passed(c, counts, windows[c], passed_over, wide=bool(wide))
+            emptied = self._passed(c, counts, windows[c], passed_over, wide=bool(wide))
+            if emptied and self._heard.get(c, 0) == heard[c]:
+                self.may_wait.discard(c)  # nothing waits, and no work was parked since the read
         for capability, ids in removed.items():
             await self._repark_returned(capability, ids)
         full = {c for c, head in heads.items() if len(head) == windows[c][1]}
@@ -188,11 +190,11 @@ class WaitingRoom:
         passed_over: set[str],
         *,
         wide: bool,
-    ) -> None:
+    ) -> bool:
         """After a pass over ``window`` (start, count), with ``counts``: how many it read, how
         many of those left the waiting set, how many left or moved back in it, and how many
         were assigned. Where the next wide pass starts, and whether new arrivals queue behind
-        what waits."""
+        what waits. Returns whether the set was found emptied."""
         read, gone, moved, served = counts
         start, count = window
         if wide:
@@ -202,7 +204,8 @@ class WaitingRoom:
             self._pass_from[capability] = start + read - moved if read == count > 0 == served else 0
         if start == 0 and read < count and gone == read:
             self.backlogged.discard(capability)  # emptied: nothing waits any more
-        elif capability in passed_over:
+            return True
+        if capability in passed_over:
             # free credits no waiting message could use: later arrivals may take them
             self.backlogged.discard(capability)
             self.note_waiting([capability])
@@ -210,6 +213,7 @@ class WaitingRoom:
             # work still waits, and what was met could go wherever a credit is free:
             # a credit that frees before the next drain is its, not a new arrival's
             self.backlogged.add(capability)
+        return False
 
     async def _repark_returned(self, capability: str, removed: list[str]) -> None:
         """A message may have come back to WAITING (its agent was not reached) between our
@@ -234,11 +238,26 @@ class WaitingRoom:
             self.rotation.forget(capability)
             self._review_from.pop(capability, None)
             self._pass_from.pop(capability, None)
+            self.may_wait.discard(capability)
+            self._heard.pop(capability, None)
+
+    def may_have_work(self, capabilities: Iterable[str]) -> None:
+        """Work was parked for these (here, by another process, or found by a sweep): a
+        credit release drains them until a drain finds nothing waiting."""
+        for capability in capabilities:
+            self.may_wait.add(capability)
+            self._heard[capability] = self._heard.get(capability, 0) + 1
+
+    def worth_draining(self, capabilities: Iterable[str]) -> set[str]:
+        """Of the capabilities a credit release frees, those that may have work waiting."""
+        return {c for c in capabilities if c in self.may_wait}
 
     def note_waiting(self, capabilities: Iterable[str]) -> None:
         """Work of these capabilities now waits. Those without a free credit are backlogged;
         where credits are free, what waits could not use them (no instance matches its
         selectors, say), and later arrivals must not queue behind it."""
+        capabilities = list(capabilities)
+        self.may_have_work(capabilities)
         now = now_ms()
         self.backlogged.update(
             c for c in capabilities if self.table.free_credits(c, now_ms=now) <= 0
@@ -406,6 +425,13 @@ class WaitingRoom:
         if decision.outcome in _EXPLAINED:
             return decision.reason
         return "waited_past_deadline"
+
+
+def _still_waiting(
+    offer: list[tuple[str, str]], records: dict[str, MessageRecord | None]
+) -> list[tuple[str, MessageRecord]]:
+    """The offered messages whose records are WAITING, with their capabilities, in order."""
+    return [(c, r) for c, i in offer if (r := records[i]) is not None and r.stage is Stage.WAITING]
 
 
 def _elsewhere(record: MessageRecord | None) -> bool:

@@ -12,12 +12,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from broker.client import Client
-from broker.connection import Connection
+from broker.connection import Connection, open_connection
 from broker.envelope import Envelope
+from broker.operator import Operator
 from broker.stages import Stage
 from broker.store import MessageStore, Move
 from tests.support.agents import Gate, http_agent
 from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
+from tests.support.repair import record_in
 
 
 def request(capability: str, reply_to: str, **fields: object) -> Envelope:
@@ -407,3 +409,49 @@ async def test_work_behind_a_pinned_line_is_offered_in_the_order_it_arrived(
     # waiting set orders messages accepted in the same one by id)
     assert len(arrived) == 100 and list(b.log.calls) == arrived
     assert set(a.log.calls) <= set(pinned)
+
+
+async def waiting_set_reads(conn: Connection) -> int:
+    """How many times Redis has run ZRANGE (a drain reading a waiting set's head)."""
+    info = (await conn.call("INFO", "commandstats")).decode()
+    line = next((s for s in info.splitlines() if s.startswith("cmdstat_zrange:")), "")
+    return int(line.split("calls=")[1].split(",")[0]) if line else 0
+
+
+async def test_a_credit_release_reads_no_waiting_set_when_nothing_waits(conn: Connection) -> None:
+    """At a light load each answer frees a credit. With nothing waiting, the dispatcher does
+    not read a waiting set for it: a round trip, and a turn of its loop, for nothing."""
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        before = await waiting_set_reads(conn)
+        for n in range(1, 31):  # one at a time: every answer frees the only credit in use
+            await client.submit_many([request("text.echo", reply_to)])
+            await collect_replies(conn, reply_to, n, timeout_s=20)
+        reads = await waiting_set_reads(conn) - before
+    assert sum(agent.log.calls.values()) == 30
+    assert reads < 5, reads  # one a release before
+
+
+async def test_work_parked_by_another_process_is_assigned_at_once(conn: Connection) -> None:
+    """An operator's replay parks a message from outside the dispatcher. The park tells the
+    dispatchers, so it runs at once on the idle instance: not at the next sweep, and not
+    only once some other answer frees a credit."""
+    slow_sweeps = msgspec.structs.replace(conn.settings, sweep_interval_s=60.0)
+    assert slow_sweeps.redis_url is not None
+    reply_to = conn.keys.reply("replayed")
+    dead = await record_in(conn, Stage.DEAD, reply_to=reply_to, reason="gave up after 3")
+    async with (
+        open_connection(slow_sweeps, slow_sweeps.redis_url) as slow,
+        http_agent("a") as agent,
+        running_sidecar(slow, "a-1", ("text.echo",), url=agent.url, idempotent=True),
+        running_dispatcher(slow),
+    ):
+        operator = Operator(slow)
+        await operator.replay(await operator.plan_replay([dead]), by="alice")
+        (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=10)).values()
+    assert result.stage is Stage.SUCCEEDED and agent.log.calls[dead] == 1

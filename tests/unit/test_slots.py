@@ -20,7 +20,7 @@ from broker.cluster_pipeliner import units_of
 from broker.errors import RedisReplyError
 from broker.keyspace import Keyspace
 from broker.slots import SLOTS, crc16, key_slot, one_slot
-from broker.waiting_sets import park_commands
+from broker.waiting_sets import heard_waiting, park_commands, waiting_hint
 
 
 def test_the_specifications_vectors() -> None:
@@ -124,11 +124,16 @@ def test_a_slot_map_from_cluster_slots() -> None:
     assert not SlotMap.from_cluster_slots(reply[:1], "redis://127.0.0.1:7000").covered()
 
 
-def test_parking_writes_the_entries_before_the_index_that_points_at_them() -> None:
+def test_parking_writes_the_entries_before_the_index_and_the_hint_that_point_at_them() -> None:
     commands = park_commands(KEYS, [("text.echo", "m1", 0, 1), ("text.echo", "m2", 0, 2)])
     at = commands.index(ORDER_BARRIER)
 
     assert {command_slot(c) for c in commands[:at]} == {key_slot(KEYS.waiting("text.echo"))}
-    assert commands[at + 1 :] == [("SADD", KEYS.waiting_index, "text.echo")]
+    assert commands[at + 1 :] == [
+        ("SADD", KEYS.waiting_index, "text.echo"),
+        ("PUBLISH", KEYS.registry_channel, waiting_hint("text.echo")),
+    ]
+    assert heard_waiting(waiting_hint("text.echo")) == "text.echo"
+    assert heard_waiting(b"a-1") is None  # an instance id: its card changed
     assert key_slot(KEYS.waiting_index) != key_slot(KEYS.waiting("text.echo"))
     assert park_commands(KEYS, []) == []
