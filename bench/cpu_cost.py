@@ -1,0 +1,152 @@
+"""CPU time per message in each process, at a steady light load: what a message costs the
+dispatcher, the sidecar and Redis when nothing batches it.
+
+One fresh redis-server on loopback, ``agent-reach up`` and one sidecar (``--python``, a
+no-op handler) as processes of their own, as the anchors harness runs them. After a warm-up,
+``--messages`` envelopes are submitted one at a time at ``--rate`` per second; the bench
+waits until the last has SUCCEEDED and reads each process's user + system CPU time
+(``/proc/<pid>/stat``) before and after. At 200 messages a second each message is handled
+alone, so this is the fixed cost of a message: round trips, wake-ups, Python objects — what
+the latency stage's p50 and p99 are made of, and what batching hides at saturation.
+
+Also prints Redis's commands per message (``INFO commandstats``, scripts counted as
+``evalsha`` and the commands they run under their own names).
+
+Usage: ``python -m bench.cpu_cost [--messages 3000] [--rate 200] [--reps 1]``. Figures only,
+no threshold: CI never runs it. Compare two commits by running it in each, interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from adapters.python import Agent
+from broker.client import Client
+from broker.config import build_settings
+from broker.connection import Connection, open_connection
+from broker.embedded import RedisServer
+from broker.envelope import Envelope
+
+CAPABILITY = "bench.cost"
+REPO = Path(__file__).resolve().parent.parent
+TICKS = os.sysconf("SC_CLK_TCK")
+
+agent = Agent("cost")
+
+
+@agent.handler(CAPABILITY)
+async def noop(envelope: Envelope) -> None:
+    """Nothing: the cost measured is the broker's."""
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def spawn(url: str, *args: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "AGENT_REACH_REDIS_URL": url, "PYTHONPATH": str(REPO)}
+    command = [str(Path(sys.executable).parent / "agent-reach"), *args]
+    return subprocess.Popen(
+        command, env=env, cwd=REPO, start_new_session=True, stderr=subprocess.DEVNULL
+    )
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+async def commandstats(conn: Connection) -> dict[str, int]:
+    info = (await conn.call("INFO", "commandstats")).decode()
+    calls: dict[str, int] = {}
+    for line in info.splitlines():
+        if line.startswith("cmdstat_"):
+            name, _, rest = line.partition(":")
+            calls[name[8:]] = int(rest.split(",")[0].split("=")[1])
+    return calls
+
+
+async def paced(client: Client, count: int, rate: float) -> str:
+    """Submit ``count`` envelopes one at a time at ``rate`` a second; the last one's id."""
+    start = time.perf_counter()
+    last = ""
+    for i in range(count):
+        if (pause := start + i / rate - time.perf_counter()) > 0:
+            await anyio.sleep(pause)
+        last = await client.submit(Envelope(capability=CAPABILITY, payload=msgspec.Raw(b"{}")))
+    return last
+
+
+async def succeeded(conn: Connection, message_id: str) -> None:
+    with anyio.fail_after(60):
+        while await conn.call("HGET", conn.keys.record(message_id), "stage") != b"SUCCEEDED":  # noqa: ASYNC110 - polled
+            await anyio.sleep(0.01)
+
+
+async def one_run(args: argparse.Namespace) -> dict[str, float]:
+    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-cost-")))
+    up = spawn(server.url, "up")
+    sidecar = spawn(
+        server.url,
+        *("sidecar", "--agent-id", "cost", "--instance-id", "cost-1"),
+        *("--capability", CAPABILITY, "--python", "bench.cpu_cost:noop_agent"),
+    )
+    try:
+        settings = build_settings([{"redis_url": server.url}])
+        async with open_connection(settings, server.url) as conn:
+            client = Client(conn)
+            await succeeded(conn, await paced(client, int(args.rate), args.rate))  # 1 s warm-up
+            pids = {"dispatcher (up)": up.pid, "sidecar": sidecar.pid, "redis": server.process.pid}
+            before = {name: cpu_s(pid) for name, pid in pids.items()}
+            stats_before = await commandstats(conn)
+            await succeeded(conn, await paced(client, args.messages, args.rate))
+            after = {name: cpu_s(pid) for name, pid in pids.items()}
+            stats = await commandstats(conn)
+    finally:
+        stop(sidecar)
+        stop(up)
+        server.stop()
+    row = {name: (after[name] - before[name]) * 1e6 / args.messages for name in pids}
+    calls = {k: (v - stats_before.get(k, 0)) / args.messages for k, v in stats.items()}
+    row.update({f"calls {k}": v for k, v in calls.items() if v >= 0.05})
+    return row
+
+
+noop_agent = agent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=3000)
+    parser.add_argument("--rate", type=float, default=200.0)
+    parser.add_argument("--reps", type=int, default=1)
+    args = parser.parse_args()
+    print(f"{args.messages} messages one at a time at {args.rate:g}/s, no-op python agent")
+    rows = []
+    for rep in range(args.reps):
+        rows.append(row := anyio.run(one_run, args))
+        cpu = ", ".join(f"{k} {v:.0f} µs" for k, v in row.items() if not k.startswith("calls"))
+        print(f"  run {rep + 1}: CPU per message: {cpu}", flush=True)
+    keys = sorted({k for r in rows for k in r})
+    print("median per message:")
+    for key in keys:
+        value = statistics.median(r.get(key, 0.0) for r in rows)
+        unit = "" if key.startswith("calls") else " µs CPU"
+        print(f"  {key:>28} {value:8.2f}{unit}")
+
+
+if __name__ == "__main__":
+    main()
