@@ -225,8 +225,10 @@ class Dispatcher:
             if released is None:
                 log.warning("credit notification not understood, dropped: %r", data[:80])
                 return
-            freed = self.table.credits_released(*released)
-            self._to_drain.update(self.waiting.worth_draining(freed))
+            worth = self.waiting.worth_draining(self.table.credits_released(*released))
+            if not worth:
+                return  # nothing may wait for what it freed: no drain to wake
+            self._to_drain.update(worth)
         elif (capability := heard_waiting(data)) is not None:
             if capability not in self.table.index.by_capability:
                 return  # none of its instances here: a registry change brings it (below)
