@@ -33,13 +33,24 @@ def stand_aside_commands(keys: Keyspace, items: list[tuple[str, str, int, int]])
     ]
 
 
-def park_commands(keys: Keyspace, items: list[tuple[str, str, int, int]]) -> list[Command]:
+def parks_hint(conn: Connection) -> bool:
+    """Whether a park tells the dispatchers (:func:`park_commands`), and so whether a credit
+    release drains only what a dispatcher knows may have work: on one server. On a cluster a
+    keyless ``PUBLISH`` goes to one master, whose failover would fail every park; there a
+    release drains all its instance's capabilities, hint or not."""
+    return not conn.cluster
+
+
+def park_commands(
+    keys: Keyspace, items: list[tuple[str, str, int, int]], *, hint: bool
+) -> list[Command]:
     """``(capability, message_id, priority, accepted_ms)``: the waiting-set entries, then the
     capability index — in that order, so that a prune of the index
     (:meth:`WaitingSets.prune_index`) never drops a capability that has just been given work
-    — then a hint to the dispatchers (:func:`heard_waiting`): a credit release drains only
-    capabilities a dispatcher knows may have work waiting, and this is how it knows of work
-    parked by anyone else (a sidecar sending work back, the reaper, an operator's replay).
+    — then, with ``hint`` (:func:`parks_hint`), a hint to the dispatchers
+    (:func:`heard_waiting`): a credit release drains only capabilities a dispatcher knows
+    may have work waiting, and this is how it knows of work parked by anyone else (a sidecar
+    sending work back, the reaper, an operator's replay).
     The deadline index (``P:due``) is written by admission (:mod:`workers.admission`)."""
     commands: list[Command] = [
         ("ZADD", keys.waiting(capability), waiting_score(priority, accepted), message_id)
@@ -50,7 +61,8 @@ def park_commands(keys: Keyspace, items: list[tuple[str, str, int, int]]) -> lis
     commands.append(ORDER_BARRIER)  # on a cluster: other slots, so the entries land first
     capabilities = sorted({i[0] for i in items})
     commands += [("SADD", keys.waiting_index, capability) for capability in capabilities]
-    commands += [("PUBLISH", keys.registry_channel, waiting_hint(c)) for c in capabilities]
+    if hint:
+        commands += [("PUBLISH", keys.registry_channel, waiting_hint(c)) for c in capabilities]
     return commands
 
 
@@ -118,13 +130,24 @@ class WaitingSets:
         self.conn = conn
         self.keys = conn.keys
 
-    async def park(self, capability: str, message_id: str, priority: int, accepted_ms: int) -> None:
-        """Index a WAITING message in its capability's waiting set (idempotent)."""
-        await self.park_many([(capability, message_id, priority, accepted_ms)])
+    async def park(
+        self,
+        capability: str,
+        message_id: str,
+        priority: int,
+        accepted_ms: int,
+        *,
+        hint: bool = True,
+    ) -> None:
+        """Index a WAITING message in its capability's waiting set (idempotent). ``hint``:
+        tell the dispatchers (where :func:`parks_hint`); not for a look that indexes again
+        what is most likely indexed already."""
+        await self.park_many([(capability, message_id, priority, accepted_ms)], hint=hint)
 
-    async def park_many(self, items: list[tuple[str, str, int, int]]) -> None:
+    async def park_many(self, items: list[tuple[str, str, int, int]], *, hint: bool = True) -> None:
         """``(capability, message_id, priority, accepted_ms)`` tuples, in one round trip."""
-        await self.conn.run_all(park_commands(self.keys, items))
+        hinted = hint and parks_hint(self.conn)
+        await self.conn.run_all(park_commands(self.keys, items, hint=hinted))
 
     async def unpark_many(self, capability: str, message_ids: list[str]) -> None:
         await self.conn.run_all(unpark_commands(self.keys, {capability: message_ids}))

@@ -44,7 +44,7 @@ from broker.sessions import bind_session_commands, bound_instances
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore
 from broker.timekeeping import now_ms
-from broker.waiting_sets import park_commands
+from broker.waiting_sets import park_commands, parks_hint
 
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
 from .intake import Intake
@@ -138,7 +138,7 @@ class Admission:
             await self._admit(children, admitted, now)
         # waiting sets before a drain can look for them, sessions before the next batch, and
         # with them the deadline entries; with neither, those go with the assignments
-        first = park_commands(self.store.keys, admitted.to_park)
+        first = park_commands(self.store.keys, admitted.to_park, hint=parks_hint(self.store.conn))
         first += bind_session_commands(self.store.conn, admitted.bindings)
         if first:
             await self.store.conn.run_all(admitted.due + first)
@@ -327,6 +327,7 @@ class Admission:
                 for r in records
                 if r.stage is Stage.WAITING
             ],
+            hint=parks_hint(self.store.conn),
         )
         await self.store.conn.run_all(commands)
         assigned = await self.assigner.assign(

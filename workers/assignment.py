@@ -20,7 +20,7 @@ from broker.routing import Decision, Outcome, RouteRequest
 from broker.stages import Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
-from broker.waiting_sets import count_assigned_commands, park_commands
+from broker.waiting_sets import count_assigned_commands, park_commands, parks_hint
 from broker.wire import route_from_json
 
 from .budget_watch import BudgetWatch
@@ -141,6 +141,7 @@ class Assigner:
                     for (r, _, retry_at), m in zip(refused, moved, strict=True)
                     if m.ok
                 ],
+                hint=parks_hint(self.store.conn),
             )
         )
 

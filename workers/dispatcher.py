@@ -161,14 +161,14 @@ class Dispatcher:
             try:
                 if anyio.current_time() >= ready:  # a rate limit lets work through again
                     held = await self.store.waiting.capabilities()
-                    self.waiting.may_have_work(held)
+                    self.waiting.may_wait.add(held)
                     capabilities |= set(held)
                 if anyio.current_time() >= next_sweep:
                     next_sweep = anyio.current_time() + self.settings.sweep_interval_s
                     await self.refresh()
                     await self.claim_abandoned()
                     waiting = await self._waiting_capabilities()
-                    self.waiting.may_have_work(waiting)
+                    self.waiting.may_wait.add(waiting)
                     await self.waiting.reconsider_unmatched(waiting)
                     capabilities |= set(waiting)
                 await self.drain(capabilities)
@@ -197,8 +197,9 @@ class Dispatcher:
         if now < self._next_prune:
             return waiting
         self._next_prune = now + PRUNE_EVERY_S
+        heard = self.waiting.may_wait.heard()
         dropped = set(await self.store.waiting.prune_index(waiting))
-        self.waiting.forget(dropped)
+        self.waiting.forget(dropped, heard)
         return [c for c in waiting if c not in dropped]
 
     def _drain_soon(self, capabilities: Iterable[str]) -> None:
@@ -225,14 +226,15 @@ class Dispatcher:
             if released is None:
                 log.warning("credit notification not understood, dropped: %r", data[:80])
                 return
-            worth = self.waiting.worth_draining(self.table.credits_released(*released))
+            freed = self.table.credits_released(*released)
+            worth = self.waiting.may_wait.worth_draining(freed, self.table.policy.resolve)
             if not worth:
                 return  # nothing may wait for what it freed: no drain to wake
             self._to_drain.update(worth)
         elif (capability := heard_waiting(data)) is not None:
-            if capability not in self.table.index.by_capability:
-                return  # none of its instances here: a registry change brings it (below)
-            self.waiting.may_have_work([capability])
+            if self.table.policy.resolve(capability) not in self.table.index.by_capability:
+                return  # no instance of it here: a registry change brings it (below)
+            self.waiting.may_wait.add([capability])
             self._to_drain.add(capability)
         else:
             try:
@@ -241,7 +243,7 @@ class Dispatcher:
             except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("registry refresh failed (the sweep retries): %s", exc)
                 return
-            self.waiting.may_have_work(waiting)
+            self.waiting.may_wait.add(waiting)
             self._to_drain.update(waiting)
         self._credit_freed.set()
 

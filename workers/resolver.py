@@ -114,9 +114,9 @@ class Resolver:
             set_aside = await self.conn.call(
                 "ZSCORE", self.conn.keys.unmatched(record.capability), record.id
             )
-            if set_aside is None:
+            if set_aside is None:  # no hint: every look at every waiting message comes here
                 await self.store.waiting.park(
-                    record.capability, record.id, record.priority, record.accepted_ms
+                    record.capability, record.id, record.priority, record.accepted_ms, hint=False
                 )
             return Verdict("waiting", min(record.deadline_ms, now + self.delivery_timeout_ms))
         decide(Signal.DEADLINE, Facts(stage=Stage.WAITING))  # EXPIRE

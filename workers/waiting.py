@@ -27,6 +27,7 @@ from broker.stages import QUEUED, Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
 from broker.waiting_sets import (
+    parks_hint,
     restore_commands,
     set_aside_commands,
     stand_aside_commands,
@@ -34,6 +35,7 @@ from broker.waiting_sets import (
 )
 
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
+from .may_wait import MayWait
 from .routing_table import RoutingTable
 
 log = logging.getLogger("agent_reach.waiting")
@@ -76,12 +78,8 @@ class WaitingRoom:
         self.assigned = 0  # messages this room has assigned, over its life
         self._review_from: dict[str, int] = {}  # where the next review of unmatched starts
         self._pass_from: dict[str, int] = {}  # where the next wide pass starts
-        # Capabilities whose waiting sets may hold work: a credit release drains only these
-        # (most releases, at a light load, find nothing waiting: a read for nothing each).
-        # One leaves when a drain finds its set empty and no work was heard of meanwhile:
-        # ``_heard`` counts, per capability, the times it was.
-        self.may_wait: set[str] = set()
-        self._heard: dict[str, int] = {}
+        # what a credit release drains (workers/may_wait.py)
+        self.may_wait = MayWait(drains_all=not parks_hint(store.conn))
         # (capability, id, priority, until): met at the head but not to go before `until`
         self._stand_aside: list[tuple[str, str, int, int]] = []
 
@@ -143,7 +141,7 @@ class WaitingRoom:
         }
         if not windows:
             return 0, set(), set()
-        heard = {c: self._heard.get(c, 0) for c in windows}
+        heard = self.may_wait.heard(windows)
         heads = await self.store.waiting.heads(windows)
         offer = fair_order(heads, self.rotation.order(heads))
         ids = [i for _, i in offer]
@@ -170,9 +168,8 @@ class WaitingRoom:
         for c, head in heads.items():
             gone = len(removed[c]) + len(aside[c])  # and the stood aside moved back in the line
             counts = (len(head), gone, gone + stood.count(c), sum(a.capability == c for a in done))
-            emptied = self._passed(c, counts, windows[c], passed_over, wide=bool(wide))
-            if emptied and self._heard.get(c, 0) == heard[c]:
-                self.may_wait.discard(c)  # nothing waits, and no work was parked since the read
+            if self._passed(c, counts, windows[c], passed_over, wide=bool(wide)):
+                self.may_wait.found_empty(c, heard)
         for capability, ids in removed.items():
             await self._repark_returned(capability, ids)
         full = {c for c, head in heads.items() if len(head) == windows[c][1]}
@@ -231,33 +228,21 @@ class WaitingRoom:
             )
             self.note_waiting([capability])
 
-    def forget(self, capabilities: Iterable[str]) -> None:
-        """Capabilities with nothing waiting any more: what this room kept about them goes."""
-        for capability in capabilities:
+    def forget(self, capabilities: Iterable[str], heard: dict[str, int] | None = None) -> None:
+        """Capabilities with nothing waiting any more: what this room kept about them goes —
+        unless work was heard of since ``heard`` (:meth:`MayWait.heard`, before looking)."""
+        for capability in self.may_wait.forget(capabilities, heard):
             self.backlogged.discard(capability)
             self.rotation.forget(capability)
             self._review_from.pop(capability, None)
             self._pass_from.pop(capability, None)
-            self.may_wait.discard(capability)
-            self._heard.pop(capability, None)
-
-    def may_have_work(self, capabilities: Iterable[str]) -> None:
-        """Work was parked for these (here, by another process, or found by a sweep): a
-        credit release drains them until a drain finds nothing waiting."""
-        for capability in capabilities:
-            self.may_wait.add(capability)
-            self._heard[capability] = self._heard.get(capability, 0) + 1
-
-    def worth_draining(self, capabilities: Iterable[str]) -> set[str]:
-        """Of the capabilities a credit release frees, those that may have work waiting."""
-        return {c for c in capabilities if c in self.may_wait}
 
     def note_waiting(self, capabilities: Iterable[str]) -> None:
         """Work of these capabilities now waits. Those without a free credit are backlogged;
         where credits are free, what waits could not use them (no instance matches its
         selectors, say), and later arrivals must not queue behind it."""
         capabilities = list(capabilities)
-        self.may_have_work(capabilities)
+        self.may_wait.add(capabilities)
         now = now_ms()
         self.backlogged.update(
             c for c in capabilities if self.table.free_credits(c, now_ms=now) <= 0

@@ -125,7 +125,9 @@ def test_a_slot_map_from_cluster_slots() -> None:
 
 
 def test_parking_writes_the_entries_before_the_index_and_the_hint_that_point_at_them() -> None:
-    commands = park_commands(KEYS, [("text.echo", "m1", 0, 1), ("text.echo", "m2", 0, 2)])
+    commands = park_commands(
+        KEYS, [("text.echo", "m1", 0, 1), ("text.echo", "m2", 0, 2)], hint=True
+    )
     at = commands.index(ORDER_BARRIER)
 
     assert {command_slot(c) for c in commands[:at]} == {key_slot(KEYS.waiting("text.echo"))}
@@ -136,4 +138,6 @@ def test_parking_writes_the_entries_before_the_index_and_the_hint_that_point_at_
     assert heard_waiting(waiting_hint("text.echo")) == "text.echo"
     assert heard_waiting(b"a-1") is None  # an instance id: its card changed
     assert key_slot(KEYS.waiting_index) != key_slot(KEYS.waiting("text.echo"))
-    assert park_commands(KEYS, []) == []
+    assert park_commands(KEYS, [], hint=True) == []
+    unhinted = park_commands(KEYS, [("text.echo", "m1", 0, 1)], hint=False)
+    assert [c[0] for c in unhinted if c is not ORDER_BARRIER] == ["ZADD", "SADD"]
