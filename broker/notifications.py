@@ -35,6 +35,9 @@ log = logging.getLogger("agent_reach.notifications")
 RETRY_S = 0.5  # after a lost connection, before subscribing again
 _QUEUED = 1000  # hints kept for a slow reader; more are dropped (the sweep covers them)
 _MESSAGES = frozenset({b"message", b"smessage"})
+# on the registry channel, "no instance in particular": hints may have been lost, so a
+# dispatcher reads the registry and the waiting index again (workers/dispatcher.py)
+MISSED = b""
 
 
 def credit_shard(keys: Keyspace, instance_id: str) -> str:
@@ -66,6 +69,8 @@ class Notifications:
         self._failed = False
         self._queue: deque[tuple[str, bytes]] = deque(maxlen=_QUEUED)
         self._arrived = anyio.Event()
+        self._lost = False  # the subscriptions dropped: hints may have gone by unheard
+        self._missed = False  # some hint was dropped or may have been: say so first
 
     def follow(self, instances: Iterable[str]) -> None:
         """Hear the credit releases of ``instances`` (on sharded channels: subscribes to
@@ -77,7 +82,12 @@ class Notifications:
                 self._changed.set()
 
     async def next(self, *, timeout_s: float) -> tuple[str, bytes] | None:
-        """The next hint, or ``None`` after ``timeout_s`` of quiet."""
+        """The next hint, or ``None`` after ``timeout_s`` of quiet. Where hints may have been
+        lost — subscribed again after a failure, or more than ``_QUEUED`` left unread — first
+        an empty one on the registry channel (:data:`MISSED`): read everything again."""
+        if self._missed:
+            self._missed = False
+            return self._keys.registry_channel, MISSED
         if not self._queue:
             self._arrived = anyio.Event()
             with anyio.move_on_after(timeout_s):
@@ -121,6 +131,7 @@ class Notifications:
         except (RedisUnavailable, RedisReplyError) as exc:
             log.warning("notifications lost, subscribing again: %s", exc)
             self._failed = True
+            self._lost = True
             self._changed.set()
 
     async def _subscribed(self, url: str, commands: list[tuple[str, ...]]) -> None:
@@ -129,6 +140,10 @@ class Notifications:
             for reply in await conn.execute(list(commands)):
                 if isinstance(reply, Exception):  # MOVED: the slot left this node
                     raise reply
+            if self._lost:  # heard again from now on: what went by meanwhile is unknown
+                self._lost = False
+                self._missed = True
+                self._arrived.set()
             while True:
                 push = await conn.read_one()
                 if not isinstance(push, list) or len(push) < 3:
@@ -142,7 +157,9 @@ class Notifications:
                 await conn.close()
 
     def _hint(self, channel: str, data: bytes) -> None:
-        self._queue.append((channel, data))  # past _QUEUED the oldest go: the sweep covers
+        if len(self._queue) == _QUEUED:  # the oldest goes: say so (next)
+            self._missed = True
+        self._queue.append((channel, data))
         self._arrived.set()
 
     async def _stale(self) -> None:

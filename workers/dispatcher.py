@@ -236,7 +236,7 @@ class Dispatcher:
                 return  # no instance of it here: a registry change brings it (below)
             self.waiting.may_wait.add([capability])
             self._to_drain.add(capability)
-        else:
+        else:  # a card changed, or hints may have been missed (MISSED): read both again
             try:
                 await self.refresh()
                 waiting = await self.store.waiting.capabilities()
