@@ -38,6 +38,8 @@ from broker.connection import Connection, open_connection
 from broker.embedded import RedisServer
 from broker.envelope import Envelope
 
+from .profile import commandstats
+
 CAPABILITY = "bench.cost"
 REPO = Path(__file__).resolve().parent.parent
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -69,14 +71,10 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
-async def commandstats(conn: Connection) -> dict[str, int]:
-    info = (await conn.call("INFO", "commandstats")).decode()
-    calls: dict[str, int] = {}
-    for line in info.splitlines():
-        if line.startswith("cmdstat_"):
-            name, _, rest = line.partition(":")
-            calls[name[8:]] = int(rest.split(",")[0].split("=")[1])
-    return calls
+async def calls(conn: Connection) -> dict[str, int]:
+    """Redis's calls so far, by command (``INFO commandstats``)."""
+    stats = commandstats((await conn.call("INFO", "commandstats")).decode())
+    return {name: count for name, (count, _) in stats.items()}
 
 
 async def paced(client: Client, count: int, rate: float) -> str:
@@ -111,17 +109,17 @@ async def one_run(args: argparse.Namespace) -> dict[str, float]:
             await succeeded(conn, await paced(client, int(args.rate), args.rate))  # 1 s warm-up
             pids = {"dispatcher (up)": up.pid, "sidecar": sidecar.pid, "redis": server.process.pid}
             before = {name: cpu_s(pid) for name, pid in pids.items()}
-            stats_before = await commandstats(conn)
+            stats_before = await calls(conn)
             await succeeded(conn, await paced(client, args.messages, args.rate))
             after = {name: cpu_s(pid) for name, pid in pids.items()}
-            stats = await commandstats(conn)
+            stats = await calls(conn)
     finally:
         stop(sidecar)
         stop(up)
         server.stop()
     row = {name: (after[name] - before[name]) * 1e6 / args.messages for name in pids}
-    calls = {k: (v - stats_before.get(k, 0)) / args.messages for k, v in stats.items()}
-    row.update({f"calls {k}": v for k, v in calls.items() if v >= 0.05})
+    per = {k: (v - stats_before.get(k, 0)) / args.messages for k, v in stats.items()}
+    row.update({f"calls {k}": v for k, v in per.items() if v >= 0.05})
     return row
 
 

@@ -226,8 +226,7 @@ class Dispatcher:
             if released is None:
                 log.warning("credit notification not understood, dropped: %r", data[:80])
                 return
-            freed = self.table.credits_released(*released)
-            worth = self.waiting.may_wait.worth_draining(freed, self.table.policy.resolve)
+            worth = self.waiting.may_wait.worth_draining(self.table.credits_released(*released))
             if not worth:
                 return  # nothing may wait for what it freed: no drain to wake
             self._to_drain.update(worth)

@@ -17,9 +17,13 @@ from collections.abc import Callable, Iterable
 
 
 class MayWait:
-    def __init__(self, *, drains_all: bool) -> None:
+    def __init__(self, *, drains_all: bool, resolve: Callable[[str], str]) -> None:
+        """``resolve``: an alias to the capability it names (the routing policy's)."""
         self.drains_all = drains_all
-        self.capabilities: set[str] = set()
+        self._resolve = resolve
+        # what may have work waiting, by the capability it resolves to: a release looks up
+        # only its instance's names, however many capabilities have work waiting
+        self._by_name: dict[str, set[str]] = {}
         self._heard: dict[str, int] = {}  # per capability, how often work was heard of
 
     def heard(self, capabilities: Iterable[str] | None = None) -> dict[str, int]:
@@ -32,13 +36,13 @@ class MayWait:
     def add(self, capabilities: Iterable[str]) -> None:
         """Work was parked for these: a release drains them until a drain finds nothing."""
         for capability in capabilities:
-            self.capabilities.add(capability)
+            self._by_name.setdefault(self._resolve(capability), set()).add(capability)
             self._heard[capability] = self._heard.get(capability, 0) + 1
 
     def found_empty(self, capability: str, heard: dict[str, int]) -> None:
         """A drain found the set empty; ``heard``: :meth:`heard` from before its read."""
         if self._heard.get(capability, 0) == heard.get(capability, 0):
-            self.capabilities.discard(capability)
+            self._discard(capability)
 
     def forget(self, capabilities: Iterable[str], heard: dict[str, int] | None = None) -> list[str]:
         """Forget what nothing waits for any more — unless work was heard of since ``heard``.
@@ -47,15 +51,21 @@ class MayWait:
             c for c in capabilities if heard is None or self._heard.get(c, 0) == heard.get(c, 0)
         ]
         for capability in gone:
-            self.capabilities.discard(capability)
+            self._discard(capability)
             self._heard.pop(capability, None)
         return gone
 
-    def worth_draining(self, freed: Iterable[str], resolve: Callable[[str], str]) -> set[str]:
+    def worth_draining(self, freed: Iterable[str]) -> set[str]:
         """What a credit release for ``freed`` (an instance's capabilities) drains: those of
-        them, and of their aliases (``resolve``: an alias to what it names), that may have
-        work waiting; on a cluster, all of them."""
-        freed = set(freed)
+        them, and of their aliases, that may have work waiting; on a cluster, all of them."""
         if self.drains_all:
-            return freed
-        return {c for c in self.capabilities if c in freed or resolve(c) in freed}
+            return set(freed)
+        return {c for name in freed for c in self._by_name.get(name, ())}
+
+    def _discard(self, capability: str) -> None:
+        name = self._resolve(capability)
+        same = self._by_name.get(name)
+        if same is not None:
+            same.discard(capability)
+            if not same:
+                del self._by_name[name]

@@ -79,7 +79,7 @@ class WaitingRoom:
         self._review_from: dict[str, int] = {}  # where the next review of unmatched starts
         self._pass_from: dict[str, int] = {}  # where the next wide pass starts
         # what a credit release drains (workers/may_wait.py)
-        self.may_wait = MayWait(drains_all=not parks_hint(store.conn))
+        self.may_wait = MayWait(drains_all=not parks_hint(store.conn), resolve=table.policy.resolve)
         # (capability, id, priority, until): met at the head but not to go before `until`
         self._stand_aside: list[tuple[str, str, int, int]] = []
 

@@ -11,6 +11,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from bench.profile import commandstats
 from broker.client import Client
 from broker.connection import Connection, open_connection
 from broker.envelope import Envelope
@@ -413,9 +414,8 @@ async def test_work_behind_a_pinned_line_is_offered_in_the_order_it_arrived(
 
 async def waiting_set_reads(conn: Connection) -> int:
     """How many times Redis has run ZRANGE (a drain reading a waiting set's head)."""
-    info = (await conn.call("INFO", "commandstats")).decode()
-    line = next((s for s in info.splitlines() if s.startswith("cmdstat_zrange:")), "")
-    return int(line.split("calls=")[1].split(",")[0]) if line else 0
+    stats = commandstats((await conn.call("INFO", "commandstats")).decode())
+    return stats.get("zrange", (0, 0))[0]
 
 
 async def test_a_credit_release_reads_no_waiting_set_when_nothing_waits(conn: Connection) -> None:
