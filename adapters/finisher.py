@@ -1,19 +1,22 @@
 """The finisher: records each outcome, tells the producer, returns the credit.
 
-Finished entries queue up and are settled together, in a few round trips however many there
-are: the outcomes recorded (compare-and-set, fenced on attempt and instance), then the replies
-of those recorded, then the credits returned and the entries acknowledged
-(``lua/release.lua``). Replies go before the acknowledgement, so a crash in between sends a
-reply again, never skips one. An outcome that moves a message elsewhere (back to waiting, or
-dead) is written at once, then its entry let go of the same way.
+Finished entries queue up and are settled together, in a round trip or a few however many
+there are. On one server the outcomes' moves (compare-and-set, fenced on attempt and
+instance) and ``lua/finish.lua`` go in one pipeline: the script tells the producers of the
+outcomes on the record and returns the credits (:mod:`broker.finishing`). Otherwise (a cluster,
+``replica_acks``, a broadcast child's outcome) in three: the outcomes recorded, then the
+replies of those recorded, then the credits returned and the entries acknowledged
+(``lua/release.lua``). Either way replies go before the acknowledgement, so a crash in between
+sends a reply again, never skips one. An outcome that moves a message elsewhere (back to
+waiting, or dead) is written at once, then its entry let go of the same way.
 
-Recording and releasing are two stages that overlap: the next outcomes are recorded while
-the replies and credits of the last are on their way, so an outcome waits for one round trip
-before it is on the record. A finished call whose outcome is not recorded is what a crash
-repeats (the message is still PROCESSING); the intake reads no new work while more than
-:data:`UNRECORDED_MAX` wait (:meth:`Finisher.room`), so under saturation that stays bounded.
-(Holding back each call instead parked a worker per call: a pool grown to thousands, for
-nothing.)
+In three round trips, recording and releasing are two stages that overlap: the next outcomes
+are recorded while the replies and credits of the last are on their way, so an outcome waits
+for one round trip before it is on the record. A finished call whose outcome is not recorded
+is what a crash repeats (the message is still PROCESSING); the intake reads no new work while
+more than :data:`UNRECORDED_MAX` wait (:meth:`Finisher.room`), so under saturation that stays
+bounded. (Holding back each call instead parked a worker per call: a pool grown to thousands,
+for nothing.)
 """
 
 from __future__ import annotations
@@ -26,14 +29,10 @@ from typing import Any
 import anyio
 import msgspec
 
-from broker import process_metrics
 from broker.connection import Connection
-from broker.credits import release_command
 from broker.delivery import producer_commands
 from broker.envelope import Envelope
 from broker.errors import RedisReplyError, RedisUnavailable
-from broker.keyspace import SIDECAR_GROUP
-from broker.process_metrics import since_ms
 from broker.records import Moved
 from broker.results import Command
 from broker.retry import retry_delay_ms
@@ -43,6 +42,7 @@ from broker.timekeeping import now_ms
 from broker.usage import Charge, reported
 
 from .holdings import Finished, Holdings, Taken
+from .one_trip import OneTrip, release_of, time_ended
 
 log = logging.getLogger("agent_reach.sidecar")
 
@@ -89,6 +89,7 @@ class Finisher:
         self.store = store
         self.instance_id = instance_id
         self.holdings = holdings
+        self._one_trip = OneTrip(conn, store, instance_id)
         self._queued: list[Finished] = []  # outcomes not recorded yet
         self._ready = Wakeup()
         self._record_lock = anyio.Lock()
@@ -284,15 +285,27 @@ class Finisher:
             if not batch:
                 return
             try:
-                recorded = await self._record(batch)
+                if self._one_trip.fits(batch):
+                    again = await self._one_trip.finish(batch)
+                    held = {id(item) for item in again}
+                    for item in batch:
+                        if id(item) not in held:
+                            self._let_go(item)
+                else:
+                    # awaited first: the releasing stage swaps the list while this is out
+                    recorded = await self._record(batch)
+                    self._unreleased.append((batch, recorded))
+                    self._recorded_ready.set()
+                    again = []
             except Exception:
                 # anything that stopped the round trip: the batch is recorded again next time
                 self._queued = batch + self._queued
                 raise
-            self._unreleased.append((batch, recorded))
-            self._recorded_ready.set()
+            self._queued = again + self._queued
             self._written.set()
             self._written = anyio.Event()
+        if again:
+            raise RedisReplyError(f"ERR {len(again)} outcomes not recorded, written again")
 
     async def release_now(self) -> None:
         """Deliver the replies of the recorded outcomes, then return their credits and
@@ -305,34 +318,24 @@ class Finisher:
             recorded = {i for _, ids in rounds for i in ids}
             try:
                 await self._tell(batch, recorded)
-                await self.conn.call(
-                    *release_command(
-                        self.store.conn,
-                        self.instance_id,
-                        SIDECAR_GROUP,
-                        [
-                            (f"{i.taken.message_id}:{i.taken.attempt}", i.taken.entry_id)
-                            for i in batch
-                        ],
-                    )
-                )
+                await self.conn.call(*release_of(self.conn, self.instance_id, batch))
             except Exception:
                 self._unreleased = rounds + self._unreleased
                 raise
         for item in batch:
-            self.holdings.let_go(item.taken)
-            for listener in self.on_let_go:
-                listener(item.taken)
+            self._let_go(item)
+
+    def _let_go(self, item: Finished) -> None:
+        self.holdings.let_go(item.taken)
+        for listener in self.on_let_go:
+            listener(item.taken)
 
     async def _record(self, batch: list[Finished]) -> set[int]:
         """Write the outcomes; the ids of the items whose outcome is on the record."""
         settles = [item for item in batch if item.settle is not None]
-        moved = await self.store.move_many([item.settle for item in settles if item.settle])
-        now = now_ms()
-        for item, m in zip(settles, moved, strict=True):
-            if m.ok and m.stage in TERMINAL:
-                process_metrics.end_to_end(item.capability, since_ms(m.accepted_ms, now))
-        return {id(item) for item, m in zip(settles, moved, strict=True) if self._recorded(item, m)}
+        done = await self.store.move_many([item.settle for item in settles if item.settle])
+        time_ended(list(zip(settles, done, strict=True)))
+        return {id(item) for item, m in zip(settles, done, strict=True) if self._recorded(item, m)}
 
     async def _tell(self, batch: list[Finished], recorded: set[int]) -> None:
         replying = [

@@ -16,6 +16,7 @@ class ScriptName(StrEnum):
     RECEIVE_PROCESS = "receive_process"
     CLAIM_ASSIGN = "claim_assign"
     RELEASE = "release"
+    FINISH = "finish"
     HEARTBEAT = "heartbeat"
     BACKLOG = "backlog"
     CLAIM_DUE = "claim_due"
@@ -60,6 +61,7 @@ PRELUDES: tuple[tuple[str, frozenset[ScriptName]], ...] = (
         "move_record",
         frozenset({ScriptName.TRANSITION, ScriptName.RECEIVE_PROCESS, ScriptName.CLAIM_ASSIGN}),
     ),
+    ("free_credits", frozenset({ScriptName.RELEASE, ScriptName.FINISH})),
     (
         "assign_credit",
         frozenset({ScriptName.ASSIGN, ScriptName.ACCEPT_ASSIGN, ScriptName.CLAIM_ASSIGN}),

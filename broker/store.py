@@ -40,7 +40,15 @@ from .timekeeping import now_ms
 from .usage import Charge, utc_day, utc_month
 from .waiting_sets import WaitingSets
 
-__all__ = ["Acceptance", "MessageStore", "Move", "accept_command", "move_command", "now_ms"]
+__all__ = [
+    "Acceptance",
+    "MessageStore",
+    "Move",
+    "accept_command",
+    "move_command",
+    "move_sources",
+    "now_ms",
+]
 
 # kept as a level in the counters (agent_reach_needs_confirmation_messages)
 LEVEL_STAGE = Stage.NEEDS_CONFIRMATION.value
@@ -140,11 +148,14 @@ _SOURCES: dict[tuple[Stage, Stage | None], str] = {
 }
 
 
+def move_sources(m: Move) -> str:
+    """The stages ``m`` is allowed from, comma-separated, as the scripts read them."""
+    return ",".join(sorted(m.any_of)) if m.any_of is not None else _SOURCES[m.target, m.only_from]
+
+
 def _move_args(conn: Connection, m: Move) -> list[Any]:
     """``lua/transition.lua``'s ARGV up to the charge."""
-    sources = (
-        ",".join(sorted(m.any_of)) if m.any_of is not None else _SOURCES[m.target, m.only_from]
-    )
+    sources = move_sources(m)
     ttl = conn.settings.record_ttl_s if m.target in TERMINAL else ""
     return [
         sources,

@@ -12,15 +12,9 @@
 -- Returns the number of credits freed.
 local freed = 0
 for i = 5, #ARGV, 2 do
-  freed = freed + redis.call('SREM', KEYS[1], ARGV[i])
-  redis.call('XACK', KEYS[2], ARGV[1], ARGV[i + 1])
+  freed = freed + free_credit(KEYS[1], KEYS[2], ARGV[1], ARGV[i], ARGV[i + 1])
 end
 if freed > 0 then
-  local announcement = ARGV[3] .. ' ' .. redis.call('SCARD', KEYS[1])
-  if ARGV[4] == '1' then
-    redis.call('SPUBLISH', ARGV[2], announcement)
-  else
-    redis.call('PUBLISH', ARGV[2], announcement)
-  end
+  announce_credits(KEYS[1], ARGV[2], ARGV[3], ARGV[4])
 end
 return freed

@@ -1,0 +1,93 @@
+"""The finisher's round in one round trip, on one server (:mod:`broker.finishing`): the
+outcomes' moves and ``lua/finish.lua`` in one pipeline, which tells the producers of the
+outcomes on the record and returns the credits. What it cannot release is answered here: a
+reply Redis refused is dead-lettered and then its entry released; a move that failed is handed
+back to be recorded again."""
+
+from __future__ import annotations
+
+import logging
+
+from broker import process_metrics
+from broker.connection import Connection
+from broker.credits import release_command
+from broker.errors import RedisReplyError
+from broker.event_log import emit
+from broker.finishing import Ending, finish_answer, finish_commands, fits
+from broker.keyspace import SIDECAR_GROUP
+from broker.process_metrics import since_ms
+from broker.record_codec import moved, raised
+from broker.records import Moved
+from broker.results import Command
+from broker.stages import TERMINAL
+from broker.store import MessageStore, parked_events
+from broker.timekeeping import now_ms
+
+from .holdings import Finished
+
+log = logging.getLogger("agent_reach.sidecar")
+
+
+def release_of(conn: Connection, instance_id: str, batch: list[Finished]) -> Command:
+    """``lua/release.lua`` for these entries: their credits back, their entries acked."""
+    pairs = [(f"{i.taken.message_id}:{i.taken.attempt}", i.taken.entry_id) for i in batch]
+    return release_command(conn, instance_id, SIDECAR_GROUP, pairs)
+
+
+def time_ended(made: list[tuple[Finished, Moved]]) -> None:
+    """The end-to-end time of each message whose outcome ended it just now."""
+    now = now_ms()
+    for item, m in made:
+        if m.ok and m.stage in TERMINAL:
+            process_metrics.end_to_end(item.capability, since_ms(m.accepted_ms, now))
+
+
+def ending(item: Finished) -> Ending:
+    taken = item.taken
+    return Ending(f"{taken.message_id}:{taken.attempt}", taken.entry_id, item.settle, item.replies)
+
+
+class OneTrip:
+    def __init__(self, conn: Connection, store: MessageStore, instance_id: str) -> None:
+        self.conn = conn
+        self.store = store
+        self.instance_id = instance_id
+
+    def fits(self, batch: list[Finished]) -> bool:
+        return fits(self.conn, self.instance_id, [ending(item) for item in batch])
+
+    async def finish(self, batch: list[Finished]) -> list[Finished]:
+        """Record, tell and release ``batch``; the items whose outcome must be recorded again
+        (their move failed: the first error is logged). Every other item is released."""
+        commands = finish_commands(
+            self.conn, self.instance_id, SIDECAR_GROUP, [ending(item) for item in batch]
+        )
+        replies = await self.conn.call_many(commands)
+        answer = finish_answer(raised(replies[-1]))
+        settles = [item for item in batch if item.settle is not None]
+        made = [
+            (item, moved(reply))
+            for item, reply in zip(settles, replies[:-1], strict=True)
+            if not isinstance(reply, Exception)
+        ]
+        time_ended(made)
+        moves = [item.settle for item, _ in made if item.settle is not None]
+        await emit(self.conn, parked_events(self.conn, moves, [m for _, m in made]))
+        if failed := next((r for r in replies[:-1] if isinstance(r, Exception)), None):
+            log.warning("an outcome was not recorded, to be written again: %s", failed)
+        if answer.refused:
+            await self._dead_letter([(batch[k], errors) for k, errors in answer.refused.items()])
+        return [batch[k] for k in sorted(answer.unmoved)]
+
+    async def _dead_letter(
+        self, refused: list[tuple[Finished, dict[int, RedisReplyError]]]
+    ) -> None:
+        """Replies Redis refused inside ``finish.lua``: dead-lettered, then released."""
+        owners, commands, replies = [], [], []
+        for item, errors in refused:
+            for c, error in errors.items():
+                owners.append(item.taken.message_id)
+                commands.append(item.replies[c])
+                replies.append(error)
+        await self.store.delivery.after_delivery(owners, commands, replies)
+        await self.conn.call(*release_of(self.conn, self.instance_id, [i for i, _ in refused]))
