@@ -12,8 +12,14 @@ the latency stage's p50 and p99 are made of, and what batching hides at saturati
 Also prints Redis's commands per message (``INFO commandstats``, scripts counted as
 ``evalsha`` and the commands they run under their own names).
 
-Usage: ``python -m bench.cpu_cost [--messages 3000] [--rate 200] [--reps 1]``. Figures only,
-no threshold: CI never runs it. Compare two commits by running it in each, interleaved.
+With ``--burst`` the envelopes are submitted all at once instead, 100 concurrent submits at a
+time (as the harness's throughput stage does): the cost of a message at saturation, where
+batches are as large as the load makes them, and the rate the three processes reach
+(``messages/s``; this process, the producer, shares the two cores with them).
+
+Usage: ``python -m bench.cpu_cost [--messages 3000] [--rate 200] [--reps 1] [--burst]``.
+Figures only, no threshold: CI never runs it. Compare two commits by running it in each,
+interleaved.
 """
 
 from __future__ import annotations
@@ -88,9 +94,34 @@ async def paced(client: Client, count: int, rate: float) -> str:
     return last
 
 
+async def burst(client: Client, count: int, batch: int = 100) -> None:
+    """Submit ``count`` envelopes as fast as ``batch`` concurrent submits go (as the anchors
+    harness's throughput stage does)."""
+
+    async def submit() -> None:
+        await client.submit(Envelope(capability=CAPABILITY, payload=msgspec.Raw(b"{}")))
+
+    for start in range(0, count, batch):
+        async with anyio.create_task_group() as tg:
+            for _ in range(min(batch, count - start)):
+                tg.start_soon(submit)
+
+
 async def succeeded(conn: Connection, message_id: str) -> None:
     with anyio.fail_after(60):
         while await conn.call("HGET", conn.keys.record(message_id), "stage") != b"SUCCEEDED":  # noqa: ASYNC110 - polled
+            await anyio.sleep(0.01)
+
+
+async def finished(conn: Connection) -> int:
+    """How many messages of the bench's capability have SUCCEEDED (the counters)."""
+    field = f"finished\t{CAPABILITY}\tSUCCEEDED"
+    return int(await conn.call("HGET", conn.counting().key or "", field) or 0)
+
+
+async def all_succeeded(conn: Connection, count: int) -> None:
+    with anyio.fail_after(120):
+        while await finished(conn) < count:  # noqa: ASYNC110 - polled, with a deadline
             await anyio.sleep(0.01)
 
 
@@ -110,7 +141,13 @@ async def one_run(args: argparse.Namespace) -> dict[str, float]:
             pids = {"dispatcher (up)": up.pid, "sidecar": sidecar.pid, "redis": server.process.pid}
             before = {name: cpu_s(pid) for name, pid in pids.items()}
             stats_before = await calls(conn)
-            await succeeded(conn, await paced(client, args.messages, args.rate))
+            began, done = time.perf_counter(), await finished(conn)
+            if args.burst:
+                await burst(client, args.messages)
+                await all_succeeded(conn, done + args.messages)
+            else:
+                await succeeded(conn, await paced(client, args.messages, args.rate))
+            took_s = time.perf_counter() - began
             after = {name: cpu_s(pid) for name, pid in pids.items()}
             stats = await calls(conn)
     finally:
@@ -118,6 +155,7 @@ async def one_run(args: argparse.Namespace) -> dict[str, float]:
         stop(up)
         server.stop()
     row = {name: (after[name] - before[name]) * 1e6 / args.messages for name in pids}
+    row["messages/s"] = args.messages / took_s
     per = {k: (v - stats_before.get(k, 0)) / args.messages for k, v in stats.items()}
     row.update({f"calls {k}": v for k, v in per.items() if v >= 0.05})
     return row
@@ -131,18 +169,24 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=3000)
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument(
+        "--burst",
+        action="store_true",
+        help="submit all at once (100 concurrent submits at a time): saturation, not --rate",
+    )
     args = parser.parse_args()
-    print(f"{args.messages} messages one at a time at {args.rate:g}/s, no-op python agent")
+    how = "in a burst" if args.burst else f"one at a time at {args.rate:g}/s"
+    print(f"{args.messages} messages {how}, no-op python agent")
     rows = []
     for rep in range(args.reps):
         rows.append(row := anyio.run(one_run, args))
-        cpu = ", ".join(f"{k} {v:.0f} µs" for k, v in row.items() if not k.startswith("calls"))
+        cpu = ", ".join(f"{k} {v:.0f}" for k, v in row.items() if not k.startswith("calls"))
         print(f"  run {rep + 1}: CPU per message: {cpu}", flush=True)
     keys = sorted({k for r in rows for k in r})
     print("median per message:")
     for key in keys:
         value = statistics.median(r.get(key, 0.0) for r in rows)
-        unit = "" if key.startswith("calls") else " µs CPU"
+        unit = "" if key.startswith("calls") or key == "messages/s" else " µs CPU"
         print(f"  {key:>28} {value:8.2f}{unit}")
 
 
