@@ -7,8 +7,12 @@ outcomes on the record and returns the credits (:mod:`broker.finishing`). Otherw
 ``replica_acks``, a broadcast child's outcome) in three: the outcomes recorded, then the
 replies of those recorded, then the credits returned and the entries acknowledged
 (``lua/release.lua``). Either way replies go before the acknowledgement, so a crash in between
-sends a reply again, never skips one. An outcome that moves a message elsewhere (back to
-waiting, or dead) is written at once, then its entry let go of the same way.
+sends a reply again, never skips one. (In one round trip, an outcome whose record moves on
+between its move and the script — an operator's replay in that instant — is released untold:
+the replay ends the message again, and that answer is told.) A reply Redis refuses for good is
+dead-lettered before its credit goes; one refused "for now" (OOM, READONLY) is tried again.
+An outcome that moves a message elsewhere (back to waiting, or dead) is written at once, then
+its entry let go of the same way.
 
 In three round trips, recording and releasing are two stages that overlap: the next outcomes
 are recorded while the replies and credits of the last are on their way, so an outcome waits
@@ -279,24 +283,23 @@ class Finisher:
             await self._written.wait()
 
     async def record_now(self) -> None:
-        """Record every queued outcome (one round trip); its replies and credit follow."""
+        """Record every queued outcome (one round trip); its replies and credit follow — in
+        the same round trip on one server (:mod:`adapters.one_trip`)."""
         async with self._record_lock:
             batch, self._queued = self._queued, []
             if not batch:
                 return
+            again: list[Finished] = []
+            problem: Exception | None = None
+            one_trip = self._one_trip.fits(batch)
             try:
-                if self._one_trip.fits(batch):
-                    again = await self._one_trip.finish(batch)
-                    held = {id(item) for item in again}
-                    for item in batch:
-                        if id(item) not in held:
-                            self._let_go(item)
+                if one_trip:
+                    again, problem = await self._one_trip.finish(batch)
                 else:
                     # awaited first: the releasing stage swaps the list while this is out
                     recorded = await self._record(batch)
                     self._unreleased.append((batch, recorded))
                     self._recorded_ready.set()
-                    again = []
             except Exception:
                 # anything that stopped the round trip: the batch is recorded again next time
                 self._queued = batch + self._queued
@@ -304,8 +307,16 @@ class Finisher:
             self._queued = again + self._queued
             self._written.set()
             self._written = anyio.Event()
+        if not one_trip:
+            return  # the releasing stage lets go of them
+        held = {id(item) for item in again}
+        for item in batch:
+            if id(item) not in held:
+                self._let_go(item)
+        if problem is not None:
+            raise problem  # the stage waits a moment, then tries what is held again
         if again:
-            raise RedisReplyError(f"ERR {len(again)} outcomes not recorded, written again")
+            self._ready.set()  # entries the script did not reach: the next round, at once
 
     async def release_now(self) -> None:
         """Deliver the replies of the recorded outcomes, then return their credits and

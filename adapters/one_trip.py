@@ -11,7 +11,7 @@ import logging
 from broker import process_metrics
 from broker.connection import Connection
 from broker.credits import release_command
-from broker.errors import RedisReplyError
+from broker.errors import RedisReplyError, RedisUnavailable
 from broker.event_log import emit
 from broker.finishing import Ending, finish_answer, finish_commands, fits
 from broker.keyspace import SIDECAR_GROUP
@@ -56,38 +56,44 @@ class OneTrip:
     def fits(self, batch: list[Finished]) -> bool:
         return fits(self.conn, self.instance_id, [ending(item) for item in batch])
 
-    async def finish(self, batch: list[Finished]) -> list[Finished]:
-        """Record, tell and release ``batch``; the items whose outcome must be recorded again
-        (their move failed: the first error is logged). Every other item is released."""
+    async def finish(self, batch: list[Finished]) -> tuple[list[Finished], Exception | None]:
+        """Record, tell and release ``batch``. Returns the items to finish again, and why the
+        next round must wait (a move that failed, a refusal that means "not now"), if it must;
+        every other item is released."""
         commands = finish_commands(
             self.conn, self.instance_id, SIDECAR_GROUP, [ending(item) for item in batch]
         )
         replies = await self.conn.call_many(commands)
-        answer = finish_answer(raised(replies[-1]))
         settles = [item for item in batch if item.settle is not None]
         made = [
             (item, moved(reply))
             for item, reply in zip(settles, replies[:-1], strict=True)
             if not isinstance(reply, Exception)
         ]
+        # what the moves made is told even if the script then failed: a retry finds them made
         time_ended(made)
         moves = [item.settle for item, _ in made if item.settle is not None]
         await emit(self.conn, parked_events(self.conn, moves, [m for _, m in made]))
-        if failed := next((r for r in replies[:-1] if isinstance(r, Exception)), None):
-            log.warning("an outcome was not recorded, to be written again: %s", failed)
-        if answer.refused:
-            await self._dead_letter([(batch[k], errors) for k, errors in answer.refused.items()])
-        return [batch[k] for k in sorted(answer.unmoved)]
+        answer = finish_answer(raised(replies[-1]))
+        problem: Exception | None = None
+        if answer.unmoved:
+            failed = next((r for r in replies[:-1] if isinstance(r, Exception)), None)
+            problem = failed or RedisReplyError(f"ERR {len(answer.unmoved)} moves not made")
+            log.warning("outcomes not recorded, to be written again: %s", problem)
+        later = {
+            k for k, (_, error) in answer.refused.items() if isinstance(error, RedisUnavailable)
+        }
+        if later:
+            problem = next(error for k, (_, error) in answer.refused.items() if k in later)
+        refused = [(batch[k], c, e) for k, (c, e) in answer.refused.items() if k not in later]
+        if refused:
+            await self._dead_letter(refused)
+        again = sorted(answer.unmoved | answer.unreached | later)
+        return [batch[k] for k in again], problem
 
-    async def _dead_letter(
-        self, refused: list[tuple[Finished, dict[int, RedisReplyError]]]
-    ) -> None:
-        """Replies Redis refused inside ``finish.lua``: dead-lettered, then released."""
-        owners, commands, replies = [], [], []
-        for item, errors in refused:
-            for c, error in errors.items():
-                owners.append(item.taken.message_id)
-                commands.append(item.replies[c])
-                replies.append(error)
-        await self.store.delivery.after_delivery(owners, commands, replies)
-        await self.conn.call(*release_of(self.conn, self.instance_id, [i for i, _ in refused]))
+    async def _dead_letter(self, refused: list[tuple[Finished, int, Exception]]) -> None:
+        """Replies Redis refused for good inside ``finish.lua``: dead-lettered, then released."""
+        owners = [item.taken.message_id for item, _, _ in refused]
+        commands = [item.replies[c] for item, c, _ in refused]
+        await self.store.delivery.after_delivery(owners, commands, [e for _, _, e in refused])
+        await self.conn.call(*release_of(self.conn, self.instance_id, [i for i, _, _ in refused]))

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .connection import Connection
-from .errors import RedisReplyError
+from .errors import RedisReplyError, RedisUnavailable
 from .notifications import credit_announcement
-from .resp import Command
+from .resp import Command, error_reply
 from .scripts import ScriptName
 from .store import Move, move_command, move_sources
 
@@ -47,16 +47,15 @@ class Ending:
 
 @dataclass(frozen=True, slots=True)
 class FinishAnswer:
-    """What ``finish.lua`` did not release: entries (by index) whose move was not made, and
-    entries with the replies Redis refused (command index -> its error)."""
+    """What ``finish.lua`` did not release, by index in the endings: those whose move was not
+    made; the one whose reply Redis refused (the script stops there), with the command's index
+    and the refusal (:class:`RedisUnavailable` for "not now": OOM, READONLY, …); and those the
+    script did not reach after it."""
 
     freed: int
     unmoved: frozenset[int]
-    refused: dict[int, dict[int, RedisReplyError]]
-
-    @property
-    def held(self) -> frozenset[int]:
-        return self.unmoved | self.refused.keys()
+    refused: dict[int, tuple[int, RedisReplyError | RedisUnavailable]]
+    unreached: frozenset[int]
 
 
 def fits(conn: Connection, instance_id: str, endings: list[Ending]) -> bool:
@@ -110,19 +109,21 @@ def finish_command(
 
 def finish_answer(reply: list[Any]) -> FinishAnswer:
     """Read ``finish.lua``'s reply."""
-    unmoved: set[int] = set()
-    refused: dict[int, dict[int, RedisReplyError]] = {}
-    for held in reply[1:]:
-        index = int(held[0]) - 1
-        if int(held[1]) == 0:
-            unmoved.add(index)
-            continue
-        pairs = held[2:]
-        refused[index] = {
-            int(pairs[k]) - 1: RedisReplyError(_text(pairs[k + 1])) for k in range(0, len(pairs), 2)
-        }
-    return FinishAnswer(int(reply[0]), frozenset(unmoved), refused)
+    held: dict[int, set[int]] = {0: set(), 2: set()}
+    refused: dict[int, tuple[int, RedisReplyError | RedisUnavailable]] = {}
+    for entry in reply[1:]:
+        index, kind = int(entry[0]) - 1, int(entry[1])
+        if kind == 1:
+            refused[index] = (int(entry[2]) - 1, error_reply(refusal_text(entry[3])))
+        else:
+            held[kind].add(index)
+    return FinishAnswer(int(reply[0]), frozenset(held[0]), refused, frozenset(held[2]))
 
 
-def _text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+def refusal_text(value: Any) -> str:
+    """An error a script's ``redis.pcall`` met, as Redis would answer it to a client: Redis 6.2
+    prefixes it with where in the script it happened (``@user_script: 12: -OOM …``)."""
+    text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    if text.startswith("@user_script:"):
+        text = text.split(": ", 2)[-1]
+    return text.removeprefix("-").strip()

@@ -65,7 +65,7 @@ _CERT_REQS: dict[str, CertReqs] = {name: name for name in CERT_REQS}
 TLS_PARAMETERS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 
 
-def _error(message: str) -> RedisReplyError | RedisUnavailable:
+def error_reply(message: str) -> RedisReplyError | RedisUnavailable:
     """The error an error reply stands for (hiredis calls this for each one it parses)."""
     error = RedisReplyError(message)
     if error.code in TRANSIENT:  # the code exactly: BUSYGROUP is no BUSY
@@ -250,7 +250,7 @@ class RespConnection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._stream = reader
         self._writer = writer
-        self._parser = hiredis.Reader(replyError=_error)
+        self._parser = hiredis.Reader(replyError=error_reply)
 
     @classmethod
     async def open(cls, url: str, *, timeout_s: float = 10.0) -> RespConnection:

@@ -21,16 +21,22 @@
 -- this instance), is told: each command run (redis.pcall); when Redis accepted them all its
 -- credit is freed. An entry whose record moved on without it (fenced: another attempt, or
 -- gone) is released untold. An entry whose record is still where its move starts (the move
--- did not run) is held, and so is one with a command Redis refused: the finisher records
--- the first again, dead-letters the second, and releases them itself (release.lua).
+-- did not run) is held, and so is one with a command Redis refused: the finisher records the
+-- first again, and dead-letters the second (or, for a refusal that means "not now" — OOM,
+-- READONLY — tries again later) before it releases it itself (release.lua). A refusal also
+-- stops the script: the entries after it are held untouched, for the finisher's next round.
+-- (Past its first write a script is no longer refused for memory: telling on past an OOM
+-- would write replies beyond maxmemory, and again at every retry.)
 --
--- Returns {freed, held...}: each held entry {index (from 1), 0} for a move not made, or
--- {index, 1, command number, error, ...} for the commands Redis refused.
+-- Returns {freed, held...}: each held entry {index (from 1), 0} for a move not made,
+-- {index, 1, command number, error} for a command Redis refused, {index, 2} for one not
+-- reached.
 local instance = ARGV[3]
 local freed = 0
 local out = {0}
 local i = 5
 local index = 0
+local stopped = false
 while i <= #ARGV do
   index = index + 1
   local member, entry_id, record = ARGV[i], ARGV[i + 1], ARGV[i + 2]
@@ -38,7 +44,9 @@ while i <= #ARGV do
   local commands = tonumber(ARGV[i + 6])
   i = i + 7
   local state = 'told'
-  if record ~= '' then
+  if stopped then
+    state = 'unreached'
+  elseif record ~= '' then
     local cur = redis.pcall('HMGET', record, 'stage', 'attempt', 'instance')
     if cur.err then
       state = 'held'
@@ -51,22 +59,23 @@ while i <= #ARGV do
       state = 'fenced'
     end
   end
-  local refused = {index, 1}
   for c = 1, commands do
     local argc = tonumber(ARGV[i])
     if state == 'told' then
       local reply = redis.pcall(ARGV[i + 1], ARGV[i + 2], unpack(ARGV, i + 3, i + 2 + argc))
       if type(reply) == 'table' and reply.err then
-        refused[#refused + 1] = c
-        refused[#refused + 1] = reply.err
+        state = 'refused'
+        out[#out + 1] = {index, 1, c, reply.err}
       end
     end
     i = i + 3 + argc
   end
   if state == 'held' then
     out[#out + 1] = {index, 0}
-  elseif #refused > 2 then
-    out[#out + 1] = refused
+  elseif state == 'unreached' then
+    out[#out + 1] = {index, 2}
+  elseif state == 'refused' then
+    stopped = true
   else
     freed = freed + free_credit(KEYS[1], KEYS[2], ARGV[1], member, entry_id)
   end

@@ -15,6 +15,7 @@ from adapters.finisher import UNRECORDED_MAX, Finisher
 from adapters.holdings import Finished, Holdings, Taken
 from broker.connection import Connection
 from broker.envelope import Envelope
+from broker.errors import RedisUnavailable
 from broker.finishing import Ending, finish_answer, finish_command
 from broker.keyspace import SIDECAR_GROUP
 from broker.stages import Stage
@@ -77,7 +78,8 @@ async def processing(conn: Connection, message_id: str) -> Taken:
         fenced = Move(message_id, target, expect_attempt=1, expect_instance=INSTANCE)
         assert (await store.apply(fenced)).ok
     queue = conn.keys.queue(INSTANCE)
-    await conn.call("XGROUP", "CREATE", queue, SIDECAR_GROUP, "$", "MKSTREAM")
+    # made once for the instance (a second time answers BUSYGROUP, left in place)
+    await conn.call_many([("XGROUP", "CREATE", queue, SIDECAR_GROUP, "$", "MKSTREAM")])
     await conn.call("XADD", queue, "*", "id", message_id, "attempt", 1)
     [[_, [[entry_id, _]]]] = await conn.call(
         "XREADGROUP", "GROUP", SIDECAR_GROUP, "c", "COUNT", 1, "STREAMS", queue, ">"
@@ -202,3 +204,56 @@ async def test_an_outcome_recorded_while_a_release_is_out_is_released_next(
     assert f.holdings.holding("m-1") is None
     await f.release_now()
     assert f.holdings.holding("m-2") is None
+
+
+async def test_a_refused_reply_stops_the_round_the_rest_go_in_the_next(conn: Connection) -> None:
+    first, second = await processing(conn, "m-5"), await processing(conn, "m-6")
+    bad, good = conn.keys.reply("bad"), conn.keys.reply("good")
+    await conn.call("SET", bad, "a string, not a stream")
+    endings = [
+        Ending(f"{t.message_id}:1", t.entry_id, None, [("XADD", key, "*", "id", t.message_id)])
+        for t, key in ((first, bad), (second, good))
+    ]
+    answer = finish_answer(await conn.call(*finish_command(conn, INSTANCE, SIDECAR_GROUP, endings)))
+    assert set(answer.refused) == {0} and answer.refused[0][1].code == "WRONGTYPE"
+    assert answer.unreached == {1} and answer.freed == 0
+    assert await conn.call("EXISTS", good) == 0  # not reached: untold, its credit kept
+    assert await credit_and_entry(conn, "m-6") == (True, 2)
+    f = finisher(conn)
+    for t, key in ((first, bad), (second, good)):
+        f.holdings.take(t)
+        f.done(t, [("XADD", key, "*", "id", t.message_id)])
+    await f.record_now()  # the bad one dead-lettered and released; the good one next round
+    await f.record_now()
+    assert [e["id"] for e in await dead_letters(conn)] == [b"m-5"]
+    assert await conn.call("XLEN", good) == 1
+    assert await credit_and_entry(conn, "m-6") == (False, 0)
+    assert f.holdings.holding("m-5") is None and f.holdings.holding("m-6") is None
+
+
+async def test_a_reply_refused_for_now_is_told_later_not_dead_lettered(conn: Connection) -> None:
+    item = await processing(conn, "m-7")
+    reply_to = conn.keys.reply("later")
+    f = finisher(conn)
+    f.holdings.take(item)
+    f.done(item, [("XADD", reply_to, "*", "id", "m-7")])  # as after a dead letter, say
+    (limit,) = (await conn.call("CONFIG", "GET", "maxmemory"))[1:]
+    ending = Ending("m-7:1", item.entry_id, None, [("XADD", reply_to, "*", "id", "m-7")])
+    await conn.call("CONFIG", "SET", "maxmemory", 1)  # every write that adds memory: OOM
+    try:
+        command = finish_command(conn, INSTANCE, SIDECAR_GROUP, [ending])
+        answer = finish_answer(await conn.call(*command))
+        with pytest.raises(RedisUnavailable) as refused:
+            await f.record_now()
+    finally:
+        await conn.call("CONFIG", "SET", "maxmemory", limit)
+    (_, for_now) = answer.refused[0]  # "not now", as Redis says it to a client: not for good
+    assert isinstance(for_now, RedisUnavailable) and for_now.code == "OOM"
+    assert refused.value.code == "OOM"
+    assert await dead_letters(conn) == []
+    assert await credit_and_entry(conn, "m-7") == (True, 1)
+    assert f.holdings.holding("m-7") == item
+    await f.record_now()  # memory back: told, then released
+    assert await conn.call("XLEN", reply_to) == 1
+    assert await credit_and_entry(conn, "m-7") == (False, 0)
+    assert f.holdings.holding("m-7") is None

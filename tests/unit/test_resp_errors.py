@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from broker.errors import ReachError, RedisReplyError, RedisUnavailable
-from broker.resp import TRANSIENT, _error
+from broker.resp import TRANSIENT, error_reply
 
 
 @pytest.mark.parametrize(
@@ -21,7 +21,7 @@ from broker.resp import TRANSIENT, _error
     ],
 )
 def test_transient_error_replies_are_unavailability(message: str, code: str) -> None:
-    error = _error(message)
+    error = error_reply(message)
 
     assert isinstance(error, RedisUnavailable) and error.code == code
     assert message in str(error)
@@ -40,7 +40,7 @@ def test_transient_error_replies_are_unavailability(message: str, code: str) -> 
     ],
 )
 def test_other_error_replies_carry_their_code_and_the_whole_reply(message: str, code: str) -> None:
-    error = _error(message)
+    error = error_reply(message)
 
     assert type(error) is RedisReplyError and isinstance(error, ReachError)
     assert (error.code, error.message, str(error)) == (code, message, message)
@@ -48,7 +48,7 @@ def test_other_error_replies_carry_their_code_and_the_whole_reply(message: str, 
 
 @given(st.text(max_size=60))
 def test_any_reply_text_becomes_one_of_our_two_errors(message: str) -> None:
-    error = _error(message)
+    error = error_reply(message)
 
     code = message.split(" ", 1)[0]
     assert error.code == code
