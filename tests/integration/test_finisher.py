@@ -223,8 +223,7 @@ async def test_a_refused_reply_stops_the_round_the_rest_go_in_the_next(conn: Con
     for t, key in ((first, bad), (second, good)):
         f.holdings.take(t)
         f.done(t, [("XADD", key, "*", "id", t.message_id)])
-    await f.record_now()  # the bad one dead-lettered and released; the good one next round
-    await f.record_now()
+    await f.finish_now()  # the bad one dead-lettered and released, the good one told
     assert [e["id"] for e in await dead_letters(conn)] == [b"m-5"]
     assert await conn.call("XLEN", good) == 1
     assert await credit_and_entry(conn, "m-6") == (False, 0)
@@ -257,3 +256,21 @@ async def test_a_reply_refused_for_now_is_told_later_not_dead_lettered(conn: Con
     assert await conn.call("XLEN", reply_to) == 1
     assert await credit_and_entry(conn, "m-7") == (False, 0)
     assert f.holdings.holding("m-7") is None
+
+
+async def test_a_round_of_several_outcomes_takes_the_overlapping_stages(conn: Connection) -> None:
+    """Under load (rounds of more than ``ONE_TRIP_MAX``) outcomes are recorded in a round of
+    their own, their replies and credits in the next, while the following outcomes are
+    recorded: the recording rounds stay short (what a crash repeats)."""
+    items = [await processing(conn, f"m-{n}") for n in (8, 9)]
+    f = finisher(conn)
+    for item in items:
+        f.holdings.take(item)
+        envelope = Envelope(capability="text.echo", id=item.message_id)
+        f.settle(item, envelope, Stage.SUCCEEDED, "done", result=b"1")
+    await f.record_now()
+    assert all(f.holdings.holding(i.message_id) == i for i in items)  # recorded, not released
+    assert await credit_and_entry(conn, "m-8") == (True, 2)
+    await f.release_now()
+    assert await credit_and_entry(conn, "m-8") == (False, 0)
+    assert all(f.holdings.holding(i.message_id) is None for i in items)
