@@ -291,7 +291,8 @@ class Finisher:
 
     async def record_now(self) -> None:
         """Record every queued outcome (one round trip); its replies and credit follow — in
-        the same round trip on one server (:mod:`adapters.one_trip`)."""
+        the same round trip for a round of one outcome on one server (:data:`ONE_TRIP_MAX`,
+        :mod:`adapters.one_trip`), else in the releasing stage."""
         async with self._record_lock:
             batch, self._queued = self._queued, []
             if not batch:

@@ -1,5 +1,6 @@
-"""The finisher's round in one round trip, on one server (:mod:`broker.finishing`): the
-outcomes' moves and ``lua/finish.lua`` in one pipeline, which tells the producers of the
+"""The finisher's round in one round trip, on one server (:mod:`broker.finishing`; the
+finisher sends only rounds of one outcome this way, ``ONE_TRIP_MAX``): the outcomes' moves and
+``lua/finish.lua`` in one pipeline, which tells the producers of the
 outcomes on the record and returns the credits. What it cannot release is answered here: a
 reply Redis refused is dead-lettered and then its entry released; a move that failed is handed
 back to be recorded again."""
