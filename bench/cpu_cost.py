@@ -16,8 +16,12 @@ With ``--burst`` the envelopes are submitted all at once instead, 100 concurrent
 time (as the harness's throughput stage does): the cost of a message at saturation, where
 batches are as large as the load makes them, and the rate the three processes reach
 (``messages/s``; this process, the producer, shares the two cores with them).
+``--inflight`` sets the sidecar's credits (default 8, the sidecar's own default; the anchors
+harness runs 100): with fewer credits than the burst, the work beyond them waits in the
+waiting set and is claimed as credits free, and ``calls zadd`` shows how much of it did.
 
-Usage: ``python -m bench.cpu_cost [--messages 3000] [--rate 200] [--reps 1] [--burst]``.
+Usage: ``python -m bench.cpu_cost [--messages 3000] [--rate 200] [--reps 1] [--burst]
+[--inflight 8]``.
 Figures only, no threshold: CI never runs it. Compare two commits by running it in each,
 interleaved.
 """
@@ -132,6 +136,7 @@ async def one_run(args: argparse.Namespace) -> dict[str, float]:
         server.url,
         *("sidecar", "--agent-id", "cost", "--instance-id", "cost-1"),
         *("--capability", CAPABILITY, "--python", "bench.cpu_cost:noop_agent"),
+        *("--max-inflight", str(args.inflight)),
     )
     try:
         settings = build_settings([{"redis_url": server.url}])
@@ -174,9 +179,12 @@ def main() -> None:
         action="store_true",
         help="submit all at once (100 concurrent submits at a time): saturation, not --rate",
     )
+    parser.add_argument(
+        "--inflight", type=int, default=8, help="the sidecar's credits (its --max-inflight)"
+    )
     args = parser.parse_args()
     how = "in a burst" if args.burst else f"one at a time at {args.rate:g}/s"
-    print(f"{args.messages} messages {how}, no-op python agent")
+    print(f"{args.messages} messages {how}, no-op python agent, {args.inflight} credits")
     rows = []
     for rep in range(args.reps):
         rows.append(row := anyio.run(one_run, args))
