@@ -27,6 +27,7 @@ from broker.connection import Connection, ensure_group
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.event_log import events_key
 from broker.events import Event, delivery_ids, event_body, parse_event
+from broker.idle_claims import IdleClaim
 from broker.keyspace import outbox_for
 from broker.streams import GroupReader, StreamEntry, parse_entries
 from broker.subscription_store import SubscriptionStore
@@ -37,6 +38,7 @@ log = logging.getLogger("agent_reach.notifier")
 
 EVENTS_GROUP = "events"
 BATCH = 256
+CLAIM_BATCHES = 16  # batches of another notifier's pending events taken over at a time
 READ_BLOCK_MS = 1000
 
 
@@ -63,6 +65,7 @@ class EventRelay:
         self.subscriptions = SubscriptionStore(conn)
         self.relayed = 0  # deliveries written to the outbox, over its life
         self.skipped = 0  # entries that did not read as events
+        self.abandoned = IdleClaim(conn, self.stream, EVENTS_GROUP, consumer)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await ensure_group(self.conn, self.stream, EVENTS_GROUP)
@@ -85,7 +88,7 @@ class EventRelay:
                 await self.relay(await self._read(reader, pending=False))
                 if anyio.current_time() >= next_claim:
                     next_claim = anyio.current_time() + claim_every
-                    await self.relay(await self._abandoned())
+                    await self.take_over_abandoned()
             except (RedisUnavailable, RedisReplyError) as exc:
                 backoff = min(backoff * 2, 5.0)
                 log.warning("event relay failed, retrying in %.1fs: %s", backoff, exc)
@@ -103,16 +106,15 @@ class EventRelay:
             pending=pending,
         )
 
-    async def _abandoned(self) -> list[StreamEntry]:
-        """Events pending with a notifier that stopped for ``claim_idle_s``: taken over."""
+    async def take_over_abandoned(self) -> None:
+        """Events pending with a notifier that stopped for ``claim_idle_s``: taken over and
+        relayed a batch at a time, up to :data:`CLAIM_BATCHES` each time (the next goes on
+        from there)."""
         idle_ms = int(self.conn.settings.claim_idle_s * 1000)
-        reply = await self.conn.call(
-            "XAUTOCLAIM", self.stream, EVENTS_GROUP, self.consumer, idle_ms, "0-0", "COUNT", BATCH
-        )
-        gone = [e[0] for e in reply[1] if e and not e[1]]  # trimmed while pending (6.2)
-        if gone:
-            await self.conn.call("XACK", self.stream, EVENTS_GROUP, *gone)
-        return parse_entries(reply[1])
+        async for claimed in self.abandoned.sweep(idle_ms, BATCH, CLAIM_BATCHES):
+            if claimed.gone:  # trimmed while pending (6.2)
+                await self.conn.call("XACK", self.stream, EVENTS_GROUP, *claimed.gone)
+            await self.relay(parse_entries(claimed.entries))
 
     async def relay(self, entries: Sequence[StreamEntry]) -> int:
         """Write the deliveries of ``entries``, then acknowledge them. Returns how many

@@ -22,6 +22,7 @@ from broker.config import Settings
 from broker.connection import Connection
 from broker.entries import IngressEntry, parse_ingress
 from broker.errors import RedisReplyError, RedisUnavailable
+from broker.idle_claims import IdleClaim
 from broker.keyspace import DISPATCH_GROUP
 from broker.streams import GroupReader, RawEntry, raw_entries
 
@@ -34,6 +35,7 @@ from .waiting import WaitingRoom
 log = logging.getLogger("agent_reach.dispatcher")
 
 READ_BLOCK_MS = 1000
+CLAIM_BATCHES = 16  # batches of abandoned entries a sweep takes over at most
 MAX_ENTRY_FAILURES = 3  # an entry failing this often on its own is rejected with the error
 
 
@@ -59,6 +61,7 @@ class IngressLane:
         self.assigner = assigner
         self.waiting = waiting
         self.intents = intents
+        self.abandoned = IdleClaim(conn, stream, DISPATCH_GROUP, consumer)
 
     async def recover(self, reader: GroupReader) -> None:
         """Re-handle this consumer's own pending entries: a restart after a crash mid-batch."""
@@ -76,26 +79,24 @@ class IngressLane:
 
     async def claim_abandoned(self) -> int:
         """Take over ingress entries another dispatcher read and never finished (it died, and
-        did not come back under its name): ``XAUTOCLAIM`` after ``claim_idle_s``. Handling
-        an entry twice is harmless: a record is created once per id."""
-        reply = await self.conn.call(
-            "XAUTOCLAIM",
-            self.stream,
-            DISPATCH_GROUP,
-            self.consumer,
-            int(self.settings.claim_idle_s * 1000),
-            "0-0",
-            "COUNT",
-            self.settings.dispatch_batch,
-        )
-        entries = raw_entries(reply[1])
-        if entries:
-            log.info("claimed %d ingress entries abandoned by another dispatcher", len(entries))
-            await self._handle(entries, recovering=True)
-        gone = [e[0] for e in reply[1] if e and not e[1]]  # deleted while pending (Redis 6.2)
-        if gone:
-            await ack(self.conn, self.stream, DISPATCH_GROUP, [g.decode() for g in gone])
-        return len(entries)
+        did not come back under its name): ``XAUTOCLAIM`` after ``claim_idle_s``, a batch at a
+        time, up to :data:`CLAIM_BATCHES` a sweep (the next goes on from there). Handling an
+        entry twice is harmless: a record is created once per id."""
+        idle_ms = int(self.settings.claim_idle_s * 1000)
+        taken = 0
+        async for claimed in self.abandoned.sweep(
+            idle_ms, self.settings.dispatch_batch, CLAIM_BATCHES
+        ):
+            if entries := raw_entries(claimed.entries):
+                await self._handle(entries, recovering=True)
+                taken += len(entries)
+            if claimed.gone:  # deleted while pending (Redis 6.2)
+                await ack(
+                    self.conn, self.stream, DISPATCH_GROUP, [g.decode() for g in claimed.gone]
+                )
+        if taken:
+            log.info("claimed %d ingress entries abandoned by another dispatcher", taken)
+        return taken
 
     async def consume(self, reader: GroupReader) -> None:
         backoff = 0.1

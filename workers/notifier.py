@@ -56,6 +56,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from broker.connection import Connection, ensure_group
 from broker.errors import RedisReplyError, RedisUnavailable
+from broker.idle_claims import IdleClaim
 from broker.keyspace import NOTIFY_GROUP, outboxes
 from broker.streams import GroupReader, StreamEntry, parse_entries
 from broker.timekeeping import now_ms
@@ -86,6 +87,9 @@ class Notifier:
         self.settings = conn.settings
         self.consumer = consumer or default_consumer_name()
         self.outboxes = outboxes(conn.keys)
+        self._abandoned = {
+            outbox: IdleClaim(conn, outbox, NOTIFY_GROUP, self.consumer) for outbox in self.outboxes
+        }
         self.poster = WebhookPoster(self.settings)
         self.settlement = Settlement(conn, rng or random.Random())
         self.relay = EventRelay(conn, consumer=self.consumer)  # events to subscriptions
@@ -166,25 +170,14 @@ class Notifier:
         return taken
 
     async def _claim_abandoned(self, outbox: str) -> int:
-        cursor, taken = "0-0", 0
+        claim, taken = self._abandoned[outbox], 0
         idle_ms = int(self.settings.claim_idle_s * 1000)
         while len(self._held) < MAX_HELD:
-            reply = await self.conn.call(
-                "XAUTOCLAIM",
-                outbox,
-                NOTIFY_GROUP,
-                self.consumer,
-                idle_ms,
-                cursor,
-                "COUNT",
-                min(CLAIM_BATCH, MAX_HELD - len(self._held)),
-            )
-            gone = [e[0] for e in reply[1] if e and not e[1]]  # deleted while pending (6.2)
-            if gone:
-                await self.conn.call("XACK", outbox, NOTIFY_GROUP, *gone)
-            taken += self._hold(outbox, parse_entries(reply[1]))
-            cursor = reply[0].decode()
-            if cursor == "0-0":
+            claimed = await claim.batch(idle_ms, min(CLAIM_BATCH, MAX_HELD - len(self._held)))
+            if claimed.gone:  # deleted while pending (6.2)
+                await self.conn.call("XACK", outbox, NOTIFY_GROUP, *claimed.gone)
+            taken += self._hold(outbox, parse_entries(claimed.entries))
+            if claim.wrapped:
                 break
         return taken
 

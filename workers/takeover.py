@@ -19,6 +19,7 @@ from broker.due_clock import due_at_most_command, due_command
 from broker.entries import parse_assignment
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.event_log import emit, event_command
+from broker.idle_claims import Claimed, IdleClaim
 from broker.keyspace import SIDECAR_GROUP
 from broker.records import MessageRecord
 from broker.stages import AT_THE_DOOR, HOLDS_CREDIT, IN_FLIGHT, TERMINAL
@@ -31,6 +32,7 @@ from .resolver import Resolver, Verdict
 log = logging.getLogger("agent_reach.reaper")
 
 CLAIM_BATCH = 200
+CLAIM_BATCHES = 50  # batches of a dead sidecar's pending entries a pass takes at most
 
 Judge = Callable[[str, MessageRecord | None, int], Awaitable[Verdict]]
 
@@ -126,29 +128,38 @@ class Takeover:
             log.exception("message %s: its ending could not be told again", record.id)
 
     async def _claim_pending(self, instance_id: str, now: int) -> int:
-        """Entries a dead sidecar read and never acknowledged: claim, resolve, acknowledge.
-        An entry that holds no assignment (garbage an attacker wrote) is only acknowledged."""
+        """Entries a dead sidecar read and never acknowledged: claim, resolve, acknowledge, a
+        batch at a time (up to :data:`CLAIM_BATCHES` a pass). An entry that holds no
+        assignment (garbage an attacker wrote) is only acknowledged."""
         queue = self.conn.keys.queue(instance_id)
         idle_ms = self.instances.table.policy.down_after_ms
-        try:
-            reply = await self.conn.call(
-                "XAUTOCLAIM", queue, SIDECAR_GROUP, "reaper", idle_ms, "0-0", "COUNT", CLAIM_BATCH
-            )
-        except RedisReplyError:
-            return 0  # no stream or no group: nothing was ever assigned there
-        claimed = [e[0] for e in reply[1] if e]
-        if not claimed:
+        pending = IdleClaim(self.conn, queue, SIDECAR_GROUP, "reaper")
+        total = 0
+        for _ in range(CLAIM_BATCHES):
+            try:
+                claimed = await pending.batch(idle_ms, CLAIM_BATCH)
+            except RedisReplyError:
+                return total  # no stream or no group: nothing was ever assigned there
+            total += await self._resolve_claimed(queue, instance_id, claimed, now)
+            if pending.wrapped:
+                break
+        return total
+
+    async def _resolve_claimed(
+        self, queue: str, instance_id: str, claimed: Claimed, now: int
+    ) -> int:
+        if not claimed.ids:
             return 0
         ids: set[str] = set()
-        for entry_id, fields in parse_entries(reply[1]):  # without entries deleted while pending
+        for entry_id, fields in parse_entries(claimed.entries):  # without deleted entries
             assignment = parse_assignment(entry_id, fields)
             if isinstance(assignment, str):
                 log.warning("%s: entry %s holds no assignment: %s", queue, entry_id, assignment)
             else:
                 ids.add(assignment.message_id)
         await self._resolve_now(sorted(ids), instance_id, now)
-        await self.conn.call("XACK", queue, SIDECAR_GROUP, *claimed)
-        return len(claimed)
+        await self.conn.call("XACK", queue, SIDECAR_GROUP, *claimed.ids)
+        return len(claimed.ids)
 
 
 def stale_credits(
