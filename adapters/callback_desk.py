@@ -16,9 +16,11 @@ import secrets
 import time
 
 import anyio
+import msgspec
 from anyio.abc import TaskStatus
 from starlette.routing import Route
 
+from broker import failpoints
 from broker.connection import Connection
 from broker.due_clock import due_at_most_command
 from broker.envelope import Envelope, load_envelope
@@ -27,7 +29,7 @@ from broker.records import MessageRecord
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
-from broker.usage import Charge, charge, usage_in_result
+from broker.usage import Charge, charge, stored_usage, usage_in_result
 
 from .asgi import serve_app
 from .callbacks import Answer, CallbackTokens, callback_app
@@ -129,6 +131,7 @@ class CallbackDesk:
         refused = await self._write(record, checked, outcome)
         if refused is not None:
             return refused
+        failpoints.hit("sidecar.after_callback_recorded")
         since = self.awaiting.pop(message_id, None)
         latency_ms = 0.0
         if since is not None:
@@ -165,13 +168,17 @@ class CallbackDesk:
     async def _write(
         self, record: MessageRecord, attempt: int, outcome: Succeeded | Failed
     ) -> Answer | None:
-        """CALLBACK_RECEIVED with the result on the record; an answer when a race lost it."""
+        """CALLBACK_RECEIVED with the result on the record, and the usage the agent reported
+        beside it (what finishes it after a restart charges that too: :func:`callback_outcome`);
+        an answer when a race lost it."""
         late = now_ms() - record.updated_ms
         fields: dict[str, str | bytes] = (
             {"result": outcome.result}
             if isinstance(outcome, Succeeded)
             else {"error": outcome.reason}
         )
+        if outcome.usage is not None:
+            fields[f"usage:{attempt}"] = msgspec.json.encode(outcome.usage)
         moved = await self.store.apply(
             Move(
                 record.id,
@@ -350,7 +357,9 @@ def _ending(outcome: Succeeded | Failed) -> tuple[Stage, bytes | None, str | Non
 
 
 def callback_outcome(record: MessageRecord) -> Succeeded | Failed:
-    """The outcome a callback left on the record (CALLBACK_RECEIVED)."""
+    """The outcome a callback left on the record (CALLBACK_RECEIVED), with the usage the agent
+    reported beside it."""
+    usage = stored_usage(record.usage)
     if record.result is not None:
-        return Succeeded(record.result)
-    return Failed(record.error or "the agent reported failure")
+        return Succeeded(record.result, usage)
+    return Failed(record.error or "the agent reported failure", usage=usage)

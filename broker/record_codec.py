@@ -87,10 +87,11 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
 
     result = raw.get(b"result")
     accepted_ms = _int(get("accepted_ms"))
+    attempt = _int(get("attempt"))
     return MessageRecord(
         id=message_id,
         stage=Stage(text(get("stage"))),
-        attempt=_int(get("attempt")),
+        attempt=attempt,
         instance=text(get("instance")),
         capability=text(get("capability")),
         envelope=get("envelope"),
@@ -109,6 +110,7 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
         reply_pending=bool(get("reply_pending")),
         awaiting_callback=bool(get("awaiting_callback")),
         agent_task=text(get("agent_task")),
+        usage=raw.get(f"usage:{attempt}".encode()),
     )
 
 

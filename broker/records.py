@@ -126,6 +126,7 @@ class MessageRecord(msgspec.Struct, frozen=True, kw_only=True):
     reply_pending: bool = False  # ended by the reaper, the producer not yet told
     awaiting_callback: bool = False  # an async agent took it (202) and will call back
     agent_task: str = ""  # the async agent's own id for the work, when it gave one
+    usage: bytes | None = None  # what the agent reported for this attempt (usage:<attempt>)
 
     @property
     def reply_to(self) -> str:

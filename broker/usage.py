@@ -104,6 +104,17 @@ def usage_in_result(result: bytes) -> Usage | None:
     return usage_from_mapping(decoded.get("usage")) if isinstance(decoded, dict) else None
 
 
+def stored_usage(raw: bytes | None) -> Usage | None:
+    """A record's ``usage:<attempt>`` read back (written from a :class:`Usage`, but a record
+    is anyone's to write who can reach Redis: read without trusting it)."""
+    if not raw:
+        return None
+    try:
+        return usage_from_mapping(msgspec.json.decode(raw))
+    except msgspec.DecodeError:
+        return None
+
+
 def usage_from_headers(usage: str | None, cost: str | None) -> Usage | None:
     """``X-Reach-Usage`` (a JSON object, or ``name=number`` pairs separated by commas) and
     ``X-Reach-Cost`` (a number)."""

@@ -19,6 +19,7 @@ from broker.usage import (
     days_back,
     parse_since,
     spending,
+    stored_usage,
     totals_by,
     usage_from_headers,
     usage_in_result,
@@ -133,3 +134,17 @@ def test_a2a_and_mcp_answers_report_usage_in_their_metadata() -> None:
     answer = {"result": {"content": [], "_meta": {"usage": {"output_tokens": 4}}}}
     assert reported_usage(answer) == Usage(output_tokens=4)
     assert reported_usage({"result": {"_meta": "x"}}) is None
+
+
+def test_a_stored_usage_reads_back_what_was_written() -> None:
+    usage = Usage(input_tokens=10, output_tokens=2, cost=0.125)
+    assert stored_usage(msgspec.json.encode(usage)) == usage
+    assert stored_usage(None) is None and stored_usage(b"") is None
+    assert stored_usage(b'{"cost": "a lot"}') is None  # nothing usable in it
+    assert stored_usage(b"[1, 2") is None
+
+
+@given(st.binary(max_size=200) | JSON.map(msgspec.json.encode))
+def test_a_stored_usage_never_raises_on_what_anyone_wrote(raw: bytes) -> None:
+    found = stored_usage(raw)
+    assert found is None or isinstance(found, Usage)
