@@ -30,6 +30,7 @@ from typing import Any
 
 import anyio
 
+from adapters.finisher import charged
 from adapters.status import StatusClient
 from broker.broadcast import decode_children
 from broker.connection import Connection
@@ -42,6 +43,7 @@ from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
+from broker.usage import Charge, charge, stored_usage, usage_in_result
 from broker.wire import ReplyEntry
 
 from .instances import Instances
@@ -248,11 +250,34 @@ class Resolver:
             return Verdict("in time", record.updated_ms + self.delivery_timeout_ms)
         decide(Signal.LATE, Facts(stage=Stage.CALLBACK_RECEIVED))  # FINISH
         reason = "callback received; finished by the reaper (its sidecar stopped)"
+        bill = self._callback_charge(record, now)
         if record.result is not None:
-            ended = await self.end(record, Stage.SUCCEEDED, reason, result=record.result)
+            ended = await self.end(record, Stage.SUCCEEDED, reason, result=record.result, bill=bill)
         else:
-            ended = await self.end(record, Stage.FAILED, reason, error=record.error or "failed")
+            error = record.error or "failed"
+            ended = await self.end(record, Stage.FAILED, reason, error=error, bill=bill)
         return Verdict("finished callback", None if ended else now + RACED_LOOK_MS)
+
+    def _callback_charge(self, record: MessageRecord, now: int) -> Charge | None:
+        """The agent answered (its callback is on the record): the attempt is charged as its
+        sidecar would have charged it, with the usage the agent reported and no busy time
+        (unknown here). Nothing when the instance's card is gone: no agent to charge."""
+        view = self.instances.view(record.instance)
+        if view is None:
+            return None
+        usage = stored_usage(record.usage)
+        if usage is None and record.result is not None:
+            usage = usage_in_result(record.result)
+        return charge(
+            view.card.agent_id,
+            record.capability,
+            load_envelope(record.envelope).tenant,
+            attempt=record.attempt,
+            answered=record.result is not None,
+            busy_ms=0.0,
+            usage=usage,
+            ms=now,
+        )
 
     async def _children_told(self, record: MessageRecord) -> None:
         """A broadcast waits on its children; the last one to end ends it. A child whose ender
@@ -323,8 +348,10 @@ class Resolver:
         *,
         result: bytes | None = None,
         error: str | None = None,
+        bill: Charge | None = None,
     ) -> bool:
-        """A terminal outcome: recorded (fenced), the credit returned, the producer told."""
+        """A terminal outcome: recorded (fenced), the credit returned, the producer told;
+        with ``bill``, the attempt charged to its day (:func:`adapters.finisher.charged`)."""
         fields: dict[str, str | bytes | int] = {"reply_pending": 1}
         if result is not None:
             fields["result"] = result
@@ -333,7 +360,8 @@ class Resolver:
         # Shielded: a reaper being stopped (SIGTERM, a cancelled task group) finishes the write
         # and the telling together; only a kill in between leaves reply_pending to the next.
         with anyio.CancelScope(shield=True):
-            moved = await self.store.apply(self.fenced(record, stage, reason=reason, fields=fields))
+            options = charged({"reason": reason, "fields": fields, "charge": bill}, record.attempt)
+            moved = await self.store.apply(self.fenced(record, stage, **options))
             if not moved.ok:
                 return False
             await self.release(record)
