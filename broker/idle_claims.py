@@ -22,20 +22,26 @@ from .connection import Connection
 START = "0-0"
 
 
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
 @dataclass(frozen=True, slots=True)
 class Claimed:
-    """One ``XAUTOCLAIM``'s answer: ``entries`` as Redis sent them (``[id, [field, value,
-    ...]]``; :func:`broker.streams.raw_entries` or ``parse_entries`` reads them) and ``gone``:
-    the ids of entries deleted while pending, which Redis 6.2 names without fields and leaves
-    pending until they are acknowledged (Redis 7 drops them itself)."""
+    """One ``XAUTOCLAIM``'s answer: ``entries``, the claimed entries that still exist, as
+    Redis sent them (``[id, [field, value, ...]]``; :func:`broker.streams.raw_entries` or
+    ``parse_entries`` reads them), and ``gone``: the ids of entries deleted (trimmed) while
+    pending, to acknowledge. Redis 7 names those apart and no longer keeps them pending;
+    Redis 6.2 claims them and answers a bare nil in their place, so their ids are found in
+    the pending list (:meth:`IdleClaim.batch`)."""
 
     entries: list[Any]
     gone: list[bytes]
 
     @property
     def ids(self) -> list[bytes]:
-        """Every id claimed, the deleted ones included."""
-        return [entry[0] for entry in self.entries if entry]
+        """Every id claimed: the entries', then the deleted ones'."""
+        return [entry[0] for entry in self.entries] + self.gone
 
 
 class IdleClaim:
@@ -49,14 +55,30 @@ class IdleClaim:
     async def batch(self, idle_ms: int, count: int) -> Claimed:
         """One ``XAUTOCLAIM`` from the cursor, which it moves on (back to ``0-0`` once the
         pending list has been gone through: :attr:`wrapped`)."""
+        start = self.cursor
         reply = await self.conn.call(
-            "XAUTOCLAIM", self.stream, self.group, self.consumer, idle_ms, self.cursor,
-            "COUNT", count,
-        )  # fmt: skip
-        cursor = reply[0]
-        self.cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-        entries = list(reply[1] or [])
-        return Claimed(entries, [e[0] for e in entries if e and not e[1]])
+            "XAUTOCLAIM", self.stream, self.group, self.consumer, idle_ms, start, "COUNT", count
+        )
+        self.cursor = _text(reply[0])
+        listed = list(reply[1] or [])
+        entries = [e for e in listed if e and e[1] is not None]
+        gone = [e[0] for e in listed if e and e[1] is None]
+        if len(reply) > 2:  # Redis 7: deleted, and no longer pending (acknowledging is harmless)
+            gone += list(reply[2] or [])
+        if not all(listed):  # Redis 6.2: a bare nil for each deleted one it claimed
+            gone += await self._deleted(start, 10 * count, {e[0] for e in entries})
+        return Claimed(entries, gone)
+
+    async def _deleted(self, start: str, scanned: int, alive: set[bytes]) -> list[bytes]:
+        """The ids this consumer now holds between ``start`` and the cursor (the stretch one
+        ``XAUTOCLAIM`` looked at: at most ten times its count) whose entries are gone."""
+        end = "+" if self.wrapped else "(" + self.cursor
+        pending = await self.conn.call(
+            "XPENDING", self.stream, self.group, start, end, scanned, self.consumer
+        )
+        unknown = [row[0] for row in pending if row[0] not in alive]
+        found = await self.conn.call_many([("XRANGE", self.stream, i, i) for i in unknown])
+        return [i for i, entries in zip(unknown, found, strict=True) if not entries]
 
     @property
     def wrapped(self) -> bool:

@@ -170,8 +170,9 @@ def parse_read_reply(reply: Any) -> list[StreamEntry]:
 
 def raw_entries(raw: Any) -> list[RawEntry]:
     """``[[id, [field, value, ...]], ...]`` as ``(id, flat fields)`` pairs, undecoded;
-    entries deleted while pending (no fields) are left out."""
-    return [(entry_id.decode(), list(flat)) for entry_id, flat in raw if flat is not None]
+    entries deleted while pending (no fields, or on Redis 6.2's ``XAUTOCLAIM`` a bare nil)
+    are left out."""
+    return [(e[0].decode(), list(e[1])) for e in raw if e and e[1] is not None]
 
 
 def parse_entries(raw: Any) -> list[StreamEntry]:

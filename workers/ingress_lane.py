@@ -35,7 +35,9 @@ from .waiting import WaitingRoom
 log = logging.getLogger("agent_reach.dispatcher")
 
 READ_BLOCK_MS = 1000
-CLAIM_BATCHES = 16  # batches of abandoned entries a sweep takes over at most
+# batches of abandoned entries (ingress_batch each, as a read) a sweep takes over at most:
+# the sweep is the dispatcher's clock, and drains wait for it
+CLAIM_BATCHES = 32
 MAX_ENTRY_FAILURES = 3  # an entry failing this often on its own is rejected with the error
 
 
@@ -79,13 +81,13 @@ class IngressLane:
 
     async def claim_abandoned(self) -> int:
         """Take over ingress entries another dispatcher read and never finished (it died, and
-        did not come back under its name): ``XAUTOCLAIM`` after ``claim_idle_s``, a batch at a
-        time, up to :data:`CLAIM_BATCHES` a sweep (the next goes on from there). Handling an
-        entry twice is harmless: a record is created once per id."""
+        did not come back under its name): ``XAUTOCLAIM`` after ``claim_idle_s``, a batch of
+        ``ingress_batch`` at a time, up to :data:`CLAIM_BATCHES` a sweep (the next goes on
+        from there). Handling an entry twice is harmless: a record is created once per id."""
         idle_ms = int(self.settings.claim_idle_s * 1000)
         taken = 0
         async for claimed in self.abandoned.sweep(
-            idle_ms, self.settings.dispatch_batch, CLAIM_BATCHES
+            idle_ms, self.settings.ingress_batch, CLAIM_BATCHES
         ):
             if entries := raw_entries(claimed.entries):
                 await self._handle(entries, recovering=True)

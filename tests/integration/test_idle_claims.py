@@ -79,9 +79,9 @@ async def test_a_sweep_stops_at_its_bound_and_the_next_goes_on_from_there(
 async def test_a_dispatcher_takes_over_more_than_a_batch_of_ingress_in_one_sweep(
     conn: Connection,
 ) -> None:
-    """600 entries a dispatcher read before it died, three times ``dispatch_batch``: the next
+    """600 entries a dispatcher read before it died, thirty times ``ingress_batch``: the next
     sweep of another dispatcher handles them all, not one batch."""
-    settings = msgspec.structs.replace(conn.settings, dispatch_batch=200)
+    settings = msgspec.structs.replace(conn.settings, ingress_batch=20)
     assert settings.redis_url is not None
     async with open_connection(settings, settings.redis_url) as small_batches:
         client = Client(small_batches)
@@ -104,16 +104,45 @@ async def test_a_dispatcher_takes_over_more_than_a_batch_of_ingress_in_one_sweep
 
 
 async def test_an_event_relay_takes_over_more_than_a_batch_of_events(conn: Connection) -> None:
-    """A notifier stopped with 700 events read and not relayed: another relays them all at
-    its next look, not 256 every ``claim_idle_s``."""
+    """A notifier stopped with 700 events read and not relayed, 50 of them trimmed since:
+    another relays the rest at its next look, not 256 every ``claim_idle_s``, and lets go of
+    the trimmed ones."""
     stream = events_key(conn)
     await ensure_group(conn, stream, EVENTS_GROUP)
     for _ in range(700 // 100):
         await conn.call_many([("XADD", stream, "*", "type", "x") for _ in range(100)])
     read = await read_all(conn, stream, EVENTS_GROUP, "n1")
     await idle_for(conn, stream, EVENTS_GROUP, "n1", read)
+    await conn.call("XDEL", stream, *read[:50])  # trimmed while pending (events_max)
 
     relay = EventRelay(conn, consumer="n2")
     await relay.take_over_abandoned()
     assert await pending_count(conn, stream, EVENTS_GROUP) == 0
-    assert relay.skipped == 700  # each was read (none is an event) and acknowledged
+    assert relay.skipped == 650  # each left was read (none is an event) and acknowledged
+
+
+async def test_entries_deleted_while_pending_are_named_to_be_acknowledged(
+    conn: Connection,
+) -> None:
+    """A stream trimmed under a stopped consumer's pending entries: Redis 6.2 claims each and
+    answers a bare nil in its place, Redis 7 names it apart. Either way the claim comes back
+    with the entries that still exist and the ids of those gone, which the caller acknowledges:
+    nothing stays pending for ever."""
+    stream = conn.keys.ingress + ":claims"
+    await ensure_group(conn, stream, "g")
+    await conn.call_many([("XADD", stream, "*", "n", str(i)) for i in range(40)])
+    ids = await read_all(conn, stream, "g", "stopped")
+    await idle_for(conn, stream, "g", "stopped", ids)
+    deleted = ids[5:40:3]
+    await conn.call("XDEL", stream, *deleted)  # after XCLAIM, which on 7 drops deleted ones
+
+    claim = IdleClaim(conn, stream, "g", "me")
+    claimed = [c async for c in claim.sweep(CLAIM_AFTER_MS, 10, max_batches=100)]
+    alive = [e[0] for c in claimed for e in c.entries]
+    gone = [i for c in claimed for i in c.gone]
+    assert sorted(alive) == sorted(set(ids) - set(deleted))
+    assert sorted(gone) == sorted(deleted)
+    assert all(len(e[1]) == 2 for c in claimed for e in c.entries)  # read with their fields
+    await conn.call("XACK", stream, "g", *gone)
+    owners = await conn.call("XPENDING", stream, "g")
+    assert {name: int(n) for name, n in owners[3]} == {b"me": len(alive)}
