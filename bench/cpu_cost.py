@@ -183,6 +183,8 @@ def main() -> None:
         "--inflight", type=int, default=8, help="the sidecar's credits (its --max-inflight)"
     )
     args = parser.parse_args()
+    if args.inflight < 1:
+        parser.error("--inflight must be at least 1")
     how = "in a burst" if args.burst else f"one at a time at {args.rate:g}/s"
     print(f"{args.messages} messages {how}, no-op python agent, {args.inflight} credits")
     rows = []

@@ -111,7 +111,7 @@ def stored_usage(raw: bytes | None) -> Usage | None:
         return None
     try:
         return usage_from_mapping(msgspec.json.decode(raw))
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
 
 

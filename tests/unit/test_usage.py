@@ -142,6 +142,7 @@ def test_a_stored_usage_reads_back_what_was_written() -> None:
     assert stored_usage(None) is None and stored_usage(b"") is None
     assert stored_usage(b'{"cost": "a lot"}') is None  # nothing usable in it
     assert stored_usage(b"[1, 2") is None
+    assert stored_usage(b"[" * 100_000) is None  # too deep for the decoder
 
 
 @given(st.binary(max_size=200) | JSON.map(msgspec.json.encode))
