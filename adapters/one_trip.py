@@ -8,6 +8,7 @@ back to be recorded again."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from broker import process_metrics
 from broker.connection import Connection
@@ -92,7 +93,7 @@ class OneTrip:
         again = sorted(answer.unmoved | answer.unreached | later)
         return [batch[k] for k in again], problem
 
-    async def _dead_letter(self, refused: list[tuple[Finished, int, Exception]]) -> None:
+    async def _dead_letter(self, refused: Sequence[tuple[Finished, int, Exception]]) -> None:
         """Replies Redis refused for good inside ``finish.lua``: dead-lettered, then released."""
         owners = [item.taken.message_id for item, _, _ in refused]
         commands = [item.replies[c] for item, c, _ in refused]

@@ -24,6 +24,6 @@ def test_ruff_format_is_applied() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_mypy_strict_on_broker() -> None:
+def test_mypy_strict_on_broker_adapters_and_workers() -> None:
     done = run(str(BIN / "mypy"))  # packages and strictness come from pyproject.toml
     assert done.returncode == 0, done.stdout + done.stderr
