@@ -267,19 +267,7 @@ class CallbackDesk:
     def _charge(
         self, attempt: int, envelope: Envelope, outcome: Succeeded | Failed, busy_ms: float
     ) -> Charge:
-        usage = outcome.usage
-        if usage is None and isinstance(outcome, Succeeded):
-            usage = usage_in_result(outcome.result)
-        return charge(
-            self.agent_id,
-            envelope.capability,
-            envelope.tenant,
-            attempt=attempt,
-            answered=isinstance(outcome, Succeeded),
-            busy_ms=busy_ms,
-            usage=usage,
-            ms=now_ms(),
-        )
+        return callback_charge(self.agent_id, attempt, envelope, outcome, busy_ms)
 
     async def _settle_unheld(
         self, envelope: Envelope, attempt: int, outcome: Succeeded | Failed
@@ -354,6 +342,26 @@ def _ending(outcome: Succeeded | Failed) -> tuple[Stage, bytes | None, str | Non
     if isinstance(outcome, Succeeded):
         return Stage.SUCCEEDED, outcome.result, None
     return Stage.FAILED, None, outcome.reason
+
+
+def callback_charge(
+    agent_id: str, attempt: int, envelope: Envelope, outcome: Succeeded | Failed, busy_ms: float
+) -> Charge:
+    """What a callback's outcome charges its attempt: the usage the agent reported beside it,
+    else the usage inside its result."""
+    usage = outcome.usage
+    if usage is None and isinstance(outcome, Succeeded):
+        usage = usage_in_result(outcome.result)
+    return charge(
+        agent_id,
+        envelope.capability,
+        envelope.tenant,
+        attempt=attempt,
+        answered=isinstance(outcome, Succeeded),
+        busy_ms=busy_ms,
+        usage=usage,
+        ms=now_ms(),
+    )
 
 
 def callback_outcome(record: MessageRecord) -> Succeeded | Failed:

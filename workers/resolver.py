@@ -30,6 +30,7 @@ from typing import Any
 
 import anyio
 
+from adapters.callback_desk import callback_charge, callback_outcome
 from adapters.finisher import charged
 from adapters.status import StatusClient
 from broker.broadcast import decode_children
@@ -43,7 +44,7 @@ from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
-from broker.usage import Charge, charge, stored_usage, usage_in_result
+from broker.usage import Charge
 from broker.wire import ReplyEntry
 
 from .instances import Instances
@@ -250,7 +251,7 @@ class Resolver:
             return Verdict("in time", record.updated_ms + self.delivery_timeout_ms)
         decide(Signal.LATE, Facts(stage=Stage.CALLBACK_RECEIVED))  # FINISH
         reason = "callback received; finished by the reaper (its sidecar stopped)"
-        bill = self._callback_charge(record, now)
+        bill = self._callback_charge(record)
         if record.result is not None:
             ended = await self.end(record, Stage.SUCCEEDED, reason, result=record.result, bill=bill)
         else:
@@ -258,26 +259,16 @@ class Resolver:
             ended = await self.end(record, Stage.FAILED, reason, error=error, bill=bill)
         return Verdict("finished callback", None if ended else now + RACED_LOOK_MS)
 
-    def _callback_charge(self, record: MessageRecord, now: int) -> Charge | None:
+    def _callback_charge(self, record: MessageRecord) -> Charge | None:
         """The agent answered (its callback is on the record): the attempt is charged as its
         sidecar would have charged it, with the usage the agent reported and no busy time
         (unknown here). Nothing when the instance's card is gone: no agent to charge."""
         view = self.instances.view(record.instance)
         if view is None:
             return None
-        usage = stored_usage(record.usage)
-        if usage is None and record.result is not None:
-            usage = usage_in_result(record.result)
-        return charge(
-            view.card.agent_id,
-            record.capability,
-            load_envelope(record.envelope).tenant,
-            attempt=record.attempt,
-            answered=record.result is not None,
-            busy_ms=0.0,
-            usage=usage,
-            ms=now,
-        )
+        envelope = load_envelope(record.envelope)
+        outcome = callback_outcome(record)
+        return callback_charge(view.card.agent_id, record.attempt, envelope, outcome, 0.0)
 
     async def _children_told(self, record: MessageRecord) -> None:
         """A broadcast waits on its children; the last one to end ends it. A child whose ender
