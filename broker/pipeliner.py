@@ -14,6 +14,15 @@ anchor harness's latency stage (six interleaved runs each) this cut the p99 from
 1.85 ms and the p50 from 1.15 to 0.98 ms, throughput within the noise. Commands of one call
 keep their order; calls from different tasks were never ordered beyond "issued first, queued
 first", and no caller awaits one task's command to order another's.
+
+A call made while nothing is queued and the first lane is free takes its round trip in the
+caller's own task (:meth:`Pipeliner._flush_inline`): waking a lane's task to write, and being
+woken by it with the answer, cost a turn of the event loop each way — at 200 msg/s, 9 µs of
+the sidecar's RECEIVED+PROCESSING before the write and 4–7 µs after the answer (medians of
+instrumented runs), on the path every message's latency takes. Under load the lanes batch
+as before (a burst of 20,000 ran within the noise of the code before: 4,836 and 5,019
+against 4,468 and 4,859 msg/s). A caller cancelled on its way drops the connection, as any
+half-read pipeline does.
 """
 
 from __future__ import annotations
@@ -76,9 +85,30 @@ class Pipeliner:
         if not commands:
             return []
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        if not self._pending and not self._busy[0]:
+            return await self._flush_inline(commands, future)
         self._pending.append((commands, future))
         self._wake.set()
         return await future
+
+    async def _flush_inline(
+        self, commands: list[Command], future: asyncio.Future[list[Any]]
+    ) -> list[Any]:
+        """Nothing queued and the first lane free: the caller's task takes the round trip
+        itself, a turn of the loop each way sooner than waking a lane's task and being woken
+        by it. Commands issued meanwhile queue for the next free lane, as ever."""
+        self._busy[0] = True
+        try:
+            await self._flush([(commands, future)], 0)
+        except BaseException:
+            if future.done() and not future.cancelled():
+                future.exception()  # the caller gets the raise itself: nobody else will look
+            raise
+        finally:
+            self._busy[0] = False
+            if self._pending:
+                self._wake.set()
+        return future.result()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Flush queued commands until cancelled."""
@@ -103,7 +133,7 @@ class Pipeliner:
         lane goes first; another takes work only while the ones before it are busy, so an
         idle process keeps one connection."""
         while True:
-            if not self._pending or not all(self._busy[:lane]):
+            if not self._pending or self._busy[lane] or not all(self._busy[:lane]):
                 await self._wake.wait()
                 self._wake.clear()
                 continue

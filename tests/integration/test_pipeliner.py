@@ -58,3 +58,74 @@ async def test_an_idle_process_keeps_one_connection(redis_server: RedisServer) -
         ids = {await pipeliner.call("CLIENT", "ID") for _ in range(20)}
         tg.cancel_scope.cancel()
     assert len(ids) == 1
+
+
+async def test_work_queued_behind_both_lanes_leaves_when_the_first_frees(
+    redis_server: RedisServer,
+) -> None:
+    """A call issued on an idle pipeliner takes its round trip in its own task, on the first
+    lane; calls issued meanwhile queue for the lanes' tasks. With the second lane held too,
+    a queued PING leaves as soon as the first lane's caller has its answer."""
+    pipeliner = Pipeliner(redis_server.url, [])
+    watcher = await RespConnection.open(redis_server.url)
+    answers: list[tuple[str, object]] = []
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(pipeliner.run)
+
+            async def call(name: str, *command: object) -> None:
+                answers.append((name, await pipeliner.call(*command)))
+
+            async def pops_waiting(count: int) -> bool:
+                (clients,) = await watcher.execute([("CLIENT", "LIST")])
+                return bytes(clients).count(b"cmd=blpop") == count
+
+            tg.start_soon(call, "first", "BLPOP", "lanes:first", 0)
+            await eventually(lambda: pops_waiting(1))
+            tg.start_soon(call, "second", "BLPOP", "lanes:second", 0)
+            await eventually(lambda: pops_waiting(2))
+            tg.start_soon(call, "ping", "PING")
+            await watcher.execute([("LPUSH", "lanes:first", "x")])
+
+            async def pinged() -> bool:
+                return [name for name, _ in answers] == ["first", "ping"]
+
+            with anyio.fail_after(5):
+                await eventually(pinged)
+            await watcher.execute([("LPUSH", "lanes:second", "y")])
+
+            async def all_answered() -> bool:
+                return len(answers) == 3
+
+            await eventually(all_answered)
+            tg.cancel_scope.cancel()
+    finally:
+        await watcher.close()
+    assert answers[-1] == ("second", [b"lanes:second", b"y"])
+
+
+async def test_a_caller_cancelled_on_the_way_drops_its_connection(
+    redis_server: RedisServer,
+) -> None:
+    """A caller that takes its own round trip and is cancelled before the answer leaves the
+    connection out of step: it is closed (the server forgets the blocked pop, which takes
+    nothing pushed later) and the next call opens another."""
+    pipeliner = Pipeliner(redis_server.url, [])
+    watcher = await RespConnection.open(redis_server.url)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(pipeliner.run)
+            with anyio.move_on_after(0.3) as waited:
+                await pipeliner.call("BLPOP", "lanes:cancelled", 0)
+            assert waited.cancelled_caught
+
+            async def pop_gone() -> bool:
+                (clients,) = await watcher.execute([("CLIENT", "LIST")])
+                return b"cmd=blpop" not in clients
+
+            await eventually(pop_gone, timeout_s=5)  # not the 30 s a read may take
+            await pipeliner.call("LPUSH", "lanes:cancelled", "x")
+            assert await pipeliner.call("LLEN", "lanes:cancelled") == 1
+            tg.cancel_scope.cancel()
+    finally:
+        await watcher.close()
