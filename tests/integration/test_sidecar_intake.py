@@ -1,0 +1,56 @@
+"""A sidecar's intake on a real server: what it takes starts before it reads again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adapters.python import Agent
+from adapters.sidecar import Sidecar
+from broker.client import Client
+from broker.connection import Connection
+from broker.envelope import Envelope
+from tests.support.harness import collect_replies, running_dispatcher, running_sidecar
+
+
+async def test_a_taken_message_starts_before_the_next_read(conn: Connection) -> None:
+    """The agent is called before the intake sends its next read: that read is a write and
+    a wake-up the message would otherwise wait behind. The reads are counted as the intake
+    issues them; the handler notes the count when it starts."""
+    agent = Agent("order")
+    reads_at_start: list[int] = []
+    reads = {"issued": 0, "brought": 0}  # reads issued; the one that brought the message
+
+    @agent.handler("order.check")
+    async def check(envelope: Envelope) -> dict[str, Any]:
+        reads_at_start.append(reads["issued"])
+        return {}
+
+    reply_to = conn.keys.reply("order")
+    async with (
+        running_sidecar(conn, "order-1", ("order.check",), transport=agent) as sidecar,
+        running_dispatcher(conn),
+    ):
+        count_reads(sidecar, reads)
+        client = Client(conn)
+        # the first message may come on a read already on its way: counted are the second's
+        for _ in range(2):
+            await client.submit(Envelope(capability="order.check", reply_to=reply_to))
+            await collect_replies(conn, reply_to, len(reads_at_start) + 1)
+    assert reads["brought"] > 0
+    assert reads_at_start[-1] == reads["brought"]  # no read issued after it
+
+
+def count_reads(sidecar: Sidecar, reads: dict[str, int]) -> None:
+    """Count the intake's reads as they are issued (before each goes out), and note which
+    one brought entries."""
+    read = sidecar.intake.read
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        reads["issued"] += 1
+        number = reads["issued"]
+        entries = await read(*args, **kwargs)
+        if entries:
+            reads["brought"] = number
+        return entries
+
+    sidecar.intake.read = counted  # type: ignore[method-assign]
