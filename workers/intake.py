@@ -76,6 +76,16 @@ class Rejection:
     source: str
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why an entry is refused, its bytes, and (an entry with other fields) the envelope
+    among them, to salvage an id and a ``reply_to`` from."""
+
+    reason: str
+    raw: bytes
+    salvage: bytes | None = None
+
+
 @dataclass(slots=True)
 class Intaken:
     """A batch read: the envelopes to admit, and the minted names to forget once the batch's
@@ -95,18 +105,33 @@ class Intake:
         self._id_key: bytes | None = None
 
     async def take(self, entries: Sequence[RawEntry], *, recovering: bool) -> Intaken:
-        """Name, decode and validate a batch; the refused are rejected here, at once."""
+        """Decode and validate a batch, and name what its envelope does not (only those: a
+        derived id is a keyed hash, 23 µs a message at 200 msg/s, on the way to the
+        acceptance); the refused are rejected here, at once."""
         parsed = [parse_ingress(entry_id, flat) for entry_id, flat in entries]
-        names, minted = await self.names([p.entry_id for p in parsed], recovering=recovering)
+        judged = [(item, self._judge(item)) for item in parsed]
+        unnamed = [i.entry_id for i, o in judged if not isinstance(o, Envelope) or o.id is None]
+        names, minted = await self.names(unnamed, recovering=recovering)
         envelopes: list[Envelope] = []
-        rejections: list[Rejection] = []
-        for item in parsed:
-            outcome = self._judge(item, names[item.entry_id])
-            if isinstance(outcome, Rejection):
-                rejections.append(outcome)
-            else:
-                envelopes.append(outcome)
-        await self.reject(rejections)
+        refused: list[tuple[IngressEntry | MalformedEntry, Refusal]] = []
+        for item, outcome in judged:
+            if isinstance(outcome, Envelope):
+                try:
+                    envelopes.append(self._named(outcome, names.get(item.entry_id), item))
+                    continue
+                except InvalidEnvelope as exc:
+                    outcome = Refusal(exc.reason, exc.raw)
+            refused.append((item, outcome))
+        if late := [i.entry_id for i, _ in refused if i.entry_id not in names]:
+            more, more_minted = await self.names(late, recovering=recovering)
+            names.update(more)
+            minted += more_minted
+        await self.reject(
+            [
+                self.rejection(i.entry_id, names[i.entry_id], r.reason, r.raw, salvage=r.salvage)
+                for i, r in refused
+            ]
+        )
         return Intaken(envelopes, minted)
 
     async def acknowledge(
@@ -188,15 +213,28 @@ class Intake:
 
     # -- judging -------------------------------------------------------------------------
 
-    def _judge(self, item: IngressEntry | MalformedEntry, name: str) -> Envelope | Rejection:
+    def _judge(self, item: IngressEntry | MalformedEntry) -> Envelope | Refusal:
+        """The entry's envelope, its id as the producer gave it (perhaps none), or why not."""
         if isinstance(item, MalformedEntry):
-            return self.rejection(item.entry_id, name, item.reason, item.raw, salvage=item.envelope)
+            return Refusal(item.reason, item.raw, item.envelope)
         try:
-            return self._decode(item.envelope, name)
+            return self._decode(item.envelope)
         except InvalidEnvelope as exc:
-            return self.rejection(item.entry_id, name, exc.reason, exc.raw)
+            return Refusal(exc.reason, exc.raw)
 
-    def _decode(self, raw: bytes, name: str) -> Envelope:
+    def _named(
+        self, envelope: Envelope, name: str | None, item: IngressEntry | MalformedEntry
+    ) -> Envelope:
+        """``envelope`` under the entry's ``name`` when it names no message itself."""
+        if envelope.id is None:
+            assert name is not None, f"entry {item.entry_id} was not named"
+            envelope = msgspec.structs.replace(envelope, id=name)
+        if envelope.mode == "broadcast" and (problem := id_problem(envelope.id or "")):
+            raw = item.envelope if isinstance(item, IngressEntry) else item.raw
+            raise InvalidEnvelope(problem, raw)
+        return complete(envelope)
+
+    def _decode(self, raw: bytes) -> Envelope:
         envelope = decode_envelope(
             raw, max_bytes=self.settings.max_envelope_bytes, reply_prefix=self.keys.reply_prefix
         )
@@ -208,11 +246,7 @@ class Intake:
             )
         ):
             raise InvalidEnvelope(problem, raw)
-        if envelope.id is None:
-            envelope = msgspec.structs.replace(envelope, id=name)
-        if envelope.mode == "broadcast" and (problem := id_problem(envelope.id or "")):
-            raise InvalidEnvelope(problem, raw)
-        return complete(envelope)
+        return envelope
 
     # -- refusing ------------------------------------------------------------------------
 
