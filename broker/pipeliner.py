@@ -22,7 +22,8 @@ the sidecar's RECEIVED+PROCESSING before the write and 4–7 µs after the answe
 instrumented runs), on the path every message's latency takes. Under load the lanes batch
 as before (a burst of 20,000 ran within the noise of the code before: 4,836 and 5,019
 against 4,468 and 4,859 msg/s). A caller cancelled on its way drops the connection, as any
-half-read pipeline does.
+half-read pipeline does; a caller already in a cancelled scope queues for a lane instead; a
+connection that finishes opening after the pipeliner stopped is closed, not kept.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class Pipeliner:
         if not commands:
             return []
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        if not self._pending and not self._busy[0]:
+        if not self._pending and not self._busy[0] and _may_wait():
             return await self._flush_inline(commands, future)
         self._pending.append((commands, future))
         self._wake.set()
@@ -185,7 +186,12 @@ class Pipeliner:
     async def _execute(self, commands: list[Command], lane: int) -> list[Any]:
         conn = self._conns[lane]
         if conn is None:
-            conn = self._conns[lane] = await RespConnection.open(self._url)
+            conn = await RespConnection.open(self._url)
+            if not self._running:  # stopped while connecting: run() closed the others
+                with anyio.CancelScope(shield=True):
+                    await conn.close()
+                raise RedisUnavailable("the pipeliner stopped before the command was sent")
+            self._conns[lane] = conn
         try:
             return await conn.execute(commands)
         except BaseException:
@@ -206,6 +212,16 @@ class Pipeliner:
         for i, result in zip(again, retried, strict=True):
             results[i] = result
         return results
+
+
+def _may_wait() -> bool:
+    """Whether the calling task may await a round trip: not in a cancelled scope, nor one
+    whose deadline has passed (clean-up a cancelled task runs unshielded). Such a call is
+    queued for a lane instead, as any call made while others are on their way: it is sent,
+    and the caller is cancelled at its first wait — where taking the round trip itself would
+    drop the connection at the write, and each call after would open another only to be
+    cancelled before sending."""
+    return anyio.current_effective_deadline() > anyio.current_time()
 
 
 def _fail(groups: list[_Group], exc: Exception) -> None:

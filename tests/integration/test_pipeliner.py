@@ -4,8 +4,10 @@ leave on another lane instead of waiting for its answer."""
 from __future__ import annotations
 
 import anyio
+from anyio.abc import SocketAttribute, SocketStream, TaskStatus
 
 from broker.embedded import RedisServer
+from broker.errors import RedisUnavailable
 from broker.pipeliner import LANES, Pipeliner
 from broker.resp import RespConnection
 from tests.support.harness import eventually
@@ -129,3 +131,107 @@ async def test_a_caller_cancelled_on_the_way_drops_its_connection(
             tg.cancel_scope.cancel()
     finally:
         await watcher.close()
+
+
+async def test_calls_in_a_cancelled_scope_are_sent_on_the_kept_connection(
+    redis_server: RedisServer,
+) -> None:
+    """Clean-up that a cancelled task runs unshielded: each call is queued for a lane, which
+    sends it, and the caller is cancelled at its wait. Taking the round trip itself would
+    drop the connection at the first call and leave the next ones unsent."""
+    pipeliner = Pipeliner(redis_server.url, [])
+    async with anyio.create_task_group() as tg:
+        await tg.start(pipeliner.run)
+        before = await pipeliner.call("CLIENT", "ID")
+        cancelled = 0
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            for i in range(3):
+                try:
+                    await pipeliner.call("RPUSH", "lanes:clean-up", i)
+                except anyio.get_cancelled_exc_class():
+                    cancelled += 1
+
+        async def all_sent() -> bool:
+            return await pipeliner.call("LLEN", "lanes:clean-up") == 3
+
+        await eventually(all_sent, timeout_s=5)
+        after = await pipeliner.call("CLIENT", "ID")
+        tg.cancel_scope.cancel()
+    assert cancelled == 3
+    assert after == before
+
+
+class HeldDoor:
+    """A loopback TCP door to the real server that holds every connection's first bytes
+    until :attr:`opened` is set; :attr:`connections` counts those still open."""
+
+    def __init__(self, redis_port: int) -> None:
+        self.redis_port = redis_port
+        self.opened = anyio.Event()
+        self.connections = 0
+        self.port = 0
+
+    async def serve(self, *, task_status: TaskStatus[None]) -> None:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+        self.port = listener.extra(SocketAttribute.local_port)
+        async with listener:
+            task_status.started()
+            await listener.serve(self._handle)
+
+    async def _handle(self, client: SocketStream) -> None:
+        self.connections += 1
+        try:
+            async with client, await anyio.connect_tcp("127.0.0.1", self.redis_port) as server:
+                await self.opened.wait()
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_pump, client, server, tg.cancel_scope)
+                    await _pump(server, client, tg.cancel_scope)
+        finally:
+            self.connections -= 1
+
+
+async def _pump(source: SocketStream, sink: SocketStream, scope: anyio.CancelScope) -> None:
+    try:
+        async for chunk in source:
+            await sink.send(chunk)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass
+    scope.cancel()  # one side closed: so does the other
+
+
+async def test_a_connection_that_opens_after_the_pipeliner_stopped_is_closed(
+    redis_server: RedisServer,
+) -> None:
+    """A caller is inside its first connection's set-up (a ``SELECT``, held at the door) when
+    the pipeliner stops: when the set-up ends, the connection is closed and the caller told,
+    instead of a connection nobody will close carrying its command."""
+    door = HeldDoor(redis_server.port)
+    told: list[BaseException] = []
+    async with anyio.create_task_group() as outer:
+        await outer.start(door.serve)
+        pipeliner = Pipeliner(f"redis://127.0.0.1:{door.port}/1", [])
+
+        async def caller() -> None:
+            try:
+                told.append(RuntimeError(f"answered {await pipeliner.call('PING')!r}"))
+            except RedisUnavailable as exc:
+                told.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            await tg.start(pipeliner.run)
+            outer.start_soon(caller)
+
+            async def held() -> bool:
+                return door.connections == 1
+
+            await eventually(held, timeout_s=5)
+            tg.cancel_scope.cancel()
+        door.opened.set()
+
+        async def closed() -> bool:
+            return bool(told) and door.connections == 0
+
+        await eventually(closed, timeout_s=5)
+        outer.cancel_scope.cancel()
+    assert isinstance(told[0], RedisUnavailable), told
