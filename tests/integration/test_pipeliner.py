@@ -136,21 +136,25 @@ async def test_a_caller_cancelled_on_the_way_drops_its_connection(
 async def test_calls_in_a_cancelled_scope_are_sent_on_the_kept_connection(
     redis_server: RedisServer,
 ) -> None:
-    """Clean-up that a cancelled task runs unshielded: each call is queued for a lane, which
-    sends it, and the caller is cancelled at its wait. Taking the round trip itself would
-    drop the connection at the first call and leave the next ones unsent."""
+    """Clean-up that a cancelled task runs unshielded, once the cancellation has reached it:
+    each call is queued for a lane, which sends it, and the caller is cancelled at its wait.
+    Taking the round trip itself would drop the connection at the first call and leave the
+    next ones unsent."""
     pipeliner = Pipeliner(redis_server.url, [])
     async with anyio.create_task_group() as tg:
         await tg.start(pipeliner.run)
         before = await pipeliner.call("CLIENT", "ID")
         cancelled = 0
         with anyio.CancelScope() as scope:
-            scope.cancel()
-            for i in range(3):
-                try:
-                    await pipeliner.call("RPUSH", "lanes:clean-up", i)
-                except anyio.get_cancelled_exc_class():
-                    cancelled += 1
+            try:
+                scope.cancel()
+                await anyio.sleep(5)  # the work, cancelled
+            finally:
+                for i in range(3):
+                    try:
+                        await pipeliner.call("RPUSH", "lanes:clean-up", i)
+                    except anyio.get_cancelled_exc_class():
+                        cancelled += 1
 
         async def all_sent() -> bool:
             return await pipeliner.call("LLEN", "lanes:clean-up") == 3
