@@ -112,24 +112,12 @@ class Intake:
         judged = [(item, self._judge(item)) for item in parsed]
         unnamed = [i.entry_id for i, o in judged if not isinstance(o, Envelope) or o.id is None]
         names, minted = await self.names(unnamed, recovering=recovering)
-        envelopes: list[Envelope] = []
-        refused: list[tuple[IngressEntry | MalformedEntry, Refusal]] = []
-        for item, outcome in judged:
-            if isinstance(outcome, Envelope):
-                try:
-                    envelopes.append(self._named(outcome, names.get(item.entry_id), item))
-                    continue
-                except InvalidEnvelope as exc:
-                    outcome = Refusal(exc.reason, exc.raw)
-            refused.append((item, outcome))
-        if late := [i.entry_id for i, _ in refused if i.entry_id not in names]:
-            more, more_minted = await self.names(late, recovering=recovering)
-            names.update(more)
-            minted += more_minted
+        envelopes = [_named(o, names.get(i.entry_id)) for i, o in judged if isinstance(o, Envelope)]
         await self.reject(
             [
-                self.rejection(i.entry_id, names[i.entry_id], r.reason, r.raw, salvage=r.salvage)
-                for i, r in refused
+                self.rejection(i.entry_id, names[i.entry_id], o.reason, o.raw, salvage=o.salvage)
+                for i, o in judged
+                if isinstance(o, Refusal)
             ]
         )
         return Intaken(envelopes, minted)
@@ -222,18 +210,6 @@ class Intake:
         except InvalidEnvelope as exc:
             return Refusal(exc.reason, exc.raw)
 
-    def _named(
-        self, envelope: Envelope, name: str | None, item: IngressEntry | MalformedEntry
-    ) -> Envelope:
-        """``envelope`` under the entry's ``name`` when it names no message itself."""
-        if envelope.id is None:
-            assert name is not None, f"entry {item.entry_id} was not named"
-            envelope = msgspec.structs.replace(envelope, id=name)
-        if envelope.mode == "broadcast" and (problem := id_problem(envelope.id or "")):
-            raw = item.envelope if isinstance(item, IngressEntry) else item.raw
-            raise InvalidEnvelope(problem, raw)
-        return complete(envelope)
-
     def _decode(self, raw: bytes) -> Envelope:
         envelope = decode_envelope(
             raw, max_bytes=self.settings.max_envelope_bytes, reply_prefix=self.keys.reply_prefix
@@ -245,6 +221,9 @@ class Intake:
                 envelope.callback_url, self.settings.callback_hosts, self.settings.webhook_secret
             )
         ):
+            raise InvalidEnvelope(problem, raw)
+        # a name the entry gives (a ULID) always fits a broadcast: only the producer's may not
+        if envelope.mode == "broadcast" and envelope.id and (problem := id_problem(envelope.id)):
             raise InvalidEnvelope(problem, raw)
         return envelope
 
@@ -376,3 +355,11 @@ def _ours(record: MessageRecord | None, raw: bytes, max_bytes: int) -> bool:
         and record.stage is Stage.REJECTED
         and record.envelope == cap_bytes(raw, max_bytes)[0]
     )
+
+
+def _named(envelope: Envelope, name: str | None) -> Envelope:
+    """``envelope`` under its entry's ``name`` when it names no message itself."""
+    if envelope.id is None:
+        assert name is not None, "an envelope without an id was not named"
+        envelope = msgspec.structs.replace(envelope, id=name)
+    return complete(envelope)
