@@ -34,6 +34,7 @@ from .record_codec import (
     timeline_entries,
 )
 from .records import Accepted, MessageRecord, Moved, TimelineEntry
+from .resp import Command
 from .scripts import ScriptName
 from .stages import TERMINAL, Stage, sources_for
 from .timekeeping import now_ms
@@ -310,11 +311,17 @@ class MessageStore:
     async def stages(self, message_ids: list[str]) -> list[Stage | None]:
         """Just the stage of several records, in one round trip (``None``: no record, or
         none a stage is read from)."""
-        replies = await self.conn.call_many(
-            [("HGET", self.keys.record(i), "stage") for i in message_ids]
-        )
-        return [STAGE_OF.get(raised(r)) if r else None for r in replies]
+        return stages_read(await self.conn.call_many(self.stage_commands(message_ids)))
+
+    def stage_commands(self, message_ids: list[str]) -> list[Command]:
+        """The reads of :meth:`stages`, to send with other commands (:func:`stages_read`)."""
+        return [("HGET", self.keys.record(i), "stage") for i in message_ids]
 
     async def get_timeline(self, message_id: str) -> list[TimelineEntry]:
         field, legacy = await self.conn.call_many(timeline_commands(self.keys, message_id))
         return timeline_entries(raised(field), raised(legacy))
+
+
+def stages_read(replies: list[Any]) -> list[Stage | None]:
+    """The answers of :meth:`MessageStore.stage_commands`: each stage, or ``None``."""
+    return [STAGE_OF.get(raised(r)) if r else None for r in replies]

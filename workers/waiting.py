@@ -16,15 +16,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from broker.cluster_map import ORDER_BARRIER
 from broker.due_clock import due_at_most_command
 from broker.envelope import Envelope, load_envelope
 from broker.fairness import Rotation, fair_order
+from broker.record_codec import raised
 from broker.records import AssignResult, MessageRecord
 from broker.resp import Command
 from broker.routing import Outcome
 from broker.sessions import bind_session_commands, bound_instances
 from broker.stages import QUEUED, Stage
-from broker.store import MessageStore, Move
+from broker.store import MessageStore, Move, stages_read
 from broker.timekeeping import now_ms
 from broker.waiting_sets import (
     parks_hint,
@@ -158,20 +160,20 @@ class WaitingRoom:
         removed = {c: [a.message_id for a in done if a.capability == c] + stale[c] for c in heads}
         aside = {c: [r for c2, r in unmatched if c2 == c] for c in heads}
         aside_now, self._stand_aside = self._stand_aside, []
-        await self.store.conn.run_all(
-            after  # the assignment counters
-            + unpark_commands(self.store.keys, removed)
-            + stand_aside_commands(self.store.keys, aside_now)
-            + [cmd for c, rs in aside.items() for cmd in set_aside_commands(self.store.keys, c, rs)]
-        )
+        aside_cmds = [
+            x for c, rs in aside.items() for x in set_aside_commands(self.store.keys, c, rs)
+        ]
+        writes = (
+            after + stand_aside_commands(self.store.keys, aside_now) + aside_cmds
+        )  # after: counts
+        returned = await self._unpark(writes, removed)
         stood = [c for c, *_ in aside_now]
         for c, head in heads.items():
             gone = len(removed[c]) + len(aside[c])  # and the stood aside moved back in the line
             counts = (len(head), gone, gone + stood.count(c), sum(a.capability == c for a in done))
             if self._passed(c, counts, windows[c], passed_over, wide=bool(wide)):
                 self.may_wait.found_empty(c, heard)
-        for capability, ids in removed.items():
-            await self._repark_returned(capability, ids)
+        await self._repark_returned(returned)
         full = {c for c, head in heads.items() if len(head) == windows[c][1]}
         used = {c: sum(a.capability == c for a in done) for c in full}
         # whose credits the messages met could not use; whose full window went, credits left
@@ -212,21 +214,39 @@ class WaitingRoom:
             self.backlogged.add(capability)
         return False
 
-    async def _repark_returned(self, capability: str, removed: list[str]) -> None:
-        """A message may have come back to WAITING (its agent was not reached) between our
-        assignment and our removal of its waiting entry: index it again."""
-        if not removed:
-            return
-        stages = await self.store.stages(removed)
-        returned = [i for i, stage in zip(removed, stages, strict=True) if stage is Stage.WAITING]
+    async def _unpark(
+        self, writes: list[Command], removed: dict[str, list[str]]
+    ) -> list[tuple[str, str]]:
+        """``writes`` and the removal of the ``removed`` waiting entries, then (a barrier across
+        a cluster's nodes) their stages, in one round trip. Returns those read WAITING,
+        ``(capability, id)``: they came back meanwhile (:meth:`_repark_returned`)."""
+        unparked = [(c, i) for c, ids in removed.items() for i in ids]
+        writes = writes + unpark_commands(self.store.keys, removed)
+        replies = await self.store.conn.call_many(
+            [*writes, ORDER_BARRIER, *self.store.stage_commands([i for _, i in unparked])]
+        )
+        for reply in replies[: len(writes)]:
+            raised(reply)
+        stages = stages_read(replies[len(writes) + 1 :])
+        return [ci for ci, stage in zip(unparked, stages, strict=True) if stage is Stage.WAITING]
+
+    async def _repark_returned(self, returned: list[tuple[str, str]]) -> None:
+        """Messages ``(capability, id)`` read WAITING after this room removed their waiting
+        entries: they came back (the agent was not reached) between our assignment and that
+        removal, and their own park may have gone first. Index them again."""
         if not returned:
             return
-        back = [r for r in await self.store.get_records(returned) if r and r.stage is Stage.WAITING]
+        records = await self.store.get_records([i for _, i in returned])
+        back = [
+            (c, r)
+            for (c, _), r in zip(returned, records, strict=True)
+            if r and r.stage is Stage.WAITING
+        ]
         if back:
             await self.store.waiting.park_many(
-                [(capability, r.id, r.priority, r.accepted_ms) for r in back]
+                [(c, r.id, r.priority, r.accepted_ms) for c, r in back]
             )
-            self.note_waiting([capability])
+            self.note_waiting(sorted({c for c, _ in back}))
 
     def forget(self, capabilities: Iterable[str], heard: dict[str, int] | None = None) -> None:
         """Capabilities with nothing waiting any more: what this room kept about them goes —

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import anyio
 import msgspec
@@ -20,13 +21,16 @@ from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.agents import Gate, http_agent
 from tests.support.harness import (
+    card,
     collect_replies,
     dead_letters,
     eventually,
     running_dispatcher,
     running_sidecar,
 )
+from workers.assignment import Assigned, Assigner, Routed
 from workers.dispatcher import Dispatcher
+from workers.waiting import WaitingRoom
 
 HAPPY_PATH = [Stage.ACCEPTED, Stage.ROUTED, Stage.RECEIVED, Stage.PROCESSING, Stage.SUCCEEDED]
 
@@ -329,6 +333,24 @@ async def test_a_routed_message_takes_one_script_on_one_server(conn: Connection)
     assert timelines == [HAPPY_PATH] * 3
 
 
+async def parked_behind_earlier_work(
+    conn: Connection, reply_to: str, count: int
+) -> tuple[Dispatcher, list[str]]:
+    """``count`` echo messages handled by a dispatcher (not running) that believes earlier
+    work of their capability waits, so each is parked whatever the free credits."""
+    dispatcher = Dispatcher(conn, consumer="d1")
+    await ensure_group(conn, conn.keys.ingress, DISPATCH_GROUP)
+    await dispatcher.refresh()
+    dispatcher.waiting.backlogged.add("text.echo")
+    ids = await Client(conn).submit_many([echo(n, reply_to) for n in range(count)])
+    async with conn.reader() as reader:
+        entries = await reader.read_raw(
+            conn.keys.ingress, DISPATCH_GROUP, "d1", count=count, block_ms=1000
+        )
+    await dispatcher.handle_batch(entries)
+    return dispatcher, ids
+
+
 async def test_many_free_credits_are_handed_out_in_passes_of_a_small_pipeline_each(
     conn: Connection,
 ) -> None:
@@ -345,16 +367,7 @@ async def test_many_free_credits_are_handed_out_in_passes_of_a_small_pipeline_ea
             conn, "a-1", ("text.echo",), url=agent.url, max_inflight=80, adaptive_credits=False
         ),
     ):
-        dispatcher = Dispatcher(conn, consumer="d1")
-        await ensure_group(conn, conn.keys.ingress, DISPATCH_GROUP)
-        await dispatcher.refresh()
-        dispatcher.waiting.backlogged.add("text.echo")  # earlier work waits: these park behind
-        ids = await client.submit_many([echo(n, reply_to) for n in range(200)])
-        async with conn.reader() as reader:
-            entries = await reader.read_raw(
-                conn.keys.ingress, DISPATCH_GROUP, "d1", count=200, block_ms=1000
-            )
-        await dispatcher.handle_batch(entries)
+        dispatcher, ids = await parked_behind_earlier_work(conn, reply_to, 200)
         parked = await store.waiting.depth("text.echo")
         with watching(conn) as rounds:
             assigned = await dispatcher.waiting.drain(["text.echo"])
@@ -367,6 +380,49 @@ async def test_many_free_credits_are_handed_out_in_passes_of_a_small_pipeline_ea
     assert sum(claims) == 80 and max(claims) == conn.settings.ingress_batch == 32, claims
     assert {r.stage for r in results.values()} == {Stage.SUCCEEDED} and set(results) == set(ids)
     assert agent.log.total == 200 and max(agent.log.calls.values()) == 1
+
+
+class ComingBack(Assigner):
+    """Assigns, then at once does what a sidecar that could not reach its agent does with
+    each attempt: back to WAITING, parked again — before the drain that assigned it has
+    removed the waiting entry it was claimed from."""
+
+    async def assign(self, routed: list[Routed], **options: Any) -> Assigned:
+        assigned = await super().assign(routed, **options)
+        for r in assigned.routed:
+            moved = await self.store.move(
+                r.message_id, Stage.WAITING, only_from=Stage.ROUTED, reason="agent not reached"
+            )
+            assert moved.ok, moved
+            await self.store.waiting.park(r.capability, r.message_id, r.priority, r.accepted_ms)
+        return assigned
+
+
+async def test_a_drained_message_back_in_waiting_before_its_entry_goes_is_parked_again(
+    conn: Connection,
+) -> None:
+    """The drain removes the waiting entries of what it assigned, then reads their stages
+    (after the removal, in the same round trip): one back in WAITING by then had its own
+    entry removed too, and is parked again — never WAITING and in no set, which only the
+    sweep's repair would find."""
+    store = MessageStore(conn)
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    await Registry(conn).register(card("a-1", ("text.echo",), max_inflight=4), credits=4)
+    dispatcher, ids = await parked_behind_earlier_work(conn, reply_to, 2)
+    assert await store.waiting.depth("text.echo") == 2
+    room = WaitingRoom(
+        store, dispatcher.table, batch=32, assigner=ComingBack(store, dispatcher.table)
+    )
+    with watching(conn) as rounds:
+        assert await room.drain(["text.echo"]) == 2
+    assert await store.stages(ids) == [Stage.WAITING] * 2
+    scores = [await conn.call("ZSCORE", conn.keys.waiting("text.echo"), i) for i in ids]
+    assert None not in scores, scores
+    removals = next(r for r in rounds if {"ZREM", "HGET"} <= {c[0] for c in r})
+    removed = [n for n, c in enumerate(removals) if c[0] == "ZREM"]
+    read = [n for n, c in enumerate(removals) if c[0] == "HGET"]
+    assert len(read) == 2 and min(read) > max(removed), removals
 
 
 async def test_a_drained_message_is_claimed_and_assigned_in_one_script_on_one_server(
