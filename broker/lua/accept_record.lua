@@ -11,8 +11,11 @@ local function accept_record(rec, counters, argv, fields_at)
     redis.call('DEL', rec)
   end
   local attempt = argv[8] == 'ROUTED' and '1' or '0'
+  -- a new record (or one just deleted): no timeline to read
+  local timeline = timeline_lines(nil, argv[7], {{argv[3], 'ACCEPTED', '', '0', ''},
+                                                 {argv[3], argv[8], argv[9], attempt, argv[10]}})
   local fields = {'envelope', argv[1], 'capability', argv[2], 'accepted_ms', argv[3],
-                  'deadline_ms', argv[4], 'stage', argv[8]}
+                  'deadline_ms', argv[4], 'stage', argv[8], 'timeline', timeline}
   -- a field that would hold its default is not written (broker/record_codec.py reads it
   -- back): attempt 0, no instance yet, priority 0, no error, updated when accepted; a
   -- reply_to the envelope holds is not copied (broker/store.py passes "")
@@ -29,8 +32,6 @@ local function accept_record(rec, counters, argv, fields_at)
     fields[#fields + 1] = argv[i]
   end
   redis.call('HSET', rec, unpack(fields))
-  timeline_append(rec, argv[7], {{argv[3], 'ACCEPTED', '', '0', ''},
-                                 {argv[3], argv[8], argv[9], attempt, argv[10]}})
   if argv[8] == 'REJECTED' then
     count_in(counters, argv[12], 'finished\t' .. argv[2] .. '\tREJECTED')
   else

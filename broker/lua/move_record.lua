@@ -14,7 +14,7 @@ local function move_record(KEYS, ARGV)
     fields_at = 22 + n + 2 * tonumber(ARGV[21 + n])
   end
   local cur = redis.call('HMGET', rec, 'stage', 'attempt', 'instance', ARGV[11], 'capability',
-                         'accepted_ms')
+                         'accepted_ms', 'timeline')
   if not cur[1] then
     return {-1}
   end
@@ -31,9 +31,10 @@ local function move_record(KEYS, ARGV)
     new_attempt = ARGV[5]
   end
   local new_instance = ARGV[6] ~= '' and ARGV[6] or instance
+  local timeline = timeline_lines(cur[7], ARGV[9],
+                                  {{ARGV[7], ARGV[4], new_instance, new_attempt, ARGV[8]}})
   redis.call('HSET', rec, 'stage', ARGV[4], 'attempt', new_attempt, 'instance', new_instance,
-             'updated_ms', ARGV[7], unpack(ARGV, fields_at))
-  timeline_append(rec, ARGV[9], {{ARGV[7], ARGV[4], new_instance, new_attempt, ARGV[8]}})
+             'updated_ms', ARGV[7], 'timeline', timeline, unpack(ARGV, fields_at))
   -- a level, not a count: e.g. the messages now waiting for an operator
   if counters and (stage == ARGV[12]) ~= (ARGV[4] == ARGV[12]) then
     redis.call('HINCRBY', counters, 'level\t' .. ARGV[12], ARGV[4] == ARGV[12] and 1 or -1)

@@ -5,9 +5,12 @@
 -- oldest first, at most `cap` lines. It lives in the record, not in a list of its own: a key
 -- of its own cost ~260 bytes per message beyond its entries (python -m bench.memory). Records
 -- written before it moved keep their entries in the list P:t:{id}, read before the field.
-local function timeline_append(rec, cap, entries)
+--
+-- timeline_lines is the field's new value: a script that reads and writes the record anyway
+-- (move_record.lua, accept_record.lua) reads `timeline` with its other fields and writes the
+-- new value with them, two commands fewer per move than timeline_append's own read and write.
+local function timeline_lines(known, cap, entries)
   local parts = {}
-  local known = redis.call('HGET', rec, 'timeline')
   if known and known ~= '' then
     parts[1] = known
   end
@@ -29,5 +32,10 @@ local function timeline_append(rec, cap, entries)
     end
     lines = string.sub(lines, from)
   end
-  redis.call('HSET', rec, 'timeline', lines)
+  return lines
+end
+
+local function timeline_append(rec, cap, entries)
+  local known = redis.call('HGET', rec, 'timeline')
+  redis.call('HSET', rec, 'timeline', timeline_lines(known, cap, entries))
 end

@@ -32,6 +32,30 @@ async def test_the_timeline_keeps_the_newest_entries_up_to_its_cap(conn: Connect
     assert [e.reason for e in timeline] == [f"event {n}" for n in range(20, 30)]
 
 
+async def test_moves_keep_the_cap_as_they_write_the_timeline_with_the_stage(
+    conn: Connection,
+) -> None:
+    """A move reads the timeline with the stage and writes it with the stage, in one
+    command each (``lua/move_record.lua``): the cap holds there too, and a move refused by
+    its fence writes nothing."""
+    settings = msgspec.structs.replace(conn.settings, timeline_max=10)
+    assert settings.redis_url is not None
+    async with open_connection(settings, settings.redis_url) as capped:
+        store = MessageStore(capped)
+        await store.accept(acceptance("m-moves"))  # ACCEPTED, WAITING
+        stages = [Stage.ROUTED, Stage.WAITING] * 6
+        for n, (source, target) in enumerate(
+            zip([Stage.WAITING, *stages[:-1]], stages, strict=True)
+        ):
+            moved = await store.move("m-moves", target, only_from=source, reason=f"move {n}")
+            assert moved.ok, moved
+        refused = await store.move("m-moves", Stage.ROUTED, only_from=Stage.ROUTED)
+        timeline = await store.get_timeline("m-moves")
+    assert not refused.ok
+    assert [e.reason for e in timeline] == [f"move {n}" for n in range(2, 12)]
+    assert [e.stage for e in timeline] == stages[2:]
+
+
 async def test_any_text_reads_back_as_written(conn: Connection) -> None:
     reason = 'line one\nline two, "quoted", tab\t, é, 🙂, \\n literally'
     store = MessageStore(conn)
