@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from broker import process_metrics
 from broker.connection import Connection
 from broker.credits import release_command
-from broker.errors import RedisReplyError, RedisUnavailable
+from broker.errors import RedisReplyError, RedisUnavailable, raised
 from broker.event_log import emit
 from broker.finishing import Ending, finish_answer, finish_commands, fits
 from broker.keyspace import SIDECAR_GROUP
 from broker.process_metrics import since_ms
-from broker.record_codec import moved, raised
+from broker.record_codec import moved
 from broker.records import Moved
 from broker.results import Command
 from broker.stages import TERMINAL

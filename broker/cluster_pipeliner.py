@@ -38,8 +38,8 @@ from .cluster_map import (
     command_slot,
     redirection,
 )
-from .errors import RedisUnavailable
-from .pipeliner import Pipeliner, raised
+from .errors import RedisUnavailable, raised
+from .pipeliner import Pipeliner
 from .scripts import Script
 from .slots import key_slot
 

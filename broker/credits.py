@@ -9,8 +9,8 @@ from typing import Any
 
 from .cluster_map import ORDER_BARRIER
 from .connection import Connection
+from .errors import raised
 from .notifications import credit_announcement
-from .record_codec import raised
 from .records import AssignResult
 from .resp import Command
 from .scripts import ScriptName

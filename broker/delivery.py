@@ -10,12 +10,12 @@ import msgspec
 from .connection import Connection
 from .deadletters import Letter, cap_text, dead_letter_command, letter_kind
 from .envelope import Envelope, load_envelope
-from .errors import RedisUnavailable
+from .errors import RedisUnavailable, raised
 from .event_log import event_command
 from .events import is_event_delivery
 from .keyspace import due_for
 from .metric_fields import field
-from .record_codec import pairs, raised, readable_record, timeline_entries
+from .record_codec import pairs, readable_record, timeline_entries
 from .results import Command, delivery_commands
 from .scripts import ScriptName
 from .stages import Stage

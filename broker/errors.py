@@ -29,6 +29,8 @@ Code elsewhere tells replies apart by ``.code``, never by their text.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ReachError(Exception):
     """Root of every error raised by Agent-Reach."""
@@ -119,3 +121,11 @@ class RequestTimeout(ReachError):
 class ClientNotOpen(ReachError):
     """Raised when ``Client.request`` is called outside ``async with Client(conn)`` (its reply
     stream and reader live only there), or a ``SyncClient`` is used outside ``with``."""
+
+
+def raised(reply: Any) -> Any:
+    """A pipelined reply, or the error reply in its place raised (pipelines return error
+    replies as exceptions in place, so one bad command does not hide the others' answers)."""
+    if isinstance(reply, Exception):
+        raise reply
+    return reply

@@ -36,7 +36,7 @@ from anyio.abc import TaskStatus
 
 from .cluster_map import ORDER_BARRIER
 from .durability import shortfall, wait_command, writes
-from .errors import RedisReplyError, RedisUnavailable
+from .errors import RedisReplyError, RedisUnavailable, raised
 from .resp import Command, RespConnection
 from .scripts import Script
 
@@ -237,10 +237,3 @@ def _fail(groups: list[_Group], exc: Exception) -> None:
 def _no_script(reply: Any) -> bool:
     """Whether ``reply`` is Redis saying it has no script under that sha (``NOSCRIPT``)."""
     return isinstance(reply, RedisReplyError) and reply.code == "NOSCRIPT"
-
-
-def raised(reply: Any) -> Any:
-    """``reply``, or raised when it is an error."""
-    if isinstance(reply, Exception):
-        raise reply
-    return reply

@@ -27,13 +27,6 @@ def pairs(flat: list[bytes]) -> dict[bytes, bytes]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
-def raised(reply: Any) -> Any:
-    """A pipelined reply, or the error reply in its place raised."""
-    if isinstance(reply, Exception):
-        raise reply
-    return reply
-
-
 def text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 

@@ -21,6 +21,7 @@ from .connection import Connection
 from .credits import Credits, assign_keys
 from .delivery import Delivery
 from .due_clock import DueClock
+from .errors import raised
 from .event_log import emit, event_command
 from .keyspace import due_for
 from .record_codec import (
@@ -28,7 +29,6 @@ from .record_codec import (
     accepted,
     moved,
     pairs,
-    raised,
     readable_record,
     timeline_commands,
     timeline_entries,

@@ -9,9 +9,10 @@ from typing import Any
 
 from .cluster_map import ORDER_BARRIER
 from .connection import Connection
+from .errors import raised
 from .fairness import PRIORITY_SPAN, split_score, waiting_score
 from .keyspace import Keyspace
-from .record_codec import raised, text
+from .record_codec import text
 from .records import MessageRecord
 
 Command = tuple[Any, ...]

@@ -19,8 +19,8 @@ from typing import Any
 from broker.cluster_map import ORDER_BARRIER
 from broker.due_clock import due_at_most_command
 from broker.envelope import Envelope, load_envelope
+from broker.errors import raised
 from broker.fairness import Rotation, fair_order
-from broker.record_codec import raised
 from broker.records import AssignResult, MessageRecord
 from broker.resp import Command
 from broker.routing import Outcome
