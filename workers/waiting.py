@@ -156,16 +156,15 @@ class WaitingRoom:
         self.assigned += len(done)
         for a in done:
             self.rotation.served(a.capability)
-        # Still indexed: the refused ones keep their waiting-set entry.
+        # Still indexed: the refused ones keep their waiting-set entry. Removed (assigned, or
+        # no longer queued), set aside and stood aside are three sets apart: order is free.
         removed = {c: [a.message_id for a in done if a.capability == c] + stale[c] for c in heads}
         aside = {c: [r for c2, r in unmatched if c2 == c] for c in heads}
         aside_now, self._stand_aside = self._stand_aside, []
         aside_cmds = [
             x for c, rs in aside.items() for x in set_aside_commands(self.store.keys, c, rs)
         ]
-        writes = (
-            after + stand_aside_commands(self.store.keys, aside_now) + aside_cmds
-        )  # after: counts
+        writes = after + stand_aside_commands(self.store.keys, aside_now) + aside_cmds
         returned = await self._unpark(writes, removed)
         stood = [c for c, *_ in aside_now]
         for c, head in heads.items():
