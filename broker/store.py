@@ -11,6 +11,7 @@ functions; the classes only run them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -154,10 +155,18 @@ def move_sources(m: Move) -> str:
     return ",".join(sorted(m.any_of)) if m.any_of is not None else _SOURCES[m.target, m.only_from]
 
 
+@functools.cache
+def _expiry_unended(sources: str) -> str:
+    """ARGV[10] of a move to a stage that is not terminal, from its allowed sources: ``""``
+    removes the record's expiry (a move out of a terminal stage, an operator's replay);
+    ``"-"`` leaves it alone — only a terminal record has one, so there is none to remove."""
+    return "" if any(s in TERMINAL for s in sources.split(",")) else "-"
+
+
 def _move_args(conn: Connection, m: Move) -> list[Any]:
     """``lua/transition.lua``'s ARGV up to the charge."""
     sources = move_sources(m)
-    ttl = conn.settings.record_ttl_s if m.target in TERMINAL else ""
+    ttl = conn.settings.record_ttl_s if m.target in TERMINAL else _expiry_unended(sources)
     return [
         sources,
         "" if m.expect_attempt is None else m.expect_attempt,

@@ -62,12 +62,12 @@ local function move_record(KEYS, ARGV)
     redis.call('EXPIRE', day, ARGV[17 + n])
     redis.call('EXPIRE', month, ARGV[17 + n])
   end
-  if ARGV[10] ~= '' then
-    count_in(counters, ARGV[13], 'finished\t' .. (cur[5] or '') .. '\t' .. ARGV[4])
-    redis.call('EXPIRE', rec, ARGV[10])
-  else
+  if ARGV[10] == '' then
     -- out of a terminal stage again (an operator's replay): keep it until it ends anew
     redis.call('PERSIST', rec)
+  elseif ARGV[10] ~= '-' then  -- '-': from no terminal stage, so no expiry to remove
+    count_in(counters, ARGV[13], 'finished\t' .. (cur[5] or '') .. '\t' .. ARGV[4])
+    redis.call('EXPIRE', rec, ARGV[10])
   end
   return {1, ARGV[4], new_attempt, new_instance, ARGV[11] ~= '' and cur[4] or false, cur[6] or '0'}
 end

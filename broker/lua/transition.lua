@@ -13,8 +13,9 @@
 -- ARGV[7]  now (ms)
 -- ARGV[8]  reason for the timeline
 -- ARGV[9]  timeline cap (entries)
--- ARGV[10] seconds to keep the record (set when the new stage is terminal), or ""
---          (then any expiry is removed: a replayed record lives until it ends anew)
+-- ARGV[10] seconds to keep the record (set when the new stage is terminal), or "" (then
+--          any expiry is removed: a replayed record lives until it ends anew), or "-" (no
+--          allowed source stage is terminal: only a terminal record has an expiry, so none)
 -- ARGV[11] a record field to return on success, or ""
 -- ARGV[12] the stage kept as a level in the counters ("level\t<stage>": +1 in, -1 out)
 -- ARGV[13] the counters' cap (distinct fields)

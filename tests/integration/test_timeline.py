@@ -56,6 +56,29 @@ async def test_moves_keep_the_cap_as_they_write_the_timeline_with_the_stage(
     assert [e.stage for e in timeline] == stages[2:]
 
 
+async def persists(conn: Connection) -> int:
+    """``PERSIST`` calls the server has run (scripts' included)."""
+    info = (await conn.call("INFO", "commandstats")).decode()
+    line = next((x for x in info.splitlines() if x.startswith("cmdstat_persist:")), "")
+    return int(line.split("calls=")[1].split(",")[0]) if line else 0
+
+
+async def test_only_a_move_out_of_a_terminal_stage_removes_an_expiry(conn: Connection) -> None:
+    """Only a terminal record has an expiry: a move from stages none of which is terminal
+    sends no ``PERSIST``; one out of a terminal stage (an operator's replay) removes it."""
+    store = MessageStore(conn)
+    await store.accept(acceptance("m-keep"))  # WAITING
+    before = await persists(conn)
+    assert (await store.move("m-keep", Stage.ROUTED, only_from=Stage.WAITING)).ok
+    assert (await store.move("m-keep", Stage.WAITING, only_from=Stage.ROUTED)).ok
+    assert await persists(conn) == before
+    assert (await store.move("m-keep", Stage.EXPIRED, only_from=Stage.WAITING)).ok
+    assert int(await conn.call("TTL", conn.keys.record("m-keep"))) > 0
+    assert (await store.move("m-keep", Stage.WAITING, any_of=frozenset({Stage.EXPIRED}))).ok
+    assert int(await conn.call("TTL", conn.keys.record("m-keep"))) == -1
+    assert await persists(conn) == before + 1
+
+
 async def test_any_text_reads_back_as_written(conn: Connection) -> None:
     reason = 'line one\nline two, "quoted", tab\t, é, 🙂, \\n literally'
     store = MessageStore(conn)
