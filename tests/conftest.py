@@ -92,15 +92,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         "redis_url" in metafunc.fixturenames
         and module in ON_BOTH
         and not metafunc.config.getoption("--redis-cluster")
+        and metafunc.definition.get_closest_marker("one_server") is None
     ):
         metafunc.parametrize("redis_url", ["server", "cluster"], indirect=True)
 
 
 @pytest.fixture
 def redis_url(request: pytest.FixtureRequest) -> str:
-    """The suite's Redis: the single server, or the local cluster (see :data:`ON_BOTH`)."""
+    """The suite's Redis: the single server, or the local cluster (see :data:`ON_BOTH`). A
+    test marked ``one_server`` states a property of the single-server path: the server."""
     on_cluster = getattr(request, "param", "server") == "cluster"
-    if on_cluster or request.config.getoption("--redis-cluster"):
+    if request.node.get_closest_marker("one_server") is not None:
+        on_cluster = False
+    elif request.config.getoption("--redis-cluster"):
+        on_cluster = True
+    if on_cluster:
         cluster: LocalCluster = request.getfixturevalue("local_cluster")
         return cluster.url
     server: RedisServer = request.getfixturevalue("redis_server")

@@ -109,6 +109,7 @@ def round_trips(conn: Connection, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sent
 
 
+@pytest.mark.one_server
 async def test_one_round_trip_records_tells_and_frees_the_credit(
     conn: Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -129,6 +130,7 @@ async def test_one_round_trip_records_tells_and_frees_the_credit(
     assert await credit_and_entry(conn, "m-1") == (False, 0)
 
 
+@pytest.mark.one_server
 async def test_a_reply_redis_refuses_is_dead_lettered_before_its_credit_goes(
     conn: Connection,
 ) -> None:
@@ -147,6 +149,7 @@ async def test_a_reply_redis_refuses_is_dead_lettered_before_its_credit_goes(
     assert f.holdings.holding("m-2") is None
 
 
+@pytest.mark.one_server
 async def test_an_outcome_fenced_out_is_released_untold(conn: Connection) -> None:
     item = await processing(conn, "m-3")
     store = MessageStore(conn)
@@ -206,6 +209,7 @@ async def test_an_outcome_recorded_while_a_release_is_out_is_released_next(
     assert f.holdings.holding("m-2") is None
 
 
+@pytest.mark.one_server
 async def test_a_refused_reply_stops_the_round_the_rest_go_in_the_next(conn: Connection) -> None:
     first, second = await processing(conn, "m-5"), await processing(conn, "m-6")
     bad, good = conn.keys.reply("bad"), conn.keys.reply("good")
@@ -230,6 +234,7 @@ async def test_a_refused_reply_stops_the_round_the_rest_go_in_the_next(conn: Con
     assert f.holdings.holding("m-5") is None and f.holdings.holding("m-6") is None
 
 
+@pytest.mark.one_server
 async def test_a_reply_refused_for_now_is_told_later_not_dead_lettered(conn: Connection) -> None:
     item = await processing(conn, "m-7")
     reply_to = conn.keys.reply("later")

@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import msgspec
+import pytest
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -173,6 +174,7 @@ async def test_a_tenant_limit_holds_its_messages_and_no_other(settings: Settings
     assert [e[b"subject"] for e in saturated] == [b"tenant:chatty"]
 
 
+@pytest.mark.one_server
 async def test_a_fused_acceptance_checks_the_rate_at_the_time_it_runs(conn: Connection) -> None:
     """``lua/accept_assign.lua`` checks an instance's rate at the time it is sent, not at the
     message's acceptance time, taken earlier (a batch's planning, a broadcast's parents): an

@@ -8,14 +8,13 @@ from contextlib import AsyncExitStack
 
 import anyio
 import msgspec
+import pytest
 from starlette.requests import Request
 from starlette.responses import Response
 
 from bench.profile import commandstats
 from broker.client import Client
-from broker.config import Settings
 from broker.connection import Connection, open_connection
-from broker.embedded import RedisServer
 from broker.envelope import Envelope
 from broker.operator import Operator
 from broker.stages import Stage
@@ -439,27 +438,23 @@ async def test_a_credit_release_reads_no_waiting_set_when_nothing_waits(conn: Co
     assert reads < 5, reads  # one a release before
 
 
-async def test_work_parked_by_another_process_is_assigned_at_once(
-    settings: Settings, redis_server: RedisServer
-) -> None:
+@pytest.mark.one_server
+async def test_work_parked_by_another_process_is_assigned_at_once(conn: Connection) -> None:
     """An operator's replay parks a message from outside the dispatcher. On one server the
     park tells the dispatchers, so it runs at once on the idle instance: not at the next
     sweep, and not only once some other answer frees a credit. (On a cluster a park tells no
-    one, :func:`broker.waiting_sets.parks_hint`, so this runs on the single server even
-    with ``--redis-cluster``.)"""
-    slow_sweeps = msgspec.structs.replace(
-        settings, redis_url=redis_server.url, sweep_interval_s=60.0
-    )
+    one and the sweep finds the work: :func:`broker.waiting_sets.parks_hint`.)"""
+    slow_sweeps = msgspec.structs.replace(conn.settings, sweep_interval_s=60.0)
     assert slow_sweeps.redis_url is not None
+    reply_to = conn.keys.reply("replayed")
+    dead = await record_in(conn, Stage.DEAD, reply_to=reply_to, reason="gave up after 3")
     async with (
         open_connection(slow_sweeps, slow_sweeps.redis_url) as slow,
         http_agent("a") as agent,
         running_sidecar(slow, "a-1", ("text.echo",), url=agent.url, idempotent=True),
         running_dispatcher(slow),
     ):
-        reply_to = slow.keys.reply("replayed")
-        dead = await record_in(slow, Stage.DEAD, reply_to=reply_to, reason="gave up after 3")
         operator = Operator(slow)
         await operator.replay(await operator.plan_replay([dead]), by="alice")
-        (result,) = (await collect_replies(slow, reply_to, 1, timeout_s=10)).values()
+        (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=10)).values()
     assert result.stage is Stage.SUCCEEDED and agent.log.calls[dead] == 1
