@@ -69,12 +69,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--redis-cluster",
         action="store_true",
-        help="run the tests that take `settings` on a local 3-master Redis Cluster",
+        help="run the tests that take `settings` on a local 3-master Redis Cluster (those "
+        "marked one_server keep the single server)",
     )
 
 
 # Run on the single server and again on the local cluster in every suite run; with
-# --redis-cluster, every test that takes `settings` runs on the cluster only.
+# --redis-cluster, every test that takes `settings` runs on the cluster only. A test marked
+# one_server (a property of the single-server path) runs on the single server either way.
 ON_BOTH = {
     "test_pipeline",
     "test_reaper",

@@ -12,6 +12,7 @@ import anyio
 import msgspec
 
 from broker.client import Client, Result
+from broker.cluster_map import ORDER_BARRIER
 from broker.config import Settings
 from broker.connection import Connection, ensure_group, open_connection
 from broker.envelope import Envelope
@@ -280,8 +281,8 @@ async def test_a_partitioned_ingress_carries_every_message_once(settings: Settin
 @contextmanager
 def watching(conn: Connection) -> Iterator[list[list[tuple[object, ...]]]]:
     """Each batch of commands this process sends through ``conn`` while in the block, in
-    order. Counted once as sent: a cluster's pipeliner calls itself again with the pieces of
-    a batch split at an order barrier, and those pieces are not sent twice."""
+    order, once: at an order barrier a pipeliner calls itself again with the batch split
+    (a cluster's) or without the barrier (one server's), and those are not sent twice."""
     rounds: list[list[tuple[object, ...]]] = []
     pipeliner = conn.pipeliner
     inner = pipeliner.call_many
@@ -414,7 +415,8 @@ async def test_a_drained_message_back_in_waiting_before_its_entry_goes_is_parked
     conn: Connection,
 ) -> None:
     """The drain removes the waiting entries of what it assigned, then reads their stages
-    (after the removal, in the same round trip): one back in WAITING by then had its own
+    (after the removal, in the same batch: one round trip on one server, and behind an
+    order barrier, so a second round trip, on a cluster): one back in WAITING by then had its own
     entry removed too, and is parked again — never WAITING and in no set, which only the
     sweep's repair would find."""
     store = MessageStore(conn)
@@ -435,6 +437,7 @@ async def test_a_drained_message_back_in_waiting_before_its_entry_goes_is_parked
     removed = [n for n, c in enumerate(removals) if c[0] == "ZREM"]
     read = [n for n, c in enumerate(removals) if c[0] == "HGET"]
     assert len(read) == 2 and min(read) > max(removed), removals
+    assert ORDER_BARRIER in removals[max(removed) + 1 : min(read)], removals
 
 
 async def test_a_drained_message_is_claimed_and_assigned_in_one_script_on_one_server(
