@@ -103,12 +103,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def redis_url(request: pytest.FixtureRequest) -> str:
     """The suite's Redis: the single server, or the local cluster (see :data:`ON_BOTH`). A
     test marked ``one_server`` states a property of the single-server path: the server."""
+    one_server = request.node.get_closest_marker("one_server") is not None
     on_cluster = getattr(request, "param", "server") == "cluster"
-    if request.node.get_closest_marker("one_server") is not None:
-        on_cluster = False
-    elif request.config.getoption("--redis-cluster"):
-        on_cluster = True
-    if on_cluster:
+    if not one_server and (on_cluster or request.config.getoption("--redis-cluster")):
         cluster: LocalCluster = request.getfixturevalue("local_cluster")
         return cluster.url
     server: RedisServer = request.getfixturevalue("redis_server")

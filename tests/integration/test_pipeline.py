@@ -415,10 +415,10 @@ async def test_a_drained_message_back_in_waiting_before_its_entry_goes_is_parked
     conn: Connection,
 ) -> None:
     """The drain removes the waiting entries of what it assigned, then reads their stages
-    (after the removal, in the same batch: one round trip on one server, and behind an
-    order barrier, so a second round trip, on a cluster): one back in WAITING by then had its own
-    entry removed too, and is parked again — never WAITING and in no set, which only the
-    sweep's repair would find."""
+    after the removal, in the same batch (one round trip on one server; on a cluster a
+    second, behind an order barrier): one back in WAITING by then had its own entry removed
+    too, and is parked again — never WAITING and in no set, which only the sweep's repair
+    would find."""
     store = MessageStore(conn)
     client = Client(conn)
     reply_to = client.new_reply_stream()
