@@ -22,6 +22,7 @@ from broker.connection import Connection
 from broker.deadletters import Letter
 from broker.due_clock import due_command
 from broker.envelope import Envelope, complete, encode_envelope
+from broker.keyspace import due_for
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore
 from broker.timekeeping import now_ms
@@ -150,8 +151,17 @@ class Saturated:
         return message_id
 
     async def queued(self, reply_to: str = "") -> str:
+        """A message WAITING and indexed. A record accepted WAITING gets its deadline entry
+        and its place in the waiting set in the round trip after it is created, and the
+        operator's listings read that index: until then they do not see it yet."""
         message_id = await self.client.submit(echo(reply_to))
         await reaches(self.conn, message_id, Stage.WAITING)
+        due = due_for(self.conn.keys, message_id)
+
+        async def indexed() -> bool:
+            return await self.conn.call("ZSCORE", due, message_id) is not None
+
+        await eventually(indexed)
         return message_id
 
 
