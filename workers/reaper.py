@@ -126,9 +126,14 @@ class Reaper:
         past their lease. Returns each message's next look (``None``: forget it)."""
         verdicts: list[tuple[str, int | None]] = []
         records = await self.store.get_records(ids)
-        async with anyio.create_task_group() as tg:
-            for message_id, record in zip(ids, records, strict=True):
-                tg.start_soon(self._judge, message_id, record, now, verdicts)
+        try:
+            async with anyio.create_task_group() as tg:
+                for message_id, record in zip(ids, records, strict=True):
+                    tg.start_soon(self._judge, message_id, record, now, verdicts)
+        except* RedisUnavailable as lost:
+            # Redis lost under the batch: the tick fails as any other call would (run()
+            # retries; the batch's lease brings it back), not as a group run() cannot tell
+            raise lost.exceptions[0] from None
         return verdicts
 
     async def _judge(

@@ -7,6 +7,7 @@ have left it in with the same fenced moves the sidecar makes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -645,3 +646,58 @@ async def first_notice(conn: Connection, reply_to: str) -> dict[str, bytes]:
 
     await eventually(noticed, timeout_s=20)
     return found[0]
+
+
+@pytest.mark.one_server  # the connections killed are found with one server's CLIENT LIST
+async def test_a_connection_lost_while_a_batch_is_judged_fails_the_tick_not_the_reaper(
+    fast: Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis drops the reaper's connection while it waits for an agent's status: the write
+    after the answer fails, the tick is retried, and the batch comes back when its lease
+    ends (brought forward here) and is resolved by the same reaper."""
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    asked: list[str] = []
+    waiting = anyio.Event()
+    release = anyio.Event()
+
+    async def answer(message_id: str) -> Response:
+        asked.append(message_id)
+        waiting.set()
+        await release.wait()
+        return JSONResponse({"state": "done", "result": {"answer": 42}})
+
+    async def client_ids() -> set[bytes]:
+        listed = await conn.call("CLIENT", "LIST", "TYPE", "normal")
+        return {f.split(b"=")[1] for f in listed.split() if f.startswith(b"id=")}
+
+    async with status_agent(answer) as status_url:
+        async with running_dispatcher(conn, reaper=False):
+            message_id = await processing_on_ghost(conn, client, reply_to, status_url=status_url)
+        others = await client_ids()
+        async with (
+            open_connection(conn.settings, conn.url) as own,
+            anyio.create_task_group() as tg,
+        ):
+            with caplog.at_level(logging.WARNING, logger="agent_reach.reaper"):
+                await tg.start(Reaper(own).run)
+                with anyio.fail_after(10):
+                    await waiting.wait()
+                for client_id in await client_ids() - others:  # the reaper's
+                    await conn.call("CLIENT", "KILL", "ID", client_id)
+                release.set()
+
+                async def tick_failed() -> bool:
+                    return any("closed the connection" in r.getMessage() for r in caplog.records)
+
+                await eventually(tick_failed, timeout_s=10)
+            assert await stage_of(conn, message_id) is Stage.PROCESSING
+            await conn.call("ZADD", due_for(conn.keys, message_id), "XX", now_ms(), message_id)
+
+            async def resolved() -> bool:
+                return await stage_of(conn, message_id) is Stage.SUCCEEDED
+
+            await eventually(resolved, timeout_s=10)
+            tg.cancel_scope.cancel()
+    assert asked == [message_id, message_id]
