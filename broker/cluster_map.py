@@ -145,7 +145,7 @@ class SlotMap:
         assert len(owners) == SLOTS
         self._owners = owners
         self.sharded_pubsub = False  # the servers have SPUBLISH (Redis 7): set at start-up
-        self._nodes = list(dict.fromkeys(u for u in owners if u is not None))
+        self._nodes: list[str] | None = None  # worked out when asked, after the last move
 
     @classmethod
     def from_cluster_slots(cls, reply: Any, seed_url: str) -> SlotMap:
@@ -165,12 +165,16 @@ class SlotMap:
         return self._owners[slot]
 
     def moved(self, slot: int, url: str) -> None:
+        """One slot's new master (a ``MOVED`` reply): a resharding sends one per slot, so
+        this stays O(1) and the node list is worked out again when next asked."""
         self._owners[slot] = url
-        self._nodes = list(dict.fromkeys(u for u in self._owners if u is not None))
+        self._nodes = None
 
     @property
     def nodes(self) -> list[str]:
         """Every master's URL, in slot order."""
+        if self._nodes is None:
+            self._nodes = list(dict.fromkeys(u for u in self._owners if u is not None))
         return self._nodes
 
     def covered(self) -> bool:

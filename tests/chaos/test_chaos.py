@@ -35,10 +35,15 @@ MESSAGES = chaos_messages()
 
 
 def plan(
-    messages: int, appendfsync: str, *, rate: float = 25.0, cluster_binary: Path | None = None
+    messages: int,
+    appendfsync: str,
+    *,
+    rate: float = 25.0,
+    least_s: float = 20.0,
+    cluster_binary: Path | None = None,
 ) -> Plan:
     seed = int(os.environ.get("CHAOS_SEED") or new_seed())
-    produce_s = max(20.0, min(150.0, messages / rate))
+    produce_s = max(least_s, min(150.0, messages / rate))
     return Plan(messages, appendfsync, seed, produce_s, cluster_binary=cluster_binary)
 
 
@@ -72,8 +77,9 @@ async def test_chaos_report_with_appendfsync_everysec(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A Redis SIGKILL may drop up to a second of acknowledged writes under ``everysec``: the
-    report says what was lost and why, and nothing is asserted about it."""
-    seen = await run_chaos(tmp_path, plan(500, "everysec"))
+    report says what was lost and why, and nothing is asserted about it. Ten seconds (Redis
+    killed halfway, a process or two besides) make the report; the proofs run longer."""
+    seen = await run_chaos(tmp_path, plan(250, "everysec", least_s=10.0))
     text = publish(seen, tmp_path, capsys)
     assert len(seen.redis_restarts) == 1, text
 
