@@ -252,8 +252,8 @@ class Dispatcher:
             try:
                 for lane in self.lanes:
                     await lane.trim()
-            except RedisUnavailable as exc:
-                log.warning("trim failed: %s", exc)
+            except (RedisUnavailable, RedisReplyError) as exc:  # a group gone meanwhile, say
+                log.warning("trim failed (the next one retries): %s", exc)
 
 
 def credit_release(data: bytes) -> tuple[str, int] | None:

@@ -130,9 +130,9 @@ class Reaper:
             async with anyio.create_task_group() as tg:
                 for message_id, record in zip(ids, records, strict=True):
                     tg.start_soon(self._judge, message_id, record, now, verdicts)
-        except* RedisUnavailable as lost:
-            # Redis lost under the batch: the tick fails as any other call would (run()
-            # retries; the batch's lease brings it back), not as a group run() cannot tell
+        except* (RedisUnavailable, RedisReplyError) as lost:
+            # Redis lost (or refusing) under the batch: the tick fails as any other call
+            # would (run() retries; the batch's lease brings it back), not as a group
             raise lost.exceptions[0] from None
         return verdicts
 

@@ -4,20 +4,26 @@ needs, what each action does and how it is recorded; and the live stream."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
-from broker.connection import Connection
+from broker.config import Settings
+from broker.connection import Connection, open_connection
+from broker.embedded import RedisServer
 from broker.registry import Registry
 from broker.stages import Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
 from broker.usage import Usage, charge
-from tests.support.harness import card
+from tests.conftest import suite_redis_binary
+from tests.support.harness import card, eventually
 from tests.support.repair import record_in
 from workers.console.app import console_endpoint
 from workers.console.security import COOKIE
@@ -228,3 +234,35 @@ async def test_the_usage_page_shows_what_was_charged(conn: Connection) -> None:
     assert "1.0000" in by_tenant.text and "1 of these requests were retries" in by_tenant.text
     assert hostile.status_code == 200 and "<script>" not in hostile.text
     assert "<tr><td>billing</td><td>3</td>" in hostile.text  # by agent, today
+
+
+async def test_redis_away_is_a_503_and_a_gap_in_the_chart_never_the_end_of_the_console(
+    settings: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis stops under a running console: a page says so with a 503, the sampler says so
+    in the log and goes on, and the pages answer again once Redis is back on its port."""
+    binary = suite_redis_binary()
+    server = RedisServer.start(tmp_path / "redis", binary=binary)
+    own = msgspec.structs.replace(settings, redis_url=server.url)
+    try:
+        async with open_connection(own, server.url) as conn, console(conn) as http:
+            before = await http.get("/dlq")
+            with caplog.at_level(logging.WARNING, logger="agent_reach.console"):
+                server.stop()
+
+                async def sample_failed() -> bool:
+                    return any("reading the overview" in r.getMessage() for r in caplog.records)
+
+                await eventually(sample_failed, timeout_s=10)
+                away = await http.get("/dlq")
+            server = RedisServer.start(tmp_path / "redis", binary=binary, port=server.port)
+
+            async def answers() -> bool:
+                return (await http.get("/dlq")).status_code == 200
+
+            await eventually(answers, timeout_s=20)
+            overview = await http.get("/")
+    finally:
+        server.stop()
+    assert before.status_code == 200 and overview.status_code == 200
+    assert away.status_code == 503 and away.text.startswith("Redis is unavailable (")

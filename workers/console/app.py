@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapters.asgi import serve_app
 from broker.connection import Connection
-from broker.errors import RedisReplyError
+from broker.errors import RedisReplyError, RedisUnavailable
 
 from ..metrics_page import CONTENT_TYPE, render
 from . import actions, pages
@@ -116,6 +116,8 @@ async def metrics(request: Request) -> Response:
 
 async def redis_trouble(request: Request, exc: Exception) -> Response:
     log.warning("console: %s %s: %s", request.method, request.url.path, exc)
+    if isinstance(exc, RedisUnavailable):
+        return PlainTextResponse(f"Redis is unavailable ({exc}); try again when it is back", 503)
     return PlainTextResponse(f"Redis answered with an error: {exc}", 503)
 
 
@@ -143,18 +145,23 @@ def console_app(conn: Connection, guard: Guard) -> Starlette:
     app = Starlette(
         routes=routes,
         middleware=[Middleware(Gate, guard=guard)],
-        exception_handlers={RedisReplyError: redis_trouble, OSError: redis_trouble},
+        exception_handlers={
+            RedisReplyError: redis_trouble,
+            RedisUnavailable: redis_trouble,
+            OSError: redis_trouble,
+        },
     )
     app.state.console = ConsoleState(conn, guard)
     return app
 
 
 async def sample_forever(state: ConsoleState) -> None:
-    """Read the overview every second, for the chart and every live page."""
+    """Read the overview every second, for the chart and every live page. Redis away is a
+    gap in the chart, never the end of the console (nor of the roles served beside it)."""
     while True:
         try:
             await state.sample()
-        except (RedisReplyError, OSError) as exc:
+        except (RedisUnavailable, RedisReplyError, OSError) as exc:
             log.warning("console: reading the overview: %s", exc)
         await anyio.sleep(SAMPLE_EVERY_S)
 
