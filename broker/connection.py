@@ -173,11 +173,17 @@ async def open_connection(
             sharded_pubsub=slot_map.sharded_pubsub,
             durability=durability(settings),
         )
-    async with anyio.create_task_group() as tg:
+    # Entered by hand, as Client does: what the block raises (RequestTimeout, say) comes out
+    # as it is, not wrapped in an ExceptionGroup; only the pipeliner's own failure is a group.
+    tg = anyio.create_task_group()
+    await tg.__aenter__()
+    try:
         await tg.start(pipeliner.run)
         keys = Keyspace(settings.prefix, settings.ingress_partitions)
         yield Connection(pipeliner, scripts, keys, settings, url)
+    finally:
         tg.cancel_scope.cancel()
+        await tg.__aexit__(None, None, None)
 
 
 def durability(settings: Settings) -> dict[str, Any]:

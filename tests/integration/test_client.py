@@ -239,6 +239,17 @@ async def test_a_client_on_a_named_user_makes_its_reply_streams_under_that_name(
     assert stream is not None and stream.startswith(f"{settings.prefix}:reply:default-")
 
 
+async def test_a_timeout_leaves_the_connection_and_the_client_as_it_is_not_in_a_group(
+    settings: Settings,
+) -> None:
+    """The README's shape: the try around the whole block catches RequestTimeout itself."""
+    assert settings.redis_url is not None
+    with pytest.raises(RequestTimeout) as caught:
+        async with open_connection(settings, settings.redis_url) as conn, Client(conn) as client:
+            await client.request("text.nobody", None, timeout=0.2, wait_s=0.2)
+    assert caught.value.message_id
+
+
 T = TypeVar("T")
 
 
