@@ -100,8 +100,16 @@ class Notifications:
         while True:
             self._changed = anyio.Event()
             self._failed = False
+            try:
+                plan = self._plan()
+            except RedisUnavailable as exc:  # a map read mid-failover: a slot has no master
+                log.warning("notifications not subscribed, trying again: %s", exc)
+                self._lost = True
+                await self._stale()
+                await anyio.sleep(RETRY_S)
+                continue
             async with anyio.create_task_group() as tg:
-                for url, channels in self._plan().items():
+                for url, channels in plan.items():
                     tg.start_soon(self._listen, url, channels)
                 await self._changed.wait()
                 tg.cancel_scope.cancel()
@@ -117,7 +125,9 @@ class Notifications:
         route = self._conn.pipeliner
         assert isinstance(route, ClusterPipeliner)
         plan: dict[str, list[tuple[str, ...]]] = defaultdict(list)
-        plan[route.map.nodes[0]].append(classic)
+        if not route.map.nodes:
+            raise RedisUnavailable("redis unavailable: the slot map names no master")
+        plan[route.map.nodes[0]].append(classic)  # a classic message reaches every node
         for instance in sorted(self._instances):
             channel = credit_shard(self._keys, instance)
             plan[route.url_for_key(channel)].append(("SSUBSCRIBE", channel))

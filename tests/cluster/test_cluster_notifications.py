@@ -9,12 +9,14 @@ from pathlib import Path
 import anyio
 import pytest
 
+from broker.cluster_map import SlotMap
+from broker.cluster_pipeliner import ClusterPipeliner
 from broker.config import Settings, build_settings
 from broker.connection import Connection, ensure_group, open_connection
 from broker.credits import release_command
 from broker.keyspace import SIDECAR_GROUP
 from broker.notifications import Notifications, credit_shard, sharded
-from broker.slots import key_slot
+from broker.slots import SLOTS, key_slot
 from tests.support.cluster import LocalCluster, start_cluster
 
 DEADLINE_S = 10.0
@@ -119,6 +121,30 @@ async def test_the_dispatchers_notifications_follow_instances_on_every_node(
         await conn7.call("PUBLISH", conn7.keys.registry_channel, "echo-9")
         assert f"{conn7.keys.registry_channel}=echo-9" in await heard(notes)
         tg.cancel_scope.cancel()
+
+
+async def test_a_slot_map_with_a_slot_unserved_is_read_again_not_the_end_of_notifications(
+    cluster7: LocalCluster, conn7: Connection
+) -> None:
+    """A map read mid-failover can name no master for a slot: the subscriptions wait for a
+    fresh map (read from the cluster) instead of ending the dispatcher's notifications."""
+    instance = instances_on_every_node(cluster7, conn7)[0]
+    route = conn7.pipeliner
+    assert isinstance(route, ClusterPipeliner)
+    owners: list[str | None] = [route.map.url_for(slot) for slot in range(SLOTS)]
+    owners[key_slot(credit_shard(conn7.keys, instance))] = None
+    route.map = SlotMap(owners)
+    notes = Notifications(conn7)
+    notes.follow([instance])
+    async with anyio.create_task_group() as tg:
+        await tg.start(notes.run)
+        with anyio.fail_after(DEADLINE_S):
+            got: set[str] = set()
+            while f"{credit_shard(conn7.keys, instance)}={instance} 0" not in got:
+                await release_one(conn7, instance)
+                got |= await heard(notes)
+        tg.cancel_scope.cancel()
+    assert route.map.url_for(key_slot(credit_shard(conn7.keys, instance))) is not None
 
 
 async def test_a_redis_6_2_cluster_and_a_single_server_keep_the_classic_channel(
