@@ -96,9 +96,9 @@ class WaitingRoom:
         claims are one pipeline, which Redis runs through before it serves anyone else (the
         sidecars recording outcomes), so more credits than that take pass after pass. Where
         that window was full and still left credits unused (head messages no free instance
-        takes: they name a busy one, say), wide passes look further on — four times the
-        credits and 16 more, then twice as wide each time, up to ``batch`` records a drain —
-        so they do not block the ones behind them. A drain that ends blocked leaves its place,
+        takes: they name a busy one, say, or none at all), wide passes look further on: 4 x
+        the credits + 16, then twice as wide each time, up to ``batch`` records a drain, so
+        they do not block the ones behind them. A drain that ends blocked leaves its place,
         and the next one goes on from there: however long the line of such messages, what
         can be served is reached."""
         wanted = set(capabilities)
@@ -175,8 +175,10 @@ class WaitingRoom:
         await self._repark_returned(returned)
         full = {c for c, head in heads.items() if len(head) == windows[c][1]}
         used = {c: sum(a.capability == c for a in done) for c in full}
-        # whose credits the messages met could not use; whose full window went, credits left
-        blocked = {c for c in full if (c in passed_over or c in stood) and used[c] < free[c]}
+        # whose credits the messages met could not use (set aside, too: the line behind them
+        # is looked at in this drain); whose full window went, credits left
+        met = passed_over | set(stood) | {c for c, rs in aside.items() if rs}
+        blocked = {c for c in full if c in met and used[c] < free[c]}
         again = {c for c in full - blocked if used[c] == windows[c][1] < free[c] and not wide}
         return len(done), blocked, again
 

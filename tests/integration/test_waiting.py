@@ -17,11 +17,19 @@ from broker.client import Client
 from broker.connection import Connection, open_connection
 from broker.envelope import Envelope
 from broker.operator import Operator
+from broker.registry import Registry
 from broker.stages import Stage
 from broker.store import MessageStore, Move
 from tests.support.agents import Gate, http_agent
-from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
+from tests.support.harness import (
+    card,
+    collect_replies,
+    eventually,
+    running_dispatcher,
+    running_sidecar,
+)
 from tests.support.repair import record_in
+from workers.dispatcher import Dispatcher
 
 
 def request(capability: str, reply_to: str, **fields: object) -> Envelope:
@@ -286,6 +294,36 @@ async def test_arrivals_do_not_queue_behind_waiting_work_no_instance_can_take(
     assert set_aside == 300  # out of the way of work that can be served
     assert {r.stage for r in everything.values()} == {Stage.SUCCEEDED}
     assert set(ghost.log.calls) == set(stranded)  # each went to the instance it named
+
+
+async def test_one_drain_sets_aside_a_batch_of_work_no_instance_can_take_not_a_window(
+    conn: Connection,
+) -> None:
+    """Work that names a missing instance leaves the line a batch per drain (wider and wider
+    passes), not one window of free credits per sweep: what waits behind it is reached in
+    the same drain, not a sweep interval per four messages."""
+    client = Client(conn)
+    store = MessageStore(conn)
+    reply_to = client.new_reply_stream()
+    registry = Registry(conn)
+    await registry.register(card("a-1", ("text.echo",), max_inflight=4), credits=0)
+    async with running_dispatcher(conn):  # no free credit: nothing is drained yet
+        await submit_in_chunks(
+            client, [request("text.echo", reply_to, target="ghost-1") for _ in range(300)]
+        )
+
+        async def all_waiting() -> bool:
+            return await store.waiting.depth("text.echo") == 300
+
+        await eventually(all_waiting)
+    await registry.register(card("a-1", ("text.echo",), max_inflight=4), credits=4)
+    dispatcher = Dispatcher(conn, consumer="d2")
+    await dispatcher.refresh()
+    assert await dispatcher.drain({"text.echo"}) == 0
+    set_aside = int(await conn.call("ZCARD", conn.keys.unmatched("text.echo")))
+    assert set_aside >= conn.settings.dispatch_batch, set_aside  # 4 before: the credits
+    in_line = int(await conn.call("ZCARD", conn.keys.waiting("text.echo")))
+    assert in_line == 300 - set_aside and await store.waiting.depth("text.echo") == 300
 
 
 async def test_arrivals_take_free_credits_past_work_waiting_for_a_busy_instance(
