@@ -129,3 +129,11 @@ def raised(reply: Any) -> Any:
     if isinstance(reply, Exception):
         raise reply
     return reply
+
+
+def first_leaf(error: BaseException) -> BaseException:
+    """The first exception at the bottom of nested exception groups (``error`` itself when it
+    is no group): what a task group's failure was, said as the callers of one call expect."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error

@@ -249,11 +249,11 @@ class Dispatcher:
     async def _trim_loop(self) -> None:
         while True:
             await anyio.sleep(TRIM_EVERY_S)
-            try:
-                for lane in self.lanes:
+            for lane in self.lanes:  # one lane refused (a group gone meanwhile) stops no other
+                try:
                     await lane.trim()
-            except (RedisUnavailable, RedisReplyError) as exc:  # a group gone meanwhile, say
-                log.warning("trim failed (the next one retries): %s", exc)
+                except (RedisUnavailable, RedisReplyError) as exc:
+                    log.warning("trim failed (the next one retries): %s", exc)
 
 
 def credit_release(data: bytes) -> tuple[str, int] | None:

@@ -20,7 +20,7 @@ from anyio.abc import TaskStatus
 
 from adapters.status import StatusClient
 from broker.connection import Connection
-from broker.errors import RedisReplyError, RedisUnavailable
+from broker.errors import RedisReplyError, RedisUnavailable, first_leaf
 from broker.records import MessageRecord
 from broker.registry import Registry
 from broker.store import MessageStore
@@ -107,8 +107,13 @@ class Reaper:
             log.exception("message %s: could not be resolved", message_id)
             failures = self._errors[message_id] = self._errors.get(message_id, 0) + 1
             if failures >= MAX_JUDGE_ERRORS and record is not None:
+                try:
+                    verdict = await self.resolver.unresolvable(record, exc)
+                except RedisReplyError as refused:  # ending it failed too: looked at again
+                    log.error("message %s: could not be ended DEAD: %s", message_id, refused)
+                    return Verdict("error", now + JUDGE_ERROR_RETRY_MS)
                 del self._errors[message_id]
-                return await self.resolver.unresolvable(record, exc)
+                return verdict
             return Verdict("error", now + JUDGE_ERROR_RETRY_MS)
         self._errors.pop(message_id, None)
         return verdict
@@ -130,10 +135,10 @@ class Reaper:
             async with anyio.create_task_group() as tg:
                 for message_id, record in zip(ids, records, strict=True):
                     tg.start_soon(self._judge, message_id, record, now, verdicts)
-        except* (RedisUnavailable, RedisReplyError) as lost:
-            # Redis lost (or refusing) under the batch: the tick fails as any other call
-            # would (run() retries; the batch's lease brings it back), not as a group
-            raise lost.exceptions[0] from None
+        except* RedisUnavailable as lost:
+            # Redis lost under the batch: the tick fails as any other call would (run()
+            # retries; the batch's lease brings it back), not as a group run() cannot tell
+            raise first_leaf(lost) from None
         return verdicts
 
     async def _judge(

@@ -14,6 +14,8 @@ from broker.config import Settings
 from broker.connection import Connection, open_connection
 from broker.due_clock import due_command
 from broker.envelope import Envelope, complete, encode_envelope
+from broker.errors import RedisReplyError
+from broker.records import MessageRecord
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore
 from broker.timekeeping import now_ms
@@ -25,6 +27,9 @@ from tests.support.harness import (
     running_dispatcher,
     running_sidecar,
 )
+from tests.support.repair import record_in
+from workers.reaper import JUDGE_ERROR_RETRY_MS, MAX_JUDGE_ERRORS, Reaper
+from workers.resolver import Verdict
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -355,3 +360,30 @@ async def test_an_invalid_envelope_holds_no_id_a_valid_one_takes_it(conn: Connec
 
         await eventually(succeeded)
     assert agent.log.calls["fix-1"] == 1
+
+
+class _Unendable:
+    """A resolver whose every look at a message fails, and whose ending of it DEAD is
+    refused by Redis too (an ACL without the script, say)."""
+
+    async def resolve(self, message_id: str, record: MessageRecord | None, now: int) -> Verdict:
+        raise ValueError(f"{message_id} cannot be read")
+
+    async def unresolvable(self, record: MessageRecord, error: Exception) -> Verdict:
+        raise RedisReplyError("NOPERM this user has no permissions to run the 'evalsha' command")
+
+
+async def test_a_message_that_cannot_be_ended_dead_either_is_looked_at_again_alone(
+    conn: Connection,
+) -> None:
+    """Its refusal stays with it: a retry verdict, never an error that fails its batch."""
+    message_id = await record_in(conn, Stage.PROCESSING)
+    record = await MessageStore(conn).get_record(message_id)
+    reaper = Reaper(conn)
+    reaper.resolver = _Unendable()  # type: ignore[assignment]
+    now = now_ms()
+    verdicts = [
+        await reaper.resolve_guarded(message_id, record, now) for _ in range(MAX_JUDGE_ERRORS + 1)
+    ]
+    assert [v.action for v in verdicts] == ["error"] * (MAX_JUDGE_ERRORS + 1)
+    assert all(v.next_due_ms == now + JUDGE_ERROR_RETRY_MS for v in verdicts)
