@@ -161,7 +161,8 @@ class Client:
         other envelope fields (``id``, ``session_id``, ``tags``, ``priority``, …). Returns
         the terminal :class:`Result` (a failure is a Result with ``ok`` false); raises
         :class:`RequestTimeout`, carrying the id for a later :meth:`result`, when none
-        arrived in time, and :class:`InvalidEnvelope` when the fields do not validate.
+        arrived in time, :class:`InvalidEnvelope` when the fields do not validate, and
+        :class:`RedisReplyError` when Redis refuses to let the reply stream be read.
 
         ``wait_s`` is how long to wait for the answer: by default ``timeout`` plus the
         broker's grace (:func:`~broker.config.answer_grace_s`), so a message that ends at
@@ -177,6 +178,7 @@ class Client:
                 await waiter.done.wait()
         if waiter.result is not None:
             return waiter.result
+        inbox.raise_failure()
         if self._tg is None:
             raise ClientNotOpen(f"the client closed while request {message_id!r} waited")
         raise RequestTimeout(message_id, waited)
@@ -209,6 +211,7 @@ class Client:
         if self._inbox is None:
             self._inbox = ReplyInbox(self.conn, self.new_reply_stream())
             self._tg.start_soon(self._inbox.read)
+        self._inbox.raise_failure()  # nothing is sent whose answer could not be read
         return self._inbox
 
     async def submit(self, envelope: Envelope) -> str:

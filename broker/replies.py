@@ -93,6 +93,7 @@ class ReplyInbox:
         self._waiters: dict[str, Waiter] = {}
         self._consumed: list[str] = []
         self._may_delete = True  # False once Redis refused this user XDEL on the stream
+        self.failure: RedisReplyError | None = None  # Redis refused the reading: it stopped
 
     @contextmanager
     def expecting(self, message_id: str, request: str = "") -> Iterator[Waiter]:
@@ -108,6 +109,11 @@ class ReplyInbox:
         finally:
             del self._waiters[message_id]
 
+    def raise_failure(self) -> None:
+        """:class:`RedisReplyError` when Redis refused the reading of this stream."""
+        if self.failure is not None:
+            raise RedisReplyError(self.failure.message) from self.failure
+
     def wake_all(self) -> None:
         """Wake every waiting request without an outcome: the client is closing."""
         for waiter in self._waiters.values():
@@ -116,7 +122,10 @@ class ReplyInbox:
     async def read(self) -> None:
         """Hand every outcome on the stream to the request waiting for it, until cancelled;
         Redis failing the read is retried, the requests waiting on, bounded by their
-        timeouts."""
+        timeouts. Redis refusing it (``NOPERM``; ``WRONGTYPE``: the key is no stream any
+        more) will not change: the reading stops, and every request waiting or made later
+        is told so (:attr:`failure`), rather than the client's host ending or each request
+        waiting out its timeout."""
         after = "0"  # the stream is new: nothing on it is older than the first request
         pause = _RECONNECT_S[0]
         async with self.conn.reader() as reader:
@@ -125,19 +134,23 @@ class ReplyInbox:
                     entries = await reader.read_stream(
                         self.stream, after, count=_REPLY_BATCH, block_ms=_REPLY_BLOCK_MS
                     )
+                    pause = _RECONNECT_S[0]
+                    if entries:
+                        after = entries[-1][0]
+                        for _, fields in entries:
+                            self._resolve(fields)
+                        await self._forget([entry_id for entry_id, _ in entries])
                 except RedisUnavailable as exc:
                     log.warning(
                         "reply stream %s: %s; reading again in %.2fs", self.stream, exc, pause
                     )
                     await anyio.sleep(pause)
                     pause = min(pause * 2, _RECONNECT_S[1])
-                    continue
-                pause = _RECONNECT_S[0]
-                if entries:
-                    after = entries[-1][0]
-                    for _, fields in entries:
-                        self._resolve(fields)
-                    await self._forget([entry_id for entry_id, _ in entries])
+                except RedisReplyError as exc:
+                    log.error("reply stream %s cannot be read: %s", self.stream, exc)
+                    self.failure = exc
+                    self.wake_all()
+                    return
 
     def _resolve(self, fields: Mapping[str, bytes]) -> None:
         """Hand an outcome to its waiter. Notices are not outcomes — but a refusal that

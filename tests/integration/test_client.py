@@ -32,7 +32,7 @@ from broker.config import Settings
 from broker.connection import Connection, open_connection
 from broker.embedded import RedisServer, free_port, server_info
 from broker.envelope import Envelope
-from broker.errors import RedisUnavailable
+from broker.errors import RedisReplyError, RedisUnavailable
 from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.agents import Gate, http_agent
@@ -248,6 +248,35 @@ async def test_a_timeout_leaves_the_connection_and_the_client_as_it_is_not_in_a_
         async with open_connection(settings, settings.redis_url) as conn, Client(conn) as client:
             await client.request("text.nobody", None, timeout=0.2, wait_s=0.2)
     assert caught.value.message_id
+
+
+async def test_a_reply_stream_redis_refuses_to_read_fails_its_requests_not_the_client(
+    settings: Settings,
+) -> None:
+    """Its key overwritten with a string (WRONGTYPE ever after): the waiting request and the
+    next one say so; the client and its connection go on and close cleanly."""
+    assert settings.redis_url is not None
+    refused: list[RedisReplyError] = []
+    async with open_connection(settings, settings.redis_url) as conn, Client(conn) as client:
+
+        async def ask() -> None:
+            with pytest.raises(RedisReplyError) as caught:  # no dispatcher: it would wait
+                await client.request("text.echo", None, timeout=30)
+            refused.append(caught.value)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask)
+
+            async def opened() -> bool:
+                return client.reply_stream is not None
+
+            await eventually(opened)
+            assert client.reply_stream is not None
+            await conn.call("SET", client.reply_stream, "no stream")
+        with pytest.raises(RedisReplyError, match="WRONGTYPE"):
+            await client.request("text.echo", None, timeout=30)
+        assert await conn.call("PING") == b"PONG"
+    assert [e.code for e in refused] == ["WRONGTYPE"]
 
 
 T = TypeVar("T")
