@@ -123,17 +123,24 @@ async def test_the_dispatchers_notifications_follow_instances_on_every_node(
         tg.cancel_scope.cancel()
 
 
+def unserve(conn: Connection, instance: str) -> ClusterPipeliner:
+    """The connection's slot map, as read mid-failover: no master serves the slot of
+    ``instance``'s credit channel (the cluster itself is whole)."""
+    route = conn.pipeliner
+    assert isinstance(route, ClusterPipeliner)
+    owners: list[str | None] = [route.map.url_for(slot) for slot in range(SLOTS)]
+    owners[key_slot(credit_shard(conn.keys, instance))] = None
+    route.map = SlotMap(owners)
+    return route
+
+
 async def test_a_slot_map_with_a_slot_unserved_is_read_again_not_the_end_of_notifications(
     cluster7: LocalCluster, conn7: Connection
 ) -> None:
     """A map read mid-failover can name no master for a slot: the subscriptions wait for a
     fresh map (read from the cluster) instead of ending the dispatcher's notifications."""
     instance = instances_on_every_node(cluster7, conn7)[0]
-    route = conn7.pipeliner
-    assert isinstance(route, ClusterPipeliner)
-    owners: list[str | None] = [route.map.url_for(slot) for slot in range(SLOTS)]
-    owners[key_slot(credit_shard(conn7.keys, instance))] = None
-    route.map = SlotMap(owners)
+    route = unserve(conn7, instance)
     notes = Notifications(conn7)
     notes.follow([instance])
     async with (
@@ -157,11 +164,7 @@ async def test_while_a_slot_stays_unserved_every_other_hint_is_heard(
     while another instance's slot has no master in the map (read again only after a minute
     here: the map stays incomplete for the whole test)."""
     unserved, served, _ = instances_on_every_node(cluster7, conn7)
-    route = conn7.pipeliner
-    assert isinstance(route, ClusterPipeliner)
-    owners: list[str | None] = [route.map.url_for(slot) for slot in range(SLOTS)]
-    owners[key_slot(credit_shard(conn7.keys, unserved))] = None
-    route.map = SlotMap(owners)
+    route = unserve(conn7, unserved)
     notes = Notifications(conn7, retry_s=60.0)
     notes.follow([unserved, served])
     async with (
