@@ -5,14 +5,21 @@ from __future__ import annotations
 import os
 import pty
 import subprocess
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
 from broker.config import Settings
 from broker.connection import open_connection
+from broker.embedded import RedisServer
+from broker.registry import Registry
+from tests.conftest import suite_redis_binary
 from tests.support.agents import http_agent
-from tests.support.harness import running_sidecar
+from tests.support.harness import card, running_sidecar
 from tests.support.processes import AGENT_REACH, process_env
 from workers.overview import Overview, rates
 
@@ -39,6 +46,30 @@ def in_a_terminal(argv: list[str], env: dict[str, str]) -> tuple[subprocess.Pope
     return process, master
 
 
+@asynccontextmanager
+async def top_running(settings: Settings) -> AsyncIterator[tuple[subprocess.Popen[bytes], Screen]]:
+    """``agent-reach top`` refreshing every 0.2 s on a terminal of its own; killed if it is
+    still running when the block ends."""
+    env = {**process_env(settings), "COLUMNS": "160", "LINES": "40", "TERM": "xterm"}
+    top, master = in_a_terminal([AGENT_REACH, "top", "--interval", "0.2"], env)
+    try:
+        yield top, Screen(master)
+    finally:
+        if top.poll() is None:
+            top.kill()
+        top.wait()
+        os.close(master)
+
+
+async def quit_with_q(top: subprocess.Popen[bytes], screen: Screen) -> int:
+    """Type ``q``; the exit code, once it has exited."""
+    os.write(screen.fd, b"q")
+    with anyio.fail_after(15):
+        while top.poll() is None:  # noqa: ASYNC110 - a process exit, polled with a deadline
+            await anyio.sleep(0.05)
+    return top.returncode
+
+
 @pytest.mark.timeout(90)
 async def test_top_shows_the_instances_live_and_q_quits(settings: Settings) -> None:
     assert settings.redis_url is not None
@@ -46,24 +77,33 @@ async def test_top_shows_the_instances_live_and_q_quits(settings: Settings) -> N
         open_connection(settings, settings.redis_url) as conn,
         http_agent("topped") as agent,
         running_sidecar(conn, "topped-1", ("text.echo",), url=agent.url),
+        top_running(settings) as (top, screen),
     ):
-        env = {**process_env(settings), "COLUMNS": "160", "LINES": "40", "TERM": "xterm"}
-        top, master = in_a_terminal([AGENT_REACH, "top", "--interval", "0.2"], env)
-        try:
-            screen = Screen(master)
-            await screen.wait_for("agent-reach top", "topped-1", "UP", "text.echo")
-            async with running_sidecar(conn, "topped-2", ("text.echo",), url=agent.url):
-                await screen.wait_for("topped-2")  # live: a new instance shows up by itself
-            os.write(master, b"q")
-            with anyio.fail_after(15):
-                while top.poll() is None:  # noqa: ASYNC110 - a process exit, polled with a deadline
-                    await anyio.sleep(0.05)
-            assert top.returncode == 0
-        finally:
-            if top.poll() is None:
-                top.kill()
-            top.wait()
-            os.close(master)
+        await screen.wait_for("agent-reach top", "topped-1", "UP", "text.echo")
+        async with running_sidecar(conn, "topped-2", ("text.echo",), url=agent.url):
+            await screen.wait_for("topped-2")  # live: a new instance shows up by itself
+        assert await quit_with_q(top, screen) == 0
+
+
+@pytest.mark.timeout(90)
+async def test_top_says_redis_is_away_and_goes_on_live_when_it_is_back(
+    settings: Settings, tmp_path: Path
+) -> None:
+    binary = suite_redis_binary()
+    server = RedisServer.start(tmp_path / "redis", binary=binary)
+    own = msgspec.structs.replace(settings, redis_url=server.url)
+    try:
+        async with top_running(own) as (top, screen):
+            await screen.wait_for("agent-reach top")
+            server.stop()
+            await screen.wait_for("Redis is unavailable (", "from before")
+            server = RedisServer.start(tmp_path / "redis", binary=binary, port=server.port)
+            async with open_connection(own, server.url) as conn:
+                await Registry(conn).register(card("returned-1", ("text.echo",)), credits=1)
+            await screen.wait_for("returned-1")  # read after the restart: live again
+            assert await quit_with_q(top, screen) == 0
+    finally:
+        server.stop()
 
 
 def test_rates_are_per_second_between_two_readings() -> None:

@@ -19,7 +19,8 @@ from starlette.responses import JSONResponse, Response
 
 from broker.client import Client
 from broker.config import Settings
-from broker.connection import Connection
+from broker.connection import Connection, open_connection
+from broker.embedded import RedisServer
 from broker.envelope import Envelope
 from broker.event_log import emit, event_command, events_key, recent_events
 from broker.events import Event
@@ -29,6 +30,7 @@ from broker.records import InstanceCard, InstanceState, InstanceStats
 from broker.registry import Registry
 from broker.stages import Stage
 from broker.store import MessageStore
+from tests.conftest import suite_redis_binary
 from tests.support.agents import http_agent
 from tests.support.harness import (
     connected,
@@ -447,18 +449,23 @@ async def test_events_prints_json_lines_and_filters_by_type(settings: Settings) 
         assert bad.exit_code == 2
 
 
+def following(settings: Settings, stderr: int = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
+    """``agent-reach events --follow --json``, its stdout a pipe (read it on a thread)."""
+    return subprocess.Popen(
+        [AGENT_REACH, "events", "--follow", "--json"],
+        env=process_env(settings),
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+    )
+
+
 @pytest.mark.timeout(60)
 async def test_events_follow_prints_what_arrives_after_it_started(
     settings: Settings, tmp_path: Path
 ) -> None:
     async with connected(settings) as conn:
         await emit(conn, [event_command(conn, "instance.gone", "before-1")])
-        follower = subprocess.Popen(  # noqa: ASYNC220 - read on a thread below
-            [AGENT_REACH, "events", "--follow", "--json"],
-            env=process_env(settings),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )
+        follower = following(settings)
         try:
             assert follower.stdout is not None
             first = await anyio.to_thread.run_sync(follower.stdout.readline)
@@ -473,6 +480,43 @@ async def test_events_follow_prints_what_arrives_after_it_started(
             if follower.stdout is not None:
                 follower.stdout.close()
         assert code == 0
+
+
+@pytest.mark.timeout(90)
+async def test_events_follow_waits_through_a_redis_restart_and_goes_on(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Redis restarts under ``events --follow``: it says so once on stderr, says when Redis is
+    back, and prints what is written after that, from where it was (nothing twice), without
+    being started again."""
+    binary = suite_redis_binary()
+    server = RedisServer.start(tmp_path / "redis", binary=binary)
+    own = msgspec.structs.replace(settings, redis_url=server.url)
+    follower = following(own, stderr=subprocess.PIPE)
+    try:
+        assert follower.stdout is not None and follower.stderr is not None
+        out, err = follower.stdout, follower.stderr
+        async with open_connection(own, server.url) as conn:
+            await emit(conn, [event_command(conn, "instance.gone", "before")])
+        assert json.loads(await anyio.to_thread.run_sync(out.readline))["subject"] == "before"
+        server.stop()  # everysec: the event stream is on disk, and comes back with Redis
+        away = await anyio.to_thread.run_sync(err.readline)
+        server = RedisServer.start(tmp_path / "redis", binary=binary, port=server.port)
+        back = await anyio.to_thread.run_sync(err.readline)
+        async with open_connection(own, server.url) as conn:
+            await emit(conn, [event_command(conn, "instance.gone", "after")])
+        after = await anyio.to_thread.run_sync(out.readline)
+        assert follower.poll() is None  # still following
+    finally:
+        follower.terminate()
+        code = await anyio.to_thread.run_sync(lambda: follower.wait(30))
+        for pipe in (follower.stdout, follower.stderr):
+            if pipe is not None:
+                pipe.close()
+        server.stop()
+    assert away.startswith(b"Redis is unavailable (") and back.startswith(b"Redis at ")
+    assert json.loads(after)["subject"] == "after"  # not "before" again
+    assert code == 0
 
 
 async def test_a_beat_late_after_deregistering_does_not_list_the_instance_again(

@@ -10,7 +10,8 @@ import anyio
 import click
 
 from broker.config import Settings
-from broker.connection import Connection
+from broker.connection import Connection, redact
+from broker.errors import RedisUnavailable
 from broker.event_log import events_key, follow_events, recent_events
 from broker.events import EVENT_TYPES, Event, detail_text, event_body, printable
 from broker.subscription_store import SubscriptionStore
@@ -20,6 +21,7 @@ from ..runtime import connected, stop_on_signals
 from .common import redis_options, run
 
 TYPE = click.Choice(EVENT_TYPES)
+RETRY_FIRST_S, RETRY_MAX_S = 0.2, 2.0  # --follow's pauses while Redis is away
 
 
 def event_line(event: Event, *, as_json: bool) -> str:
@@ -58,12 +60,27 @@ def events(
 
 
 async def _follow(conn: Connection, last: str, types: tuple[str, ...], as_json: bool) -> None:
-    """Print events after ``last`` until SIGTERM or Ctrl-C (a clean stop: exit 0)."""
+    """Print events after ``last`` until SIGTERM or Ctrl-C (a clean stop: exit 0). Redis away
+    (a restart, a failover) is said once on stderr, then the events after ``last`` follow when
+    it is back: an operator watching an incident keeps watching through it."""
     async with conn.reader() as reader, anyio.create_task_group() as tg:
         tg.start_soon(stop_on_signals, tg.cancel_scope.cancel, tg.cancel_scope)
         stream = events_key(conn)
+        away = False
+        pause_s = RETRY_FIRST_S
         while True:
-            found, last = await follow_events(reader, stream, last, types)
+            try:
+                found, last = await follow_events(reader, stream, last, types)
+            except RedisUnavailable as exc:
+                if not away:
+                    click.echo(f"Redis is unavailable ({exc}); waiting for it", err=True)
+                    away = True
+                await anyio.sleep(pause_s)
+                pause_s = min(pause_s * 2, RETRY_MAX_S)
+                continue
+            if away:
+                click.echo(f"Redis at {redact(conn.url)} is back; following after {last}", err=True)
+                away, pause_s = False, RETRY_FIRST_S
             for event in found:
                 click.echo(event_line(event, as_json=as_json))
 

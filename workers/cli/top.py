@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from broker.config import Settings
+from broker.errors import RedisUnavailable
 
 from ..overview import TOTALS, Overview, rates, read_overview
 from ..runtime import connected
@@ -64,6 +65,13 @@ def render(view: Overview) -> Group:
     return Group(head, waiting, agents)
 
 
+def render_away(last: Overview | None, exc: RedisUnavailable) -> Group:
+    """Redis away (a restart, a failover): said on top of the last screen, which stays as it
+    was read — ``top`` goes on, and shows live figures again once Redis is back."""
+    said = Text(f"Redis is unavailable ({exc}); the figures below are from before", style="bold")
+    return Group(said, *(render(last).renderables if last is not None else ()))
+
+
 @contextmanager
 def keys_one_at_a_time() -> Iterator[bool]:
     """The terminal in cbreak mode (a key arrives without Enter); whether stdin is one."""
@@ -108,7 +116,12 @@ def top(settings: Settings, interval: float) -> None:
                 previous: Overview | None = None
                 with Live(console=console, auto_refresh=False) as live:
                     while True:
-                        current = await read_overview(conn)
+                        try:
+                            current = await read_overview(conn)
+                        except RedisUnavailable as exc:
+                            live.update(render_away(previous, exc), refresh=True)
+                            await anyio.sleep(interval)
+                            continue
                         current.rates.update(rates(previous, current))
                         live.update(render(current), refresh=True)
                         previous = current
