@@ -6,11 +6,18 @@ DRAINING on the card is followed; a card that vanished is written again. Drainin
 (SIGTERM, or ``agent-reach drain``): no new assignments, what was assigned but never read
 goes back to WAITING with its credit, in-flight work gets the grace period, then the card is
 removed.
+
+A stop has one deadline, the grace period from the drain's start. Redis away then (a restart
+or a failover takes seconds, and a fleet is often stopped because of one) costs a wait, not
+work: in-flight calls still get their grace, and the last outcomes, the rerouting and the
+deregistration are each tried again until the deadline. What is still unwritten then is what
+a crash leaves, recovered by the reaper; the stop ends with the error.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import anyio
 from anyio.abc import TaskGroup
@@ -40,6 +47,7 @@ log = logging.getLogger("agent_reach.sidecar")
 OVERDUE_CHECK_S = 0.1
 TRIM_EVERY_BEATS = 12
 DRAIN_POLL_S = 0.05
+STOP_RETRY_FIRST_S, STOP_RETRY_MAX_S = 0.1, 1.0  # a stop's pauses while Redis is away
 
 
 class Lifecycle:
@@ -68,6 +76,8 @@ class Lifecycle:
         self.grace_s = grace_s
         self.stopping = anyio.Event()
         self.pool: WorkPool | None = None
+        self.stop_deadline = float("inf")  # anyio time; set when the drain starts
+        self._drain_told = False  # DRAINING written and the unread entries rerouted
         self._beat_now = anyio.Event()
 
     def stop(self) -> None:
@@ -140,16 +150,56 @@ class Lifecycle:
 
     async def drain(self, pool: WorkPool, work: TaskGroup) -> None:
         """DRAINING: no new assignments; reroute what was assigned but never read; give
-        in-flight work the grace period, then cancel what is left (it stays pending)."""
-        await self.registry.set_state(self.instance_id, InstanceState.DRAINING)
-        await self._reroute_unread()
+        in-flight work the grace period, then cancel what is left (it stays pending). With
+        Redis away the work still gets its grace; the rerouting waits for :meth:`settle`."""
+        self.stop_deadline = anyio.current_time() + self.grace_s
         pool.close()
-        with anyio.move_on_after(self.grace_s):
+        with anyio.move_on_at(self.stop_deadline):
+            try:
+                await self._tell_draining()
+            except RedisUnavailable as exc:
+                log.warning("draining: Redis is unavailable (%s); rerouting later", exc)
+        with anyio.move_on_at(self.stop_deadline):
             await pool.join()
             # callbacks still to come in: polled, a drain is rare and lasts seconds
             while self.desk is not None and self.desk.busy:  # noqa: ASYNC110
                 await anyio.sleep(DRAIN_POLL_S)
         work.cancel_scope.cancel()
+
+    async def settle(self, finish: Callable[[], Awaitable[None]]) -> None:
+        """After the drain: DRAINING and the rerouting if the drain could not write them, then
+        ``finish`` (the last outcomes recorded) — each tried again while Redis is away, until
+        the stop's deadline (:attr:`stop_deadline`); past it, the error is raised."""
+        if not self._drain_told:
+            await self._by_the_deadline(self._tell_draining, "rerouting unread work")
+        await self._by_the_deadline(finish, "recording the last outcomes")
+
+    async def leave(self) -> None:
+        """The card removed, tried again while Redis is away until the stop's deadline. Only
+        once the heartbeats have stopped: a beat that finds no card writes it again."""
+        await self._by_the_deadline(self.deregister, "deregistering")
+
+    async def _by_the_deadline(self, step: Callable[[], Awaitable[None]], what: str) -> None:
+        if self.stop_deadline == float("inf"):  # no drain ran: the grace starts now
+            self.stop_deadline = anyio.current_time() + self.grace_s
+        pause_s = STOP_RETRY_FIRST_S
+        while True:
+            try:
+                await step()
+                return
+            except RedisUnavailable as exc:
+                left_s = self.stop_deadline - anyio.current_time()
+                if left_s <= 0:
+                    log.error("%s: Redis is unavailable and the grace period is over", what)
+                    raise
+                log.warning("%s: Redis is unavailable (%s); trying again", what, exc)
+            await anyio.sleep(min(pause_s, left_s))  # the last try at the deadline
+            pause_s = min(pause_s * 2, STOP_RETRY_MAX_S)
+
+    async def _tell_draining(self) -> None:
+        await self.registry.set_state(self.instance_id, InstanceState.DRAINING)
+        await self._reroute_unread()
+        self._drain_told = True
 
     async def _reroute_unread(self) -> None:
         """Entries assigned to this instance but never delivered to it go back to WAITING, so

@@ -159,10 +159,10 @@ class Sidecar:
                     await self.intake.take(pool, await self.intake.read(reader, pending=True))
                     await self.intake.consume(reader, pool, self.lifecycle.stopping)
                     await self.lifecycle.drain(pool, work)
-                await self.finisher.finish_now()
+                await self.lifecycle.settle(self.finisher.finish_now)
                 outer.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await self.runner.status.aclose()
-        await self.lifecycle.deregister()
+        await self.lifecycle.leave()
         self.stopped.set()

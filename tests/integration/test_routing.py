@@ -4,9 +4,13 @@ record, session affinity, draining, no-match answers, weights at run time."""
 from __future__ import annotations
 
 import json
+import logging
+from contextlib import aclosing
+from pathlib import Path
 
 import anyio
 import msgspec
+import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -15,14 +19,23 @@ from adapters.sidecar import Sidecar
 from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection, open_connection
+from broker.embedded import RedisServer
 from broker.envelope import Envelope
+from broker.errors import RedisUnavailable, first_leaf
 from broker.records import InstanceCard, InstanceState
 from broker.registry import Registry
 from broker.stages import Stage
 from broker.store import MessageStore
 from broker.wire import route_steps
-from tests.support.agents import http_agent
-from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
+from tests.conftest import suite_redis_binary
+from tests.support.agents import Gate, http_agent
+from tests.support.harness import card as harness_card
+from tests.support.harness import (
+    collect_replies,
+    eventually,
+    running_dispatcher,
+    running_sidecar,
+)
 
 
 def request(capability: str, reply_to: str, n: int = 0, **fields: object) -> Envelope:
@@ -229,6 +242,105 @@ async def test_draining_under_load_loses_nothing_and_runs_nothing_twice(
     assert await conn.call("EXISTS", conn.keys.card("c-1")) == 0  # deregistered
     snapshot = json.dumps([v.instance_id for v in await Registry(conn).snapshot()])
     assert "c-1" not in snapshot
+
+
+@pytest.mark.timeout(90)
+async def test_a_sidecar_stopped_while_redis_restarts_records_its_outcomes_and_leaves(
+    settings: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stopped while Redis is away (a fleet is often stopped because of a failover): the calls
+    in flight still get their grace, and Redis back within it, the drain is told, their
+    outcomes recorded and the instance deregistered. Nothing runs twice, and a
+    non-idempotent agent's finished work is not left NEEDS_CONFIRMATION."""
+    binary = suite_redis_binary()
+    server = RedisServer.start(tmp_path / "redis", binary=binary)
+    own = msgspec.structs.replace(settings, redis_url=server.url)
+    gate = Gate()
+    try:
+        async with (
+            open_connection(own, server.url) as conn,
+            http_agent("held", behaviour=gate) as agent,
+            aclosing(HttpTransport(agent.url, timeout_s=30, max_connections=4)) as transport,
+            anyio.create_task_group() as tg,
+        ):
+            client = Client(conn)
+            reply_to = client.new_reply_stream()
+            card = harness_card("held-1", ("text.echo",), max_inflight=4)
+            sidecar = Sidecar(conn, card, transport, grace_s=30)
+            await tg.start(sidecar.run)
+            async with running_dispatcher(conn, reaper=False):
+                ids = await client.submit_many(
+                    [request("text.echo", reply_to, n) for n in range(3)]
+                )
+
+                async def all_called() -> bool:
+                    return agent.log.concurrent == 3
+
+                await eventually(all_called)
+            with caplog.at_level(logging.WARNING, logger="agent_reach.sidecar"):
+                server.stop()
+                sidecar.stop()  # Redis is gone: the drain cannot tell anyone
+
+                async def drain_untold() -> bool:
+                    said = [r.getMessage() for r in caplog.records]
+                    return any("draining: Redis is unavailable" in m for m in said)
+
+                await eventually(drain_untold)
+                gate.open()  # the calls end while Redis is away
+
+                async def all_ended() -> bool:
+                    return agent.log.concurrent == 0
+
+                await eventually(all_ended)
+                server = RedisServer.start(tmp_path / "redis", binary=binary, port=server.port)
+                with anyio.fail_after(30):
+                    await sidecar.stopped.wait()
+            results = await collect_replies(conn, reply_to, 3)
+            gone = await conn.call("EXISTS", conn.keys.card("held-1"))
+    finally:
+        server.stop()
+    assert {m: r.stage for m, r in results.items()} == dict.fromkeys(ids, Stage.SUCCEEDED)
+    assert sorted(agent.log.calls.values()) == [1, 1, 1]  # none ran twice
+    assert gone == 0  # deregistered
+
+
+@pytest.mark.timeout(60)
+async def test_a_sidecar_stopped_while_redis_stays_away_ends_with_the_error_after_its_grace(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Redis not back within the grace period: the stop ends with the error (the CLI's exit
+    code and message), after the grace and not forever; the reaper recovers what is left."""
+    server = RedisServer.start(tmp_path / "redis", binary=suite_redis_binary())
+    own = msgspec.structs.replace(settings, redis_url=server.url)
+    try:
+        async with (
+            open_connection(own, server.url) as conn,
+            aclosing(HttpTransport("http://127.0.0.1:9/", timeout_s=1, max_connections=1)) as t,
+        ):
+            sidecar = Sidecar(conn, harness_card("left-1", ("text.echo",)), t, grace_s=1.0)
+            ended = anyio.Event()
+            with pytest.raises(BaseExceptionGroup) as raised:
+                async with anyio.create_task_group() as tg:
+
+                    async def run() -> None:
+                        try:
+                            await sidecar.run()
+                        finally:
+                            ended.set()
+
+                    tg.start_soon(run)
+                    await eventually(lambda: conn.call("EXISTS", conn.keys.card("left-1")))
+                    server.stop()
+                    began = anyio.current_time()
+                    sidecar.stop()
+                    with anyio.fail_after(15):
+                        await ended.wait()
+                    took_s = anyio.current_time() - began
+    finally:
+        server.stop()
+    assert isinstance(first_leaf(raised.value), RedisUnavailable)
+    assert 1.0 <= took_s < 15  # it waited out the grace, and no longer than a pause more
+    assert not sidecar.stopped.is_set()
 
 
 async def test_draining_reroutes_work_assigned_but_never_read(conn: Connection) -> None:
