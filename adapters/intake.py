@@ -97,7 +97,8 @@ class SidecarIntake:
             except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("read failed, retrying in %.1fs: %s", backoff, exc)
                 self.holdings.recheck_pending = True
-                await anyio.sleep(backoff)
+                with anyio.move_on_after(backoff):
+                    await stopping.wait()  # a stop is heard at once, Redis away or not
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1

@@ -7,17 +7,19 @@ DRAINING on the card is followed; a card that vanished is written again. Drainin
 goes back to WAITING with its credit, in-flight work gets the grace period, then the card is
 removed.
 
-A stop has one deadline, the grace period from the drain's start. Redis away then (a restart
-or a failover takes seconds, and a fleet is often stopped because of one) costs a wait, not
-work: in-flight calls still get their grace, and the last outcomes, the rerouting and the
-deregistration are each tried again until the deadline. What is still unwritten then is what
-a crash leaves, recovered by the reaper; the stop ends with the error.
+A stop has one deadline, the grace period from :meth:`Lifecycle.stop`. Redis away then (a
+restart or a failover takes seconds, and a fleet is often stopped because of one) costs a
+wait, not work: in-flight calls still get their grace; DRAINING and the rerouting, the
+outcomes queued for recording and the deregistration are each tried again until the
+deadline. What is still unwritten then is what a crash leaves, recovered by the reaper; the
+stop ends with the error.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 
 import anyio
 from anyio.abc import TaskGroup
@@ -48,6 +50,7 @@ OVERDUE_CHECK_S = 0.1
 TRIM_EVERY_BEATS = 12
 DRAIN_POLL_S = 0.05
 STOP_RETRY_FIRST_S, STOP_RETRY_MAX_S = 0.1, 1.0  # a stop's pauses while Redis is away
+STOP_LAST_TRY_S = 1.0  # how long past the stop's deadline its last try may take
 
 
 class Lifecycle:
@@ -76,12 +79,15 @@ class Lifecycle:
         self.grace_s = grace_s
         self.stopping = anyio.Event()
         self.pool: WorkPool | None = None
-        self.stop_deadline = float("inf")  # anyio time; set when the drain starts
+        self.stop_deadline = float("inf")  # anyio time; set by stop()
         self._drain_told = False  # DRAINING written and the unread entries rerouted
         self._beat_now = anyio.Event()
 
     def stop(self) -> None:
-        """Begin a graceful stop: no new reads, finish in-flight work, then deregister."""
+        """Begin a graceful stop: no new reads, finish in-flight work, then deregister — all
+        by the grace period from now (what an orchestrator counts before its SIGKILL)."""
+        if not self.stopping.is_set():
+            self.stop_deadline = anyio.current_time() + self.grace_s
         self.stopping.set()
 
     def beat_soon(self) -> None:
@@ -151,19 +157,15 @@ class Lifecycle:
     async def drain(self, pool: WorkPool, work: TaskGroup) -> None:
         """DRAINING: no new assignments; reroute what was assigned but never read; give
         in-flight work the grace period, then cancel what is left (it stays pending). With
-        Redis away the work still gets its grace; the rerouting waits for :meth:`settle`."""
-        self.stop_deadline = anyio.current_time() + self.grace_s
+        Redis away the work still gets its grace, and DRAINING is tried again beside it."""
         pool.close()
         with anyio.move_on_at(self.stop_deadline):
-            try:
-                await self._tell_draining()
-            except RedisUnavailable as exc:
-                log.warning("draining: Redis is unavailable (%s); rerouting later", exc)
-        with anyio.move_on_at(self.stop_deadline):
-            await pool.join()
-            # callbacks still to come in: polled, a drain is rare and lasts seconds
-            while self.desk is not None and self.desk.busy:  # noqa: ASYNC110
-                await anyio.sleep(DRAIN_POLL_S)
+            async with anyio.create_task_group() as beside:
+                beside.start_soon(self._tell_draining_soon)
+                await pool.join()
+                # callbacks still to come in: polled, a drain is rare and lasts seconds
+                while self.desk is not None and self.desk.busy:  # noqa: ASYNC110
+                    await anyio.sleep(DRAIN_POLL_S)
         work.cancel_scope.cancel()
 
     async def settle(self, finish: Callable[[], Awaitable[None]]) -> None:
@@ -179,22 +181,12 @@ class Lifecycle:
         once the heartbeats have stopped: a beat that finds no card writes it again."""
         await self._by_the_deadline(self.deregister, "deregistering")
 
+    async def _tell_draining_soon(self) -> None:
+        with suppress(RedisUnavailable):  # not by the deadline: settle tries a last time
+            await self._by_the_deadline(self._tell_draining, "draining")
+
     async def _by_the_deadline(self, step: Callable[[], Awaitable[None]], what: str) -> None:
-        if self.stop_deadline == float("inf"):  # no drain ran: the grace starts now
-            self.stop_deadline = anyio.current_time() + self.grace_s
-        pause_s = STOP_RETRY_FIRST_S
-        while True:
-            try:
-                await step()
-                return
-            except RedisUnavailable as exc:
-                left_s = self.stop_deadline - anyio.current_time()
-                if left_s <= 0:
-                    log.error("%s: Redis is unavailable and the grace period is over", what)
-                    raise
-                log.warning("%s: Redis is unavailable (%s); trying again", what, exc)
-            await anyio.sleep(min(pause_s, left_s))  # the last try at the deadline
-            pause_s = min(pause_s * 2, STOP_RETRY_MAX_S)
+        await by_the_deadline(step, self.stop_deadline, what)
 
     async def _tell_draining(self) -> None:
         await self.registry.set_state(self.instance_id, InstanceState.DRAINING)
@@ -233,3 +225,27 @@ class Lifecycle:
             await self.conn.call(
                 *release_command(self.store.conn, self.instance_id, SIDECAR_GROUP, returned)
             )
+
+
+async def by_the_deadline(step: Callable[[], Awaitable[None]], deadline: float, what: str) -> None:
+    """``step``, tried again while Redis is away (0.1 s doubling to 1 s) until ``deadline``
+    (anyio time), the last try made at it; past it, the error is raised. Every try ends by
+    the deadline and :data:`STOP_LAST_TRY_S`: a Redis that takes connections and never
+    answers cannot stretch a stop."""
+    pause_s = STOP_RETRY_FIRST_S
+    while True:
+        with anyio.move_on_at(deadline + STOP_LAST_TRY_S) as attempt:
+            try:
+                await step()
+                return
+            except RedisUnavailable as exc:
+                problem = exc
+        if attempt.cancelled_caught:
+            problem = RedisUnavailable(f"redis unavailable: no answer {what}")
+        left_s = deadline - anyio.current_time()
+        if left_s <= 0:
+            log.error("%s: Redis is unavailable and the grace period is over", what)
+            raise problem
+        log.warning("%s: Redis is unavailable (%s); trying again", what, problem)
+        await anyio.sleep(min(pause_s, left_s))
+        pause_s = min(pause_s * 2, STOP_RETRY_MAX_S)
