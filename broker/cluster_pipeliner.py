@@ -197,6 +197,11 @@ class ClusterPipeliner:
         """The map may be out of date (a node was lost): the next batch reads it again."""
         self._stale = True
 
+    @property
+    def stale(self) -> bool:
+        """Whether the map is to be read again before it is used."""
+        return self._stale
+
     async def refresh_soon(self) -> None:
         """The map is out of date (a reader met ``MOVED``): read it again now."""
         self._stale = True

@@ -57,6 +57,9 @@ async def recent_events(
     """The last ``count`` events (of ``types``, when given), oldest first, and the newest
     entry id seen (where following starts). Entries that do not read as events are left
     out (logged)."""
+    if count == 0:  # none to show: only where following starts (never from the beginning)
+        last = parse_entries(await conn.call("XREVRANGE", events_key(conn), "+", "-", "COUNT", 1))
+        return [], last[0][0] if last else "0-0"
     found: list[Event] = []
     newest, end = "0-0", "+"
     while len(found) < count:

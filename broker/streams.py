@@ -26,6 +26,11 @@ class Router(Protocol):
 
     async def refresh_soon(self) -> None: ...
 
+    @property
+    def stale(self) -> bool: ...
+
+    async def refresh(self) -> None: ...
+
 
 StreamEntry = tuple[str, dict[str, bytes]]
 RawEntry = tuple[str, list[bytes]]
@@ -109,7 +114,11 @@ class GroupReader:
 
     async def _execute(self, command: tuple[Any, ...], stream: str) -> Any:
         """On a cluster: on the connection to the master of ``stream``; a ``MOVED`` reply
-        has the slot map read again and the command sent once more, there."""
+        has the slot map read again and the command sent once more, there. A map marked stale
+        (this reader or another lost a node) is read again first: a reader alone in its
+        process (``events --follow``) would otherwise dial a failed master for ever."""
+        if self._route is not None and self._route.stale:
+            await self._route.refresh()
         try:
             reply = await self._execute_at(command, self._url_for(stream))
         except RedisUnavailable:

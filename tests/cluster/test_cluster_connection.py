@@ -8,11 +8,12 @@ import anyio
 import pytest
 
 from broker.cluster_map import ORDER_BARRIER
+from broker.cluster_pipeliner import ClusterPipeliner
 from broker.config import Settings, build_settings
 from broker.connection import open_connection
-from broker.errors import ConfigError
+from broker.errors import ConfigError, RedisUnavailable
 from broker.slots import key_slot
-from tests.support.cluster import LocalCluster
+from tests.support.cluster import LocalCluster, free_cluster_port
 
 
 def keys_on_every_node(cluster: LocalCluster, prefix: str) -> list[str]:
@@ -68,6 +69,26 @@ async def test_a_stale_map_is_corrected_by_moved(
 
         assert again == [b"x", b"x", b"x"]
         assert pipeliner.map.url_for(key_slot(keys[2])) != first  # type: ignore[union-attr]
+
+
+async def test_a_reader_alone_that_lost_its_node_reads_the_map_again_before_reading(
+    local_cluster: LocalCluster, cluster_settings: Settings
+) -> None:
+    """A map read before a failover sends a stream's slot to a node that is gone. A blocking
+    reader with no other traffic beside it (``events --follow``) fails once, then reads the
+    map again itself and reads where the stream lives, instead of dialling the dead node
+    for ever."""
+    stream = f"{cluster_settings.prefix}:lone:{{s}}"
+    async with open_connection(cluster_settings, local_cluster.url) as conn:
+        await conn.call("XADD", stream, "*", "f", "v")
+        route = conn.pipeliner
+        assert isinstance(route, ClusterPipeliner)
+        route.map.moved(key_slot(stream), f"redis://127.0.0.1:{free_cluster_port()}")
+        async with conn.reader() as reader:
+            with pytest.raises(RedisUnavailable):
+                await reader.read_stream(stream, "0")
+            entries = await reader.read_stream(stream, "0")
+    assert [fields for _, fields in entries] == [{"f": b"v"}]
 
 
 async def test_ask_during_a_slot_migration_is_followed(

@@ -8,7 +8,7 @@ import json
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import anyio
 import msgspec
@@ -30,6 +30,7 @@ from broker.records import InstanceCard, InstanceState, InstanceStats
 from broker.registry import Registry
 from broker.stages import Stage
 from broker.store import MessageStore
+from broker.streams import parse_entries
 from tests.conftest import suite_redis_binary
 from tests.support.agents import http_agent
 from tests.support.harness import (
@@ -449,6 +450,12 @@ async def test_events_prints_json_lines_and_filters_by_type(settings: Settings) 
         assert bad.exit_code == 2
 
 
+async def line_of(pipe: IO[bytes]) -> bytes:
+    """The next line a child process writes to ``pipe``, read on a thread, within 30 s."""
+    with anyio.fail_after(30):
+        return await anyio.to_thread.run_sync(pipe.readline, abandon_on_cancel=True)
+
+
 def following(settings: Settings, stderr: int = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
     """``agent-reach events --follow --json``, its stdout a pipe (read it on a thread)."""
     return subprocess.Popen(
@@ -457,6 +464,15 @@ def following(settings: Settings, stderr: int = subprocess.DEVNULL) -> subproces
         stdout=subprocess.PIPE,
         stderr=stderr,
     )
+
+
+async def test_no_recent_events_asked_for_still_follows_from_the_newest(conn: Connection) -> None:
+    """``events --follow --count 0``: nothing old printed, and following starts after the
+    newest event, not from the beginning of the stream."""
+    await emit(conn, [event_command(conn, "instance.gone", f"old-{n}") for n in range(3)])
+    shown, after = await recent_events(conn, 0)
+    newest = parse_entries(await conn.call("XREVRANGE", events_key(conn), "+", "-", "COUNT", 1))
+    assert shown == [] and after == newest[0][0]
 
 
 @pytest.mark.timeout(60)
@@ -468,11 +484,11 @@ async def test_events_follow_prints_what_arrives_after_it_started(
         follower = following(settings)
         try:
             assert follower.stdout is not None
-            first = await anyio.to_thread.run_sync(follower.stdout.readline)
+            first = await line_of(follower.stdout)
             assert json.loads(first)["subject"] == "before-1"
             deadline = time.monotonic() + 30
             await emit(conn, [event_command(conn, "instance.gone", "after-1")])
-            line = await anyio.to_thread.run_sync(follower.stdout.readline)
+            line = await line_of(follower.stdout)
             assert time.monotonic() < deadline and json.loads(line)["subject"] == "after-1"
         finally:
             follower.terminate()
@@ -498,14 +514,14 @@ async def test_events_follow_waits_through_a_redis_restart_and_goes_on(
         out, err = follower.stdout, follower.stderr
         async with open_connection(own, server.url) as conn:
             await emit(conn, [event_command(conn, "instance.gone", "before")])
-        assert json.loads(await anyio.to_thread.run_sync(out.readline))["subject"] == "before"
+        assert json.loads(await line_of(out))["subject"] == "before"
         server.stop()  # everysec: the event stream is on disk, and comes back with Redis
-        away = await anyio.to_thread.run_sync(err.readline)
+        away = await line_of(err)
         server = RedisServer.start(tmp_path / "redis", binary=binary, port=server.port)
-        back = await anyio.to_thread.run_sync(err.readline)
+        back = await line_of(err)
         async with open_connection(own, server.url) as conn:
             await emit(conn, [event_command(conn, "instance.gone", "after")])
-        after = await anyio.to_thread.run_sync(out.readline)
+        after = await line_of(out)
         assert follower.poll() is None  # still following
     finally:
         follower.terminate()
