@@ -45,6 +45,7 @@ RECORD_COMMANDS = (
 # release.lua, registering, draining, trimming its stream)
 INSTANCE_COMMANDS = (
     "evalsha",
+    "exists",  # card_set.lua: a state written only on a card that exists
     "hset",
     "hget",
     "hmget",  # heartbeat.lua: the state and circuit before (events report a change)

@@ -210,25 +210,26 @@ class Registry:
 
     async def set_weight(self, instance_id: str, weight: float) -> bool:
         """Change an instance's routing weight at run time; false for an unknown instance."""
-        key = self.keys.card(instance_id)
-        if not await self.conn.call("EXISTS", key):
-            return False
-        await self._all(
-            [("HSET", key, "weight", weight), ("PUBLISH", self.keys.registry_channel, instance_id)]
-        )
-        return True
+        return await self._set_on_card(instance_id, "weight", weight)
 
     async def drain(self, instance_id: str) -> bool:
-        """Mark an instance DRAINING (its sidecar then finishes its work and deregisters)."""
-        key = self.keys.card(instance_id)
-        if not await self.conn.call("EXISTS", key):
-            return False
-        await self.set_state(instance_id, InstanceState.DRAINING)
-        return True
+        """Mark an instance DRAINING (its sidecar then finishes its work and deregisters);
+        false for an unknown instance."""
+        return await self.set_state(instance_id, InstanceState.DRAINING)
 
-    async def set_state(self, instance_id: str, state: InstanceState) -> None:
-        await self.conn.call("HSET", self.keys.card(instance_id), "state", state.value)
+    async def set_state(self, instance_id: str, state: InstanceState) -> bool:
+        """The card's state; false, and nothing written, when there is no card."""
+        return await self._set_on_card(instance_id, "state", state.value)
+
+    async def _set_on_card(self, instance_id: str, field: str, value: Any) -> bool:
+        """One field written only while the card exists (``lua/card_set.lua``): a check and a
+        write apart would leave a card of one field behind a deregistration between them.
+        Dispatchers are told of a change made."""
+        key = self.keys.card(instance_id)
+        if not await self.conn.evalsha(ScriptName.CARD_SET, (key,), (field, value)):
+            return False
         await self.conn.call("PUBLISH", self.keys.registry_channel, instance_id)
+        return True
 
     async def deregister(self, instance_id: str) -> None:
         """Remove the card, after a drain (a sidecar always drains before it deregisters):

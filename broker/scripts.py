@@ -25,6 +25,7 @@ class ScriptName(StrEnum):
     NOTE = "note"
     FORGET_INSTANCE = "forget_instance"
     GCRA = "gcra"
+    CARD_SET = "card_set"
 
 
 @dataclass(frozen=True, slots=True)

@@ -210,6 +210,22 @@ async def test_weight_zero_at_run_time_takes_an_instance_out_of_rotation(
     assert not await Registry(conn).set_weight("nobody-1", 1.0)
 
 
+async def test_a_state_or_weight_for_an_instance_without_a_card_writes_nothing(
+    conn: Connection,
+) -> None:
+    """An operator's drain or weight, or a sidecar's own drain, meeting a card already gone
+    (deregistered meanwhile, or lost with a Redis that restarted empty) leaves no card of one
+    field behind: a key with no TTL and no instance, that nothing would ever remove."""
+    registry = Registry(conn)
+    assert not await registry.drain("gone-1")
+    assert not await registry.set_state("gone-1", InstanceState.DRAINING)
+    assert not await registry.set_weight("gone-1", 0.5)
+    assert await conn.call("EXISTS", conn.keys.card("gone-1")) == 0
+    await registry.register(harness_card("here-1", ("text.echo",)), credits=1)
+    assert await registry.set_state("here-1", InstanceState.DRAINING)
+    assert await conn.call("HGET", conn.keys.card("here-1"), "state") == b"DRAINING"
+
+
 async def test_draining_under_load_loses_nothing_and_runs_nothing_twice(
     conn: Connection,
 ) -> None:

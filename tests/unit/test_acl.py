@@ -281,6 +281,7 @@ def test_the_sidecar_role_runs_the_sidecar_and_its_scripts() -> None:
         ROOT / "broker" / "lua" / f"{name}.lua"
         for name in (
             "heartbeat",
+            "card_set",
             "release",
             "transition",
             "receive_process",
