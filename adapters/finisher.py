@@ -12,8 +12,9 @@ sends a reply again, never skips one. (In one round trip, an outcome whose recor
 between its move and the script — an operator's replay in that instant — is released untold:
 the replay ends the message again, and that answer is told.) A reply Redis refuses for good is
 dead-lettered before its credit goes; one refused "for now" (OOM, READONLY) is tried again.
-An outcome that moves a message elsewhere (back to waiting, or dead) is written at once, then
-its entry let go of the same way.
+An outcome that moves a message elsewhere (back to waiting, or dead) is written at once
+(tried again while Redis is away: :meth:`Finisher.written`), then its entry let go of the
+same way.
 
 In three round trips, recording and releasing are two stages that overlap: the next outcomes
 are recorded while the replies and credits of the last are on their way, so an outcome waits
@@ -29,7 +30,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -50,8 +51,11 @@ from .holdings import Finished, Holdings, Taken
 from .one_trip import OneTrip, release_of, time_ended
 
 log = logging.getLogger("agent_reach.sidecar")
+T = TypeVar("T")
 
 RETRY_PAUSE_S = 0.5
+# pauses of an outcome written at once while Redis is away (Finisher.written)
+WRITE_RETRY_FIRST_S, WRITE_RETRY_MAX_S = 0.1, 1.0
 # outcomes waiting to be recorded before the intake holds back new work (Finisher.room):
 # what a crash repeats is the calls running then, and about this many more
 UNRECORDED_MAX = 32
@@ -176,23 +180,26 @@ class Finisher:
             )
             fields["retry_at_ms"] = now_ms() + delay
             reason = f"{reason}; retry in {delay} ms"
-        moved = await self.store.apply(
-            self.fenced(
-                taken,
-                Stage.WAITING,
-                Stage.PROCESSING,
-                reason=reason,
-                fields=fields,
-                return_field="accepted_ms",
-                counts=counts,
-                charge=bill,
-            )
+        move = self.fenced(
+            taken,
+            Stage.WAITING,
+            Stage.PROCESSING,
+            reason=reason,
+            fields=fields,
+            return_field="accepted_ms",
+            counts=counts,
+            charge=bill,
         )
-        if moved.ok:
+        moved = await self.written(lambda: self.store.apply(move), taken, "requeueing")
+        if move.landed(moved):
             # ordered by when the broker accepted it, never by the producer's own clock
-            accepted_ms = int(moved.value or 0)
-            await self.store.waiting.park(
-                envelope.capability, envelope.message_id, envelope.priority, accepted_ms
+            accepted_ms = int(moved.value or 0) if moved.ok else await self._accepted_ms(taken)
+            await self.written(
+                lambda: self.store.waiting.park(
+                    envelope.capability, envelope.message_id, envelope.priority, accepted_ms
+                ),
+                taken,
+                "parking the requeued message",
             )
         self.done(taken)
 
@@ -206,22 +213,54 @@ class Finisher:
     ) -> None:
         """Out of attempts: DEAD, dead-lettered with the envelope and every reason on the way."""
         fields = {"error": error}
-        moved = await self.store.apply(
-            self.fenced(
-                taken,
-                Stage.DEAD,
-                Stage.PROCESSING,
-                reason=error,
-                fields=fields,
-                counts=counts,
-                charge=bill,
-            )
+        move = self.fenced(
+            taken,
+            Stage.DEAD,
+            Stage.PROCESSING,
+            reason=error,
+            fields=fields,
+            counts=counts,
+            charge=bill,
         )
-        if moved.ok:
-            await self.store.delivery.dead_letter_message(envelope.message_id, error)
+        moved = await self.written(lambda: self.store.apply(move), taken, "ending it DEAD")
+        if move.landed(moved):
+            await self.written(
+                lambda: self.store.delivery.dead_letter_message(envelope.message_id, error),
+                taken,
+                "dead-lettering it",
+            )
             self.done(taken, self.replies(taken, envelope, Stage.DEAD, None, error))
         else:
             self.done(taken)
+
+    async def written(self, write: Callable[[], Awaitable[T]], taken: Taken, what: str) -> T:
+        """``write``, tried again while Redis is away (0.1 s doubling to 1 s) until it is made:
+        an outcome written at once (requeue, retry, dead letter) is kept, not left pending
+        for a resumption that no longer knows it (a non-idempotent agent's refusal would be
+        parked as "may have run"). A stop's deadline cancels the wait; the entry then stays
+        pending for the reaper. Each try is bounded by the connection's own timeouts."""
+        pause_s = WRITE_RETRY_FIRST_S
+        while True:
+            try:
+                return await write()
+            except RedisUnavailable as exc:
+                if pause_s == WRITE_RETRY_FIRST_S:
+                    log.warning(
+                        "message %s: %s: Redis is unavailable (%s); trying again",
+                        taken.message_id,
+                        what,
+                        exc,
+                    )
+            await anyio.sleep(pause_s)
+            pause_s = min(pause_s * 2, WRITE_RETRY_MAX_S)
+
+    async def _accepted_ms(self, taken: Taken) -> int:
+        """When the broker accepted the message, read back: a requeue whose answer was lost
+        returned none."""
+        record = await self.written(
+            lambda: self.store.get_record(taken.message_id), taken, "reading its record"
+        )
+        return record.accepted_ms if record is not None else 0
 
     def fenced(self, taken: Taken, target: Stage, source: Stage, **options: Any) -> Move:
         """A move allowed only from ``source``, at this entry's attempt, on this instance:
@@ -370,8 +409,4 @@ class Finisher:
     def _recorded(self, item: Finished, moved: Moved) -> bool:
         """The outcome is on the record: written now, or by an earlier try of this batch."""
         assert item.settle is not None
-        return moved.ok or (
-            moved.stage is item.settle.target
-            and moved.attempt == item.taken.attempt
-            and moved.instance == self.instance_id
-        )
+        return item.settle.landed(moved)

@@ -107,6 +107,15 @@ class Move(msgspec.Struct):
     # this time (ms); no charge then
     assign_look_ms: int = 0
 
+    def landed(self, moved: Moved) -> bool:
+        """The move is on the record: made now, or by an earlier try whose answer was lost
+        (the record is at the target, at this attempt, on this instance)."""
+        return moved.ok or (
+            moved.stage is self.target
+            and moved.attempt == self.expect_attempt
+            and moved.instance == self.expect_instance
+        )
+
 
 def accept_command(conn: Connection, a: Acceptance) -> tuple[Any, ...]:
     assert a.next_stage in (Stage.ROUTED, Stage.WAITING, Stage.REJECTED, Stage.FANNED_OUT)
