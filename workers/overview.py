@@ -108,6 +108,25 @@ def rates(before: Overview | None, now: Overview) -> dict[str, float]:
     }
 
 
+class Readings:
+    """The readings a live view shows: the last one, and rates only between two readings with
+    no outage between them — rates across one would average the outage in."""
+
+    def __init__(self) -> None:
+        self.last: Overview | None = None
+        self._since: Overview | None = None
+
+    def read(self, current: Overview) -> Overview:
+        """``current`` with its rates since the reading before (none after an outage)."""
+        current.rates.update(rates(self._since, current))
+        self.last = self._since = current
+        return current
+
+    def lost(self) -> None:
+        """Redis was away: the next reading gets no rates, the one after it gets them again."""
+        self._since = None
+
+
 async def broadcast_children(conn: Connection, message_id: str) -> list[dict[str, str]]:
     """A broadcast parent's children (id, instance, stage now); none for any other message."""
     raw = await conn.call("HGET", conn.keys.record(message_id), "children")

@@ -12,6 +12,7 @@ from pathlib import Path
 import anyio
 import msgspec
 import pytest
+from rich.console import Console
 
 from broker.config import Settings
 from broker.connection import open_connection
@@ -21,7 +22,8 @@ from tests.conftest import suite_redis_binary
 from tests.support.agents import http_agent
 from tests.support.harness import card, running_sidecar
 from tests.support.processes import AGENT_REACH, process_env
-from workers.overview import Overview, rates
+from workers.cli.top import render
+from workers.overview import Overview, Readings, rates
 
 
 class Screen:
@@ -115,3 +117,28 @@ def test_rates_are_per_second_between_two_readings() -> None:
     assert rates(None, first) == {}
     assert rates(first, second) == {"accepted": 10.0, "SUCCEEDED": 3.0, "FAILED": 0.0}
     assert rates(second, first) == {}  # a reading from before: no rate
+
+
+def test_no_rate_is_shown_across_an_outage() -> None:
+    """Rates between two readings with Redis away between them would average the outage in:
+    the first reading after it shows none ("-/s"), the next one rates again."""
+    readings = Readings()
+
+    def reading(at_ms: int, accepted: int) -> Overview:
+        return Overview(at_ms, {"accepted": accepted}, [], [], 0, 0)
+
+    first = readings.read(reading(1_000, 10))
+    assert first.rates == {} and "accepted 10 (-/s)" in screen_text(first)
+    assert readings.read(reading(2_000, 30)).rates["accepted"] == 20.0
+    readings.lost()
+    back = readings.read(reading(62_000, 90))  # a minute away
+    assert back.rates == {} and "accepted 90 (-/s)" in screen_text(back)
+    assert readings.last is back
+    again = readings.read(reading(63_000, 100))
+    assert again.rates["accepted"] == 10.0 and "accepted 100 (10.0/s)" in screen_text(again)
+
+
+def screen_text(view: Overview) -> str:
+    console = Console(width=200, record=True)
+    console.print(render(view))
+    return console.export_text()

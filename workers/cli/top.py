@@ -19,7 +19,7 @@ from rich.text import Text
 from broker.config import Settings
 from broker.errors import RedisUnavailable
 
-from ..overview import TOTALS, Overview, rates, read_overview
+from ..overview import TOTALS, Overview, Readings, read_overview
 from ..runtime import connected
 from .common import FiniteRange, redis_options, run
 
@@ -30,7 +30,7 @@ def render(view: Overview) -> Group:
         ("agent-reach top", "bold"),
         "  ",
         *(
-            f"{name.lower()} {view.totals.get(name, 0)} ({view.rates.get(name, 0.0):.1f}/s)  "
+            f"{name.lower()} {view.totals.get(name, 0)} ({_per_s(view.rates.get(name))})  "
             for name in TOTALS
         ),
         f"dlq {view.dlq_entries}  needs confirmation {view.needs_confirmation}   q: quit",
@@ -63,6 +63,11 @@ def render(view: Overview) -> Group:
             f"{a.weight:g}",
         )
     return Group(head, waiting, agents)
+
+
+def _per_s(rate: float | None) -> str:
+    """A rate, or "-" where none is known (the first reading, the first after an outage)."""
+    return "-/s" if rate is None else f"{rate:.1f}/s"
 
 
 def render_away(last: Overview | None, exc: RedisUnavailable) -> Group:
@@ -113,18 +118,17 @@ def top(settings: Settings, interval: float) -> None:
             with keys_one_at_a_time() as interactive:
                 if interactive:
                     tg.start_soon(_quit_on_q, tg.cancel_scope)
-                previous: Overview | None = None
+                readings = Readings()
                 with Live(console=console, auto_refresh=False) as live:
                     while True:
                         try:
-                            current = await read_overview(conn)
+                            current = readings.read(await read_overview(conn))
                         except RedisUnavailable as exc:
-                            live.update(render_away(previous, exc), refresh=True)
+                            readings.lost()
+                            live.update(render_away(readings.last, exc), refresh=True)
                             await anyio.sleep(interval)
                             continue
-                        current.rates.update(rates(previous, current))
                         live.update(render(current), refresh=True)
-                        previous = current
                         await anyio.sleep(interval)
 
     run(show)
