@@ -5,6 +5,7 @@ from __future__ import annotations
 from .connection import Connection
 from .errors import RedisReplyError
 from .record_codec import pairs, text
+from .streams import id_order
 
 
 async def ack(conn: Connection, stream: str, group: str, entry_ids: list[str]) -> None:
@@ -29,12 +30,7 @@ async def trim_acknowledged(conn: Connection, stream: str) -> int:
         summary = await conn.call("XPENDING", stream, group[b"name"])
         pending, low = summary[0], summary[1]
         cuts.append(text(low) if pending else text(group[b"last-delivered-id"]))
-    cut = min(cuts, key=_stream_id_key)
+    cut = min(cuts, key=id_order)
     if cut in ("0-0", "0"):
         return 0
     return int(await conn.call("XTRIM", stream, "MINID", cut))
-
-
-def _stream_id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)

@@ -207,3 +207,9 @@ def field_name(raw: bytes) -> str:
 def field_bytes(name: str) -> bytes:
     """The original bytes of a field name :func:`field_name` decoded."""
     return name.encode("utf-8", "surrogateescape")
+
+
+def id_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id (``<ms>-<seq>``, or ``<ms>``) as what orders it."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

@@ -4,9 +4,13 @@ webhooks with retries, ``agent-reach events`` (and ``--follow``), the cap."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,7 +27,7 @@ from broker.connection import Connection, open_connection
 from broker.embedded import RedisServer
 from broker.envelope import Envelope
 from broker.event_log import emit, event_command, events_key, recent_events
-from broker.events import Event
+from broker.events import Event, event_fields
 from broker.governance import EventSubscription, RateLimit, RateLimits
 from broker.keyspace import FleetKeys
 from broker.records import InstanceCard, InstanceState, InstanceStats
@@ -498,30 +502,38 @@ async def test_events_follow_prints_what_arrives_after_it_started(
         assert code == 0
 
 
-@pytest.mark.timeout(90)
-async def test_events_follow_waits_through_a_redis_restart_and_goes_on(
-    settings: Settings, tmp_path: Path
-) -> None:
-    """Redis restarts under ``events --follow``: it says so once on stderr, says when Redis is
-    back, and prints what is written after that, from where it was (nothing twice), without
-    being started again."""
+@dataclass
+class Outage:
+    """``events --follow`` (``--json``) on a Redis of its own that it saw go away and come
+    back: its pipes, the line it said on stderr when Redis went, and the Redis now."""
+
+    out: IO[bytes]
+    err: IO[bytes]
+    away: bytes
+    settings: Settings
+    code: int | None = None  # the follower's exit code, once the block has ended
+
+
+@asynccontextmanager
+async def followed_through_an_outage(
+    settings: Settings, tmp_path: Path, *, back_from: str
+) -> AsyncIterator[Outage]:
+    """The follower prints an event, Redis stops and starts again on its port from the data
+    directory ``back_from`` ("redis": its own, AOF and all); terminated when the block ends."""
     binary = suite_redis_binary()
     server = RedisServer.start(tmp_path / "redis", binary=binary)
     own = msgspec.structs.replace(settings, redis_url=server.url)
     follower = following(own, stderr=subprocess.PIPE)
     try:
         assert follower.stdout is not None and follower.stderr is not None
-        out, err = follower.stdout, follower.stderr
         async with open_connection(own, server.url) as conn:
             await emit(conn, [event_command(conn, "instance.gone", "before")])
-        assert json.loads(await line_of(out))["subject"] == "before"
+        assert json.loads(await line_of(follower.stdout))["subject"] == "before"
         server.stop()  # everysec: the event stream is on disk, and comes back with Redis
-        away = await line_of(err)
-        server = RedisServer.start(tmp_path / "redis", binary=binary, port=server.port)
-        back = await line_of(err)
-        async with open_connection(own, server.url) as conn:
-            await emit(conn, [event_command(conn, "instance.gone", "after")])
-        after = await line_of(out)
+        away = await line_of(follower.stderr)
+        server = RedisServer.start(tmp_path / back_from, binary=binary, port=server.port)
+        outage = Outage(follower.stdout, follower.stderr, away, own)
+        yield outage
         assert follower.poll() is None  # still following
     finally:
         follower.terminate()
@@ -530,9 +542,24 @@ async def test_events_follow_waits_through_a_redis_restart_and_goes_on(
             if pipe is not None:
                 pipe.close()
         server.stop()
-    assert away.startswith(b"Redis is unavailable (") and back.startswith(b"Redis at ")
+    outage.code = code
+
+
+@pytest.mark.timeout(90)
+async def test_events_follow_waits_through_a_redis_restart_and_goes_on(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Redis restarts under ``events --follow``: it says so once on stderr, says when Redis is
+    back, and prints what is written after that, from where it was (nothing twice), without
+    being started again."""
+    async with followed_through_an_outage(settings, tmp_path, back_from="redis") as o:
+        back = await line_of(o.err)
+        async with open_connection(o.settings, o.settings.redis_url) as conn:
+            await emit(conn, [event_command(conn, "instance.gone", "after")])
+        after = await line_of(o.out)
+    assert o.away.startswith(b"Redis is unavailable (") and back.startswith(b"Redis at ")
     assert json.loads(after)["subject"] == "after"  # not "before" again
-    assert code == 0
+    assert o.code == 0
 
 
 async def test_a_beat_late_after_deregistering_does_not_list_the_instance_again(
@@ -556,3 +583,25 @@ async def test_a_beat_late_after_deregistering_does_not_list_the_instance_again(
     assert await conn.call("ZSCORE", conn.keys.agents, "late-1") is None
     await registry.register(card, credits=4)  # coming back is registering again
     assert [v.instance_id for v in await registry.snapshot()] == ["late-1"]
+
+
+@pytest.mark.timeout(60)
+async def test_events_follow_reads_a_stream_that_came_back_without_its_data_from_its_start(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Redis comes back empty (no AOF, or a failover to a node without the events): the
+    follower says so and reads the new stream from its start: an event whose id falls below
+    the last one read (a node whose clock is behind) is printed, not skipped."""
+    async with followed_through_an_outage(settings, tmp_path, back_from="empty") as o:
+        back, note = await line_of(o.err), await line_of(o.err)
+        async with open_connection(o.settings, o.settings.redis_url) as conn:
+            # an event by a clock an hour behind: its id is below the last one read
+            behind_ms = int(time.time() * 1000) - 3_600_000
+            fields = event_fields("instance.gone", "behind", behind_ms)
+            flat = itertools.chain.from_iterable(fields.items())
+            await conn.call("XADD", events_key(conn), f"{behind_ms}-0", *flat)
+        after = await line_of(o.out)
+    assert o.away.startswith(b"Redis is unavailable (") and back.startswith(b"Redis at ")
+    assert note.startswith(b"note: the event stream is gone")
+    assert json.loads(after)["subject"] == "behind"
+    assert o.code == 0

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from broker.event_log import resume_point
 from broker.events import (
     EVENT_TYPES,
     Event,
@@ -94,3 +96,23 @@ def test_a_detail_with_terminal_escapes_is_printed_escaped() -> None:
     shown = detail_text(b'{"reason": "agent said \\u001b[2J\\rgone"}')
     assert "\x1b" not in shown and "\r" not in shown
     assert "\\x1b[2J\\rgone" in shown
+
+
+@pytest.mark.parametrize(
+    ("last", "oldest", "newest", "position", "said"),
+    [
+        ("5-0", "1-0", "9-0", "5-0", None),  # all there: on after the last read
+        ("5-0", "1-0", "5-0", "5-0", None),  # nothing new yet
+        ("0-0", None, None, "0-0", None),  # nothing read, nothing there
+        ("5-0", None, None, "0-0", "gone"),  # came back without its data: from its start
+        ("5-0", "1-0", "3-7", "3-7", "ends at 3-7, before 5-0"),  # lost, or a clock behind
+        ("5-0", "8-0", "9-0", "5-0", "8-0, past 5-0, the last read: events between them may"),
+        ("5-3", "5-3", "9-0", "5-3", None),  # trimmed up to what was read: nothing unread
+    ],
+)
+def test_following_resumes_where_the_stream_allows_and_says_what_it_lost(
+    last: str, oldest: str | None, newest: str | None, position: str, said: str | None
+) -> None:
+    where, lost = resume_point(last, oldest, newest)
+    assert where == position
+    assert (lost is None) if said is None else (lost is not None and said in lost)

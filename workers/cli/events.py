@@ -12,7 +12,7 @@ import click
 from broker.config import Settings
 from broker.connection import Connection, redact
 from broker.errors import RedisUnavailable
-from broker.event_log import events_key, follow_events, recent_events
+from broker.event_log import events_key, follow_events, recent_events, resume_after
 from broker.events import EVENT_TYPES, Event, detail_text, event_body, printable
 from broker.subscription_store import SubscriptionStore
 from broker.subscriptions import STATIC_PREFIX, Subscription, subscription_problem
@@ -67,9 +67,12 @@ async def _follow(conn: Connection, last: str, types: tuple[str, ...], as_json: 
         tg.start_soon(stop_on_signals, tg.cancel_scope.cancel, tg.cancel_scope)
         stream = events_key(conn)
         away = False
+        lost: str | None = None  # what the stream lost to us while Redis was away
         pause_s = RETRY_FIRST_S
         while True:
             try:
+                if away:  # the stream may have lost, or trimmed, what follows ``last``
+                    last, lost = await resume_after(conn, last)
                 found, last = await follow_events(reader, stream, last, types)
             except RedisUnavailable as exc:
                 if not away:
@@ -80,6 +83,8 @@ async def _follow(conn: Connection, last: str, types: tuple[str, ...], as_json: 
                 continue
             if away:
                 click.echo(f"Redis at {redact(conn.url)} is back; following after {last}", err=True)
+                if lost:
+                    click.echo(f"note: {lost}", err=True)
                 away, pause_s = False, RETRY_FIRST_S
             for event in found:
                 click.echo(event_line(event, as_json=as_json))
