@@ -211,8 +211,15 @@ class Finisher:
         counts: tuple[str, ...] = (),
         bill: Charge | None = None,
     ) -> None:
-        """Out of attempts: DEAD, dead-lettered with the envelope and every reason on the way."""
-        fields = {"error": error}
+        """Out of attempts: DEAD, dead-lettered with the envelope and every reason on the way.
+
+        The move carries ``reply_pending`` (as the reaper's endings do), cleared with the
+        reply: the dead letter (an ``XADD``) is written once, never retried, and whatever
+        is not done here — the letter failed, the stop's deadline came, or the move is found
+        made without this try's answer (an earlier try's, or the reaper's: not told apart) —
+        the reaper finishes from the record (:meth:`workers.resolver.Resolver.finish_telling`).
+        Nothing is lettered or told twice for a retried write."""
+        fields: dict[str, str | bytes | int] = {"error": error, "reply_pending": 1}
         move = self.fenced(
             taken,
             Stage.DEAD,
@@ -223,26 +230,40 @@ class Finisher:
             charge=bill,
         )
         moved = await self.written(lambda: self.store.apply(move), taken, "ending it DEAD")
-        if move.landed(moved):
-            await self.written(
-                lambda: self.store.delivery.dead_letter_message(envelope.message_id, error),
-                taken,
-                "dead-lettering it",
-            )
-            self.done(taken, self.replies(taken, envelope, Stage.DEAD, None, error))
-        else:
+        if not moved.ok:
+            if move.landed(moved):
+                log.info("message %s: found DEAD: its telling is the reaper's", taken.message_id)
             self.done(taken)
+            return
+        try:
+            await self.store.delivery.dead_letter_message(envelope.message_id, error)
+        except RedisUnavailable as exc:
+            log.warning(
+                "message %s: dead letter not written (%s): the reaper writes it, and tells",
+                taken.message_id,
+                exc,
+            )
+            self.done(taken)
+            return
+        replies = self.replies(taken, envelope, Stage.DEAD, None, error)
+        told = ("HDEL", self.conn.keys.record(taken.message_id), "reply_pending")
+        self.done(taken, [*replies, told])
 
     async def written(self, write: Callable[[], Awaitable[T]], taken: Taken, what: str) -> T:
         """``write``, tried again while Redis is away (0.1 s doubling to 1 s) until it is made:
-        an outcome written at once (requeue, retry, dead letter) is kept, not left pending
-        for a resumption that no longer knows it (a non-idempotent agent's refusal would be
-        parked as "may have run"). A stop's deadline cancels the wait; the entry then stays
-        pending for the reaper. Each try is bounded by the connection's own timeouts."""
+        an outcome written at once (a requeue, a retry, DEAD) is kept, not left pending for a
+        resumption that no longer knows it (a non-idempotent agent's refusal would be parked
+        as "may have run"). Only for writes that may be repeated: a fenced move (an answer
+        lost on the way: :meth:`broker.store.Move.landed`), a park, a read. A stop's deadline
+        cancels the wait; the entry then stays pending for the reaper. Each try is bounded
+        by the connection's own timeouts."""
         pause_s = WRITE_RETRY_FIRST_S
         while True:
             try:
-                return await write()
+                made = await write()
+                if pause_s > WRITE_RETRY_FIRST_S:
+                    log.info("message %s: %s: done, Redis is back", taken.message_id, what)
+                return made
             except RedisUnavailable as exc:
                 if pause_s == WRITE_RETRY_FIRST_S:
                     log.warning(

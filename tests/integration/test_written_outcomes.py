@@ -1,4 +1,4 @@
-"""Outcomes the sidecar writes at once (a requeue, a retry, a dead letter) while Redis is away:
+"""Outcomes the sidecar writes at once (a requeue, a retry, DEAD) while Redis is away:
 kept and written when it is back, not left pending for a resumption that no longer knows them.
 
 Each test runs on a redis-server of its own, stopped under the sidecar while a call is held,
@@ -30,17 +30,19 @@ from broker.envelope import Envelope
 from broker.records import TimelineEntry
 from broker.stages import PARKED, TERMINAL, Stage
 from broker.store import MessageStore
+from broker.streams import fields_of
 from tests.conftest import suite_redis_binary
 from tests.support.agents import RunningAgent, http_agent
 from tests.support.harness import card as harness_card
 from tests.support.harness import eventually, running_dispatcher
 
 
-class RefusesFirstWhenReleased:
-    """Holds the first call until released, then refuses it (429: the agent did not take the
-    work); every later call is answered."""
+class AnswersFirstWhenReleased:
+    """Holds the first call until released, then gives ``answer``; every later call is
+    answered with a result."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: Response) -> None:
+        self.answer = answer
         self.release = anyio.Event()
         self.seen = 0
 
@@ -49,7 +51,7 @@ class RefusesFirstWhenReleased:
         if self.seen > 1:
             return None
         await self.release.wait()
-        return Response(status_code=429, headers={"Retry-After": "0"})
+        return self.answer
 
 
 @dataclass
@@ -58,18 +60,29 @@ class Outage:
     sidecar: Sidecar
     agent: RunningAgent
     message_id: str
+    reply_to: str
+
+
+REFUSAL = Response(status_code=429, headers={"Retry-After": "0"})  # it did not take the work
 
 
 @asynccontextmanager
-async def refused_while_redis_is_away(
-    settings: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture, *, stop: bool
+async def answered_while_redis_is_away(
+    settings: Settings,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    *,
+    answer: Response = REFUSAL,
+    stop: bool = False,
+    idempotent: bool = False,
+    max_attempts: int = 3,
 ) -> AsyncIterator[Outage]:
-    """One message to a non-idempotent agent that refuses it while Redis is stopped (the
-    sidecar stopped too, with ``stop``); Redis is started again when the write has failed."""
+    """One message to an agent that gives ``answer`` while Redis is stopped (the sidecar
+    stopped too, with ``stop``); Redis is started again when the write has failed."""
     binary = suite_redis_binary()
     server = RedisServer.start(tmp_path / "redis", binary=binary)
     own = msgspec.structs.replace(settings, redis_url=server.url)
-    behaviour = RefusesFirstWhenReleased()
+    behaviour = AnswersFirstWhenReleased(answer)
     try:
         async with (
             open_connection(own, server.url) as conn,
@@ -78,10 +91,19 @@ async def refused_while_redis_is_away(
             anyio.create_task_group() as tg,
         ):
             client = Client(conn)
-            sidecar = Sidecar(conn, harness_card("r-1", ("text.echo",)), transport, grace_s=30)
+            card = harness_card("r-1", ("text.echo",), idempotent=idempotent)
+            sidecar = Sidecar(conn, card, transport, grace_s=30)
             await tg.start(sidecar.run)
             async with running_dispatcher(conn, reaper=False):
-                raw = msgspec.json.encode({"capability": "text.echo", "payload": {"n": 1}})
+                reply_to = client.new_reply_stream()
+                raw = msgspec.json.encode(
+                    {
+                        "capability": "text.echo",
+                        "payload": {},
+                        "max_attempts": max_attempts,
+                        "reply_to": reply_to,
+                    }
+                )
                 envelope = msgspec.json.decode(raw, type=Envelope)
                 message_id = await client.submit(envelope)
                 await eventually(lambda: _true(agent.log.concurrent == 1))
@@ -89,7 +111,7 @@ async def refused_while_redis_is_away(
                 server.stop()
                 if stop:
                     sidecar.stop()
-                behaviour.release.set()  # the refusal comes while Redis is away
+                behaviour.release.set()  # the answer comes while Redis is away
 
                 async def write_failed() -> bool:
                     said = [r.getMessage() for r in caplog.records]
@@ -97,7 +119,7 @@ async def refused_while_redis_is_away(
 
                 await eventually(write_failed)
             server = RedisServer.start(tmp_path / "redis", binary=binary, port=server.port)
-            yield Outage(conn, sidecar, agent, message_id)
+            yield Outage(conn, sidecar, agent, message_id, reply_to)
             tg.cancel_scope.cancel()
     finally:
         server.stop()
@@ -128,7 +150,7 @@ async def test_a_refusal_while_redis_is_away_is_requeued_when_it_is_back(
 ) -> None:
     """A non-idempotent agent answers 429 while Redis is away: the requeue waits for Redis,
     and the message runs once more and succeeds — not parked as "may have run"."""
-    async with refused_while_redis_is_away(settings, tmp_path, caplog, stop=False) as o:
+    async with answered_while_redis_is_away(settings, tmp_path, caplog) as o:
         async with running_dispatcher(o.conn, reaper=False):
             stage, timeline = await settled(
                 MessageStore(o.conn), o.message_id, TERMINAL | {Stage.NEEDS_CONFIRMATION}
@@ -144,7 +166,7 @@ async def test_a_refusal_while_a_stopping_sidecar_waits_for_redis_is_requeued(
 ) -> None:
     """The sidecar is stopped too (a failover often brings a fleet's restart): the requeue is
     written within its grace, the sidecar leaves, and the message waits for an instance."""
-    async with refused_while_redis_is_away(settings, tmp_path, caplog, stop=True) as o:
+    async with answered_while_redis_is_away(settings, tmp_path, caplog, stop=True) as o:
         with anyio.fail_after(30):
             await o.sidecar.stopped.wait()
         stage, timeline = await settled(MessageStore(o.conn), o.message_id, TERMINAL | PARKED)
@@ -153,3 +175,32 @@ async def test_a_refusal_while_a_stopping_sidecar_waits_for_redis_is_requeued(
     assert "429" in timeline[-1].reason
     assert o.agent.log.calls[o.message_id] == 1
     assert card == 0  # deregistered
+
+
+@pytest.mark.timeout(90)
+async def test_a_last_attempt_ended_dead_while_redis_is_away_is_lettered_and_told_once(
+    settings: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An idempotent agent's answer proves nothing (a bare 503) on the last attempt: DEAD. The
+    move waits for Redis; then the message is dead-lettered once, its producer told once,
+    and its ``reply_pending`` mark gone — not run again as a restart would have it."""
+    busy = Response(status_code=503)
+    async with answered_while_redis_is_away(
+        settings, tmp_path, caplog, answer=busy, idempotent=True, max_attempts=1
+    ) as o:
+        store = MessageStore(o.conn)
+        stage, _ = await settled(store, o.message_id, TERMINAL | PARKED)
+
+        record_key = o.conn.keys.record(o.message_id)
+
+        async def told() -> bool:
+            told = await o.conn.call("XLEN", o.reply_to) == 1
+            return told and not await o.conn.call("HEXISTS", record_key, "reply_pending")
+
+        await eventually(told)
+        letters = await o.conn.call("XRANGE", o.conn.keys.dlq, "-", "+")
+        replies = await o.conn.call("XLEN", o.reply_to)
+    assert stage is Stage.DEAD
+    assert o.agent.log.calls[o.message_id] == 1  # not run again
+    assert [fields_of(f).get("id") for _, f in letters] == [o.message_id.encode()]
+    assert replies == 1
