@@ -17,7 +17,7 @@ from typing import Any
 from .connection import Connection
 from .errors import RedisReplyError, RedisUnavailable
 from .events import Event, append_event, event_fields, parse_event
-from .streams import GroupReader, id_order, parse_entries
+from .streams import parse_entries
 from .timekeeping import now_ms
 
 log = logging.getLogger("agent_reach.events")
@@ -74,56 +74,6 @@ async def recent_events(
         if len(entries) < PAGE:
             break
     return list(reversed(found[:count])), newest
-
-
-async def follow_events(
-    reader: GroupReader, stream: str, after: str, types: Sequence[str] = (), block_ms: int = 1000
-) -> tuple[list[Event], str]:
-    """Events appended after ``after`` (waiting up to ``block_ms``), and the new position."""
-    entries = await reader.read_stream(stream, after, count=PAGE, block_ms=block_ms)
-    if entries:
-        after = entries[-1][0]
-    return [e for e in readable(entries) if not types or e.type in types], after
-
-
-async def resume_after(conn: Connection, last: str) -> tuple[str, str | None]:
-    """Where following goes on after Redis was away (the reader had read up to ``last``), and
-    what to say of the events it cannot read (:func:`resume_point`)."""
-    stream = events_key(conn)
-    oldest, newest = (
-        parse_entries(reply)
-        for reply in await conn.call_many(
-            [("XRANGE", stream, "-", "+", "COUNT", 1), ("XREVRANGE", stream, "+", "-", "COUNT", 1)]
-        )
-    )
-    return resume_point(last, oldest[0][0] if oldest else None, newest[0][0] if newest else None)
-
-
-def resume_point(last: str, oldest: str | None, newest: str | None) -> tuple[str, str | None]:
-    """Following resumed after ``last`` on a stream whose entries now run from ``oldest`` to
-    ``newest``: the position to read after, and what was lost to the reader, if anything.
-
-    - the stream is gone (a Redis that came back without its data): from its start, or the
-      events written since would wait for ids past ``last`` (a clock behind skips them);
-    - it ends before ``last`` (a failover lost the latest events, or a node's clock is
-      behind): after its newest, said — what the new node wrote up to then is not told apart;
-    - its oldest is past ``last`` (trimmed past it): events may have gone unread, said.
-    """
-    if last in ("0", "0-0"):
-        return last, None
-    if newest is None:
-        return "0-0", "the event stream is gone (Redis came back without its data): from its start"
-    if id_order(newest) < id_order(last):
-        return newest, (
-            f"the event stream ends at {newest}, before {last}, the last read (events lost in a "
-            f"failover, or a clock behind): following after {newest}"
-        )
-    if oldest is not None and id_order(oldest) > id_order(last):
-        return last, (
-            f"the oldest event is now {oldest}, past {last}, the last read: events between "
-            f"them may have been trimmed before they were read"
-        )
-    return last, None
 
 
 def readable(entries: Sequence[tuple[str, dict[str, bytes]]]) -> list[Event]:

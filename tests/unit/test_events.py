@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.event_log import resume_point
+from broker.event_follow import just_before, resume_point
+from broker.event_log import PAGE
 from broker.events import (
     EVENT_TYPES,
     Event,
@@ -98,21 +99,33 @@ def test_a_detail_with_terminal_escapes_is_printed_escaped() -> None:
     assert "\\x1b[2J\\rgone" in shown
 
 
+READ = {"3-0", "4-0", "5-0"}  # what the follower read lately; the last read is 5-0
+
+
 @pytest.mark.parametrize(
-    ("last", "oldest", "newest", "position", "said"),
+    ("last", "tail", "oldest", "position", "said"),
     [
-        ("5-0", "1-0", "9-0", "5-0", None),  # all there: on after the last read
-        ("5-0", "1-0", "5-0", "5-0", None),  # nothing new yet
-        ("0-0", None, None, "0-0", None),  # nothing read, nothing there
-        ("5-0", None, None, "0-0", "gone"),  # came back without its data: from its start
-        ("5-0", "1-0", "3-7", "3-7", "ends at 3-7, before 5-0"),  # lost, or a clock behind
-        ("5-0", "8-0", "9-0", "5-0", "8-0, past 5-0, the last read: events between them may"),
-        ("5-3", "5-3", "9-0", "5-3", None),  # trimmed up to what was read: nothing unread
+        ("5-0", ["9-0", "5-0", "4-0"], "1-0", "5-0", None),  # all there: on after the last
+        ("5-0", ["5-0", "4-0"], "1-0", "5-0", None),  # nothing new yet
+        ("0-0", [], None, "0-0", None),  # nothing read, nothing there
+        ("5-0", [], None, "0-0", "gone"),  # came back without its data: from its start
+        # a failover lost 5-0; the new node wrote 4-5 (a clock behind) and 9-0 since
+        ("5-0", ["9-0", "4-5", "4-0", "3-0"], "1-0", "4-0", "no longer holds 5-0"),
+        # a new stream, its ids below the last read (a clock behind): from its start
+        ("5-0", ["2-0", "1-0"], "1-0", "0-0", "a new one"),
+        ("5-0", ["9-0", "8-0"], "8-0", "5-0", "8-0, past 5-0, the last read"),  # trimmed
     ],
 )
 def test_following_resumes_where_the_stream_allows_and_says_what_it_lost(
-    last: str, oldest: str | None, newest: str | None, position: str, said: str | None
+    last: str, tail: list[str], oldest: str | None, position: str, said: str | None
 ) -> None:
-    where, lost = resume_point(last, oldest, newest)
+    where, lost = resume_point(last, READ, tail, oldest)
     assert where == position
     assert (lost is None) if said is None else (lost is not None and said in lost)
+
+
+def test_a_full_page_none_of_it_read_is_followed_from_its_oldest() -> None:
+    tail = [f"{n}-0" for n in range(PAGE + 100, 100, -1)][:PAGE]
+    where, lost = resume_point("5-0", READ, tail, "1-0")
+    assert where == just_before(tail[-1]) and lost is not None and tail[-1] in lost
+    assert just_before("7-3") == "7-2" and just_before("7-0") == f"6-{2**64 - 1}"

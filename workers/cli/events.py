@@ -12,7 +12,8 @@ import click
 from broker.config import Settings
 from broker.connection import Connection, redact
 from broker.errors import RedisUnavailable
-from broker.event_log import events_key, follow_events, recent_events, resume_after
+from broker.event_follow import EventFollower
+from broker.event_log import recent_events
 from broker.events import EVENT_TYPES, Event, detail_text, event_body, printable
 from broker.subscription_store import SubscriptionStore
 from broker.subscriptions import STATIC_PREFIX, Subscription, subscription_problem
@@ -65,15 +66,15 @@ async def _follow(conn: Connection, last: str, types: tuple[str, ...], as_json: 
     it is back: an operator watching an incident keeps watching through it."""
     async with conn.reader() as reader, anyio.create_task_group() as tg:
         tg.start_soon(stop_on_signals, tg.cancel_scope.cancel, tg.cancel_scope)
-        stream = events_key(conn)
+        follower = EventFollower(conn, reader, last, types)
         away = False
-        lost: str | None = None  # what the stream lost to us while Redis was away
+        lost: str | None = None  # what the stream lost to us while Redis was away, to say
         pause_s = RETRY_FIRST_S
         while True:
             try:
-                if away:  # the stream may have lost, or trimmed, what follows ``last``
-                    last, lost = await resume_after(conn, last)
-                found, last = await follow_events(reader, stream, last, types)
+                if away:  # the stream may have lost, or trimmed, what follows the last read
+                    lost = await follower.resume() or lost
+                found = await follower.next()
             except RedisUnavailable as exc:
                 if not away:
                     click.echo(f"Redis is unavailable ({exc}); waiting for it", err=True)
@@ -82,10 +83,11 @@ async def _follow(conn: Connection, last: str, types: tuple[str, ...], as_json: 
                 pause_s = min(pause_s * 2, RETRY_MAX_S)
                 continue
             if away:
-                click.echo(f"Redis at {redact(conn.url)} is back; following after {last}", err=True)
+                back = f"Redis at {redact(conn.url)} is back; following after {follower.last}"
+                click.echo(back, err=True)
                 if lost:
                     click.echo(f"note: {lost}", err=True)
-                away, pause_s = False, RETRY_FIRST_S
+                away, lost, pause_s = False, None, RETRY_FIRST_S
             for event in found:
                 click.echo(event_line(event, as_json=as_json))
 
