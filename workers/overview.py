@@ -98,14 +98,15 @@ def agent_row(conn: Connection, view: InstanceView) -> AgentRow:
 
 
 def rates(before: Overview | None, now: Overview) -> dict[str, float]:
-    """Per-second rates of the totals between two readings (none for the first)."""
+    """Per-second rates of the totals between two readings: none for the first, nor where a
+    total fell (Redis came back with older data, or none: the counts started again)."""
     if before is None or now.at_ms <= before.at_ms:
         return {}
+    grown = {name: now.totals.get(name, 0) - before.totals.get(name, 0) for name in TOTALS}
+    if any(n < 0 for n in grown.values()):
+        return {}
     seconds = (now.at_ms - before.at_ms) / 1000
-    return {
-        name: max(0, now.totals.get(name, 0) - before.totals.get(name, 0)) / seconds
-        for name in TOTALS
-    }
+    return {name: n / seconds for name, n in grown.items()}
 
 
 class Readings:

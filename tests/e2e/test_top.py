@@ -117,6 +117,7 @@ def test_rates_are_per_second_between_two_readings() -> None:
     assert rates(None, first) == {}
     assert rates(first, second) == {"accepted": 10.0, "SUCCEEDED": 3.0, "FAILED": 0.0}
     assert rates(second, first) == {}  # a reading from before: no rate
+    assert rates(second, reading(4_000, 5, 12)) == {}  # a total fell: the counts restarted
 
 
 def test_no_rate_is_shown_across_an_outage() -> None:

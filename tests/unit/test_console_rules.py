@@ -97,4 +97,22 @@ def test_rates_come_from_consecutive_readings_and_a_clock_step_back_is_ignored()
     assert [t for t, _ in rates] == [1000, 3000]
     assert rates[0][1] == {"accepted": 10.0, "SUCCEEDED": 4.0, "FAILED": 0.0}
     assert rates[1][1] == {"accepted": 10.0, "SUCCEEDED": 10.0, "FAILED": 0.0}
-    assert chart.peak == 10.0 and chart.lines["accepted"] == "0.0,0.0 100.0,0.0"
+    assert chart.peak == 10.0 and chart.lines["accepted"] == "M0.0,0.0 L100.0,0.0"
+
+
+def test_no_rate_is_counted_across_an_outage_or_a_total_that_fell_the_chart_breaks() -> None:
+    history = History()
+    history.add(reading(0, 0, 0))
+    history.add(reading(1000, 10, 10))
+    history.lost()  # Redis away for a minute
+    history.add(reading(61_000, 70, 70))
+    history.add(reading(62_000, 80, 80))
+    history.add(reading(63_000, 3, 3))  # it came back without its data: the counts restarted
+    history.add(reading(64_000, 13, 13))
+
+    runs = history.segments()
+    chart = history.chart(width=64, height=10)
+
+    assert [[t for t, _ in run] for run in runs] == [[1000], [62_000], [64_000]]
+    assert all(r["accepted"] == 10.0 for run in runs for _, r in run)  # never 1.0 across it
+    assert chart.lines["accepted"] == "M0.0,0.0 M62.0,0.0 M64.0,0.0"

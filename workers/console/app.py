@@ -163,6 +163,7 @@ async def sample_forever(state: ConsoleState) -> None:
             await state.sample()
         except (RedisUnavailable, RedisReplyError, OSError) as exc:
             log.warning("console: reading the overview: %s", exc)
+            state.lost()
         await anyio.sleep(SAMPLE_EVERY_S)
 
 

@@ -20,43 +20,64 @@ class Chart:
     height: int
     peak: float  # per second, at the top edge
     minutes: float  # the time the chart spans
-    lines: dict[str, str]  # series -> SVG polyline points
+    lines: dict[str, str]  # series -> SVG path data: one "M x,y L x,y ..." run per segment
+
+
+Rates = tuple[int, dict[str, float]]  # a later reading's time, and the rates since the one before
 
 
 class History:
-    """The last ``keep`` readings' totals: ``(at_ms, totals)``."""
+    """The last ``keep`` readings' totals: ``(at_ms, totals, after_gap)``. No rate is counted
+    across a gap (Redis away: :meth:`lost`) or a total that fell (the counts started again):
+    the chart breaks there instead of drawing the outage as a slope."""
 
     def __init__(self, keep: int = 600) -> None:
-        self.readings: deque[tuple[int, dict[str, int]]] = deque(maxlen=keep)
+        self.readings: deque[tuple[int, dict[str, int], bool]] = deque(maxlen=keep)
+        self._gap = False
+
+    def lost(self) -> None:
+        """A reading failed: the next one starts a new segment."""
+        self._gap = True
 
     def add(self, view: Overview) -> None:
         if self.readings and view.at_ms <= self.readings[-1][0]:
             return  # a clock step back: keep the series monotonic
-        self.readings.append((view.at_ms, dict(view.totals)))
+        self.readings.append((view.at_ms, dict(view.totals), self._gap))
+        self._gap = False
 
-    def rates(self) -> list[tuple[int, dict[str, float]]]:
-        """Per-second rates between consecutive readings, at each later reading's time."""
-        out = []
+    def segments(self) -> list[list[Rates]]:
+        """Per-second rates between consecutive readings, at each later reading's time, in
+        runs broken where a gap or a fallen total came between two readings."""
+        runs: list[list[Rates]] = [[]]
         pairs = zip(list(self.readings), list(self.readings)[1:], strict=False)
-        for (t0, before), (t1, after) in pairs:
-            seconds = (t1 - t0) / 1000
-            out.append(
-                (t1, {n: max(0, after.get(n, 0) - before.get(n, 0)) / seconds for n in TOTALS})
-            )
-        return out
+        for (t0, before, _), (t1, after, after_gap) in pairs:
+            grown = {n: after.get(n, 0) - before.get(n, 0) for n in TOTALS}
+            if after_gap or any(n < 0 for n in grown.values()):
+                if runs[-1]:
+                    runs.append([])
+                continue
+            runs[-1].append((t1, {n: v / ((t1 - t0) / 1000) for n, v in grown.items()}))
+        return [run for run in runs if run]
+
+    def rates(self) -> list[Rates]:
+        return [r for run in self.segments() for r in run]
 
     def chart(self, width: int = 600, height: int = 120) -> Chart:
-        rates = self.rates()
-        if not rates:
+        runs = self.segments()
+        if not runs:
             return Chart(width, height, 0.0, 0.0, dict.fromkeys(SERIES, ""))
-        first, last = rates[0][0], rates[-1][0]
+        first, last = runs[0][0][0], runs[-1][-1][0]
         span = max(1, last - first)
-        peak = max(max(r.values()) for _, r in rates) or 1.0
+        peak = max(max(r.values()) for run in runs for _, r in run) or 1.0
         lines = {}
         for name in SERIES:
-            points = (
-                f"{(t - first) / span * width:.1f},{height - r[name] / peak * height:.1f}"
-                for t, r in rates
+            paths = (
+                "M"
+                + " L".join(
+                    f"{(t - first) / span * width:.1f},{height - r[name] / peak * height:.1f}"
+                    for t, r in run
+                )
+                for run in runs
             )
-            lines[name] = " ".join(points)
+            lines[name] = " ".join(paths)
         return Chart(width, height, peak, span / 60000, lines)

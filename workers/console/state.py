@@ -19,7 +19,7 @@ from starlette.templating import Jinja2Templates
 from broker.connection import Connection
 from broker.envelope import MESSAGE_ID_PATTERN
 
-from ..overview import Overview, rates, read_overview
+from ..overview import Overview, Readings, read_overview
 from .history import History
 from .security import Guard
 
@@ -42,23 +42,27 @@ class ConsoleState:
     guard: Guard
     pages: Jinja2Templates = field(default_factory=templates)
     history: History = field(default_factory=History)
-    latest: Overview | None = None
+    readings: Readings = field(default_factory=Readings)
     stopping: anyio.Event = field(default_factory=anyio.Event)
     changed: anyio.Event = field(default_factory=anyio.Event)
     notices: OrderedDict[str, tuple[bool, list[str]]] = field(default_factory=OrderedDict)
 
     async def sample(self) -> Overview:
         """Read the overview now; wakes every live page."""
-        view = await read_overview(self.conn)
-        view.rates.update(rates(self.latest, view))
-        self.latest = view
+        view = self.readings.read(await read_overview(self.conn))
         self.history.add(view)
         self.changed.set()
         self.changed = anyio.Event()
         return view
 
+    def lost(self) -> None:
+        """Redis was away: no rate is counted across the outage, and the chart breaks."""
+        self.readings.lost()
+        self.history.lost()
+
     async def overview(self) -> Overview:
-        return self.latest if self.latest is not None else await self.sample()
+        latest = self.readings.last
+        return latest if latest is not None else await self.sample()
 
     def leave_notice(self, ok: bool, lines: list[str]) -> str:
         key = secrets.token_urlsafe(9)
