@@ -27,6 +27,7 @@ from broker.config import Settings
 from broker.connection import Connection, open_connection
 from broker.embedded import RedisServer
 from broker.envelope import Envelope
+from broker.errors import RedisUnavailable, first_leaf
 from broker.records import TimelineEntry
 from broker.stages import PARKED, TERMINAL, Stage
 from broker.store import MessageStore
@@ -76,9 +77,12 @@ async def answered_while_redis_is_away(
     stop: bool = False,
     idempotent: bool = False,
     max_attempts: int = 3,
+    grace_s: float = 30.0,
+    back: bool = True,
 ) -> AsyncIterator[Outage]:
     """One message to an agent that gives ``answer`` while Redis is stopped (the sidecar
-    stopped too, with ``stop``); Redis is started again when the write has failed."""
+    stopped too, with ``stop``, and a grace of ``grace_s``); Redis is started again when the
+    write has failed (unless not ``back``)."""
     binary = suite_redis_binary()
     server = RedisServer.start(tmp_path / "redis", binary=binary)
     own = msgspec.structs.replace(settings, redis_url=server.url)
@@ -92,7 +96,7 @@ async def answered_while_redis_is_away(
         ):
             client = Client(conn)
             card = harness_card("r-1", ("text.echo",), idempotent=idempotent)
-            sidecar = Sidecar(conn, card, transport, grace_s=30)
+            sidecar = Sidecar(conn, card, transport, grace_s=grace_s)
             await tg.start(sidecar.run)
             async with running_dispatcher(conn, reaper=False):
                 reply_to = client.new_reply_stream()
@@ -118,7 +122,8 @@ async def answered_while_redis_is_away(
                     return any(message_id in m and "navailable" in m for m in said)
 
                 await eventually(write_failed)
-            server = RedisServer.start(tmp_path / "redis", binary=binary, port=server.port)
+            if back:
+                server = RedisServer.start(tmp_path / "redis", binary=binary, port=server.port)
             yield Outage(conn, sidecar, agent, message_id, reply_to)
             tg.cancel_scope.cancel()
     finally:
@@ -204,3 +209,19 @@ async def test_a_last_attempt_ended_dead_while_redis_is_away_is_lettered_and_tol
     assert o.agent.log.calls[o.message_id] == 1  # not run again
     assert [fields_of(f).get("id") for _, f in letters] == [o.message_id.encode()]
     assert replies == 1
+
+
+@pytest.mark.timeout(60)
+async def test_a_write_waiting_for_redis_does_not_hold_a_stop_past_its_grace(
+    settings: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis stays away: the requeue waiting for it is given up at the stop's deadline, and
+    the stop ends with the error (its entry stays pending for the reaper), not never."""
+    with pytest.raises(BaseExceptionGroup) as raised:
+        async with answered_while_redis_is_away(
+            settings, tmp_path, caplog, stop=True, grace_s=1.0, back=False
+        ) as o:
+            with anyio.fail_after(15):
+                await o.sidecar.stopped.wait()  # never set: the stop ends with the error
+    assert isinstance(first_leaf(raised.value), RedisUnavailable)
+    assert not o.sidecar.stopped.is_set()
