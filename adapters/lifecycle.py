@@ -196,7 +196,12 @@ class Lifecycle:
     async def _reroute_unread(self) -> None:
         """Entries assigned to this instance but never delivered to it go back to WAITING, so
         another instance takes them; their credits here are returned."""
-        groups = await self.conn.call("XINFO", "GROUPS", self.queue)
+        try:
+            groups = await self.conn.call("XINFO", "GROUPS", self.queue)
+        except RedisReplyError as exc:
+            if "no such key" not in exc.message:
+                raise
+            return  # no stream (lost with a Redis that came back without its data): none unread
         info = dict(zip(groups[0][::2], groups[0][1::2], strict=True)) if groups else {}
         after = b"(" + info.get(b"last-delivered-id", b"0-0")
         unread = await self.conn.call("XRANGE", self.queue, after, "+")

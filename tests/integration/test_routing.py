@@ -403,3 +403,20 @@ async def test_draining_reroutes_work_assigned_but_never_read(conn: Connection) 
         ]
     assert live.log.total == 5
     assert int(await conn.call("SCARD", conn.keys.inflight("idle-1"))) == 0
+
+
+async def test_a_stop_finds_nothing_unread_in_a_work_stream_that_is_gone(conn: Connection) -> None:
+    """The instance's work stream is gone when its stop looks for work never read (a Redis
+    that came back without its data, before the intake made it again): nothing to send back,
+    and the stop goes on instead of failing on the missing stream."""
+    async with aclosing(HttpTransport("http://127.0.0.1:9/", timeout_s=1, max_connections=1)) as t:
+        sidecar = Sidecar(conn, harness_card("gone-1", ("text.echo",)), t, grace_s=1.0)
+        sidecar.stop()
+        finished = anyio.Event()
+
+        async def finish() -> None:
+            finished.set()
+
+        await sidecar.lifecycle.settle(finish)
+    assert finished.is_set()
+    assert await conn.call("EXISTS", conn.keys.queue("gone-1")) == 0
