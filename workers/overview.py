@@ -6,6 +6,7 @@ rates. The counters are the cluster-wide ones behind ``/metrics``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from broker.broadcast import decode_children
@@ -98,14 +99,24 @@ def agent_row(conn: Connection, view: InstanceView) -> AgentRow:
 
 
 def rates(before: Overview | None, now: Overview) -> dict[str, float]:
-    """Per-second rates of the totals between two readings: none for the first, nor where a
-    total fell (Redis came back with older data, or none: the counts started again)."""
-    if before is None or now.at_ms <= before.at_ms:
+    """Per-second rates of the totals between two readings (none for the first)."""
+    if before is None:
         return {}
-    grown = {name: now.totals.get(name, 0) - before.totals.get(name, 0) for name in TOTALS}
+    return rates_between(before.at_ms, before.totals, now.at_ms, now.totals)
+
+
+def rates_between(
+    t0_ms: int, before: Mapping[str, int], t1_ms: int, after: Mapping[str, int]
+) -> dict[str, float]:
+    """Per-second rates of the totals from one reading to a later one: none where the later
+    is not later, nor where a total fell (Redis came back with older data, or none: the
+    counts started again)."""
+    if t1_ms <= t0_ms:
+        return {}
+    grown = {name: after.get(name, 0) - before.get(name, 0) for name in TOTALS}
     if any(n < 0 for n in grown.values()):
         return {}
-    seconds = (now.at_ms - before.at_ms) / 1000
+    seconds = (t1_ms - t0_ms) / 1000
     return {name: n / seconds for name, n in grown.items()}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ..overview import TOTALS, Overview
+from ..overview import Overview, rates_between
 
 SERIES = {"accepted": "#2563eb", "SUCCEEDED": "#16a34a", "FAILED": "#dc2626"}
 
@@ -51,12 +51,12 @@ class History:
         runs: list[list[Rates]] = [[]]
         pairs = zip(list(self.readings), list(self.readings)[1:], strict=False)
         for (t0, before, _), (t1, after, after_gap) in pairs:
-            grown = {n: after.get(n, 0) - before.get(n, 0) for n in TOTALS}
-            if after_gap or any(n < 0 for n in grown.values()):
+            since = {} if after_gap else rates_between(t0, before, t1, after)
+            if not since:
                 if runs[-1]:
                     runs.append([])
                 continue
-            runs[-1].append((t1, {n: v / ((t1 - t0) / 1000) for n, v in grown.items()}))
+            runs[-1].append((t1, since))
         return [run for run in runs if run]
 
     def rates(self) -> list[Rates]:
