@@ -1,19 +1,24 @@
 """A sidecar's intake: reading its instance's stream and taking what it holds.
 
 Entries are read in batches (at start, first this instance's own pending list: a restart
-finishes what it had taken). A batch is taken in one round trip whatever its size: RECEIVED
-for every entry whose record is ROUTED here at its attempt (the fence: a stale delivery is
-never executed) and PROCESSING — written before the request leaves for the agent — where
-RECEIVED was made, one script a message (``lua/receive_process.lua``); then each goes to the
-work pool. The pending list after a restart takes two round trips
-(:meth:`SidecarIntake.take`). An entry that is not an assignment (someone else wrote to the
-stream) is dead-lettered and acknowledged.
+finishes what it had taken). Taking one writes RECEIVED where its record is ROUTED here at its
+attempt (the fence: a stale delivery is never executed) and PROCESSING — written before the
+request leaves for the agent — where RECEIVED was made; then each goes to the work pool.
+
+On a single server new entries are read and taken in one wake-up (:meth:`take_next`): a
+blocking ``XREAD`` and ``lua/take.lua`` (which reads the group and makes both moves) leave in
+one write and answer together. On a cluster, or with the failpoint between the two moves
+armed, a read is answered first, then the batch is taken in one more round trip, one
+``lua/receive_process.lua`` a message (:meth:`take`). The pending list after a restart takes
+two round trips. An entry that is not an assignment (someone else wrote to the stream) is
+dead-lettered and acknowledged.
 """
 
 from __future__ import annotations
 
 import logging
 from functools import partial
+from typing import Any
 
 import anyio
 
@@ -25,9 +30,10 @@ from broker.entries import fields_as_bytes, parse_assignment
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
 from broker.records import Moved
+from broker.scripts import ScriptName, script_source
 from broker.stages import Stage
-from broker.store import MessageStore, Move
-from broker.streams import GroupReader, StreamEntry, field_bytes
+from broker.store import MessageStore, Move, take_command, took
+from broker.streams import GroupReader, StreamEntry, field_bytes, fields_of
 from broker.timekeeping import now_ms
 
 from .callback_desk import CallbackDesk
@@ -62,6 +68,8 @@ class SidecarIntake:
         self.finisher = finisher
         self.runner = runner
         self.desk = desk
+        self._after = "0-0"  # where take_next's blocking read waits past (lua/take.lua)
+        self._take_moves: tuple[Move, Move, Move] | None = None
 
     async def read(self, reader: GroupReader, *, pending: bool = False) -> list[StreamEntry]:
         """New entries, or (at start) this instance's own pending list: a restart after a crash
@@ -93,7 +101,10 @@ class SidecarIntake:
                     await self.finisher.room()
                 if crowded.cancelled_caught:
                     continue
-                await self.take(pool, await self.read(reader), fresh=True)
+                if self.conn.cluster or failpoints.armed("sidecar.after_received"):
+                    await self.take(pool, await self.read(reader), fresh=True)
+                else:
+                    await self.take_next(pool, reader)
             except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("read failed, retrying in %.1fs: %s", backoff, exc)
                 self.holdings.recheck_pending = True
@@ -112,17 +123,71 @@ class SidecarIntake:
         found again (this instance's pending list, after a
         restart) get RECEIVED first and PROCESSING only where it applied: one of them may be
         RECEIVED already, and is then resumed (:meth:`Runner.resume`)."""
-        if not entries:
-            return
-        parsed = [(entry_id, f, parse_assignment(entry_id, f)) for entry_id, f in entries]
-        taken, refused = self._sorted(parsed)
-        await self._drop_malformed(refused)
+        taken = await self._sort_out(entries)
         if not taken:
             return
         if fresh and not failpoints.armed("sidecar.after_received"):
             received, processing = await self._receive_and_process(taken)
         else:
             received, processing = await self._receive_then_process(taken)
+        await self._start(pool, taken, received, processing)
+
+    async def take_next(self, pool: WorkPool, reader: GroupReader) -> None:
+        """New entries read and taken in one wake-up, on a single server (:meth:`take`'s
+        moves, made by ``lua/take.lua`` as the entries are read: one round trip where a read
+        and then the moves take two, 0.2 ms off the median and 0.4 ms off the 99th
+        percentile: ``python -m bench.fused_take``). The script takes only what is plainly an
+        assignment; what it leaves (or failed to move) is taken the way of :meth:`take`,
+        after it. A group the script could not read is read the way of :meth:`read`."""
+        command = self._take_command()
+        reply = await reader.read_then_run(self.queue, self._after, READ_BLOCK_MS, command)
+        if isinstance(reply, RedisReplyError) and reply.code == "NOSCRIPT":
+            await self.conn.run_all([("SCRIPT", "LOAD", script_source(ScriptName.TAKE))])
+            return  # a Redis that lost its scripts (a restart): read again, the script back
+        if isinstance(reply, Exception):
+            raise reply
+        read = took(reply)
+        if read.error is not None:
+            log.warning("reading with the take script failed, reading plainly: %s", read.error)
+            await self.take(pool, await self.read(reader), fresh=True)
+            return
+        self._after = read.after
+        taken = await self._sort_out([(i, fields_of(flat)) for i, flat in read.entries])
+        moved = [t for t in taken if t.entry_id in read.moves]
+        pairs = [read.moves[t.entry_id] for t in moved]
+        await self._start(pool, moved, [r for r, _ in pairs], [p for _, p in pairs])
+        rest = [t for t in taken if t.entry_id not in read.moves]
+        if rest:
+            await self._start(pool, rest, *await self._receive_and_process(rest))
+
+    def _take_command(self) -> tuple[Any, ...]:
+        if self._take_moves is None:
+            receiving, first = self._moves(Taken("", "", 1))
+            self._take_moves = (receiving, first, self._moves(Taken("", "", 2))[1])
+        return take_command(
+            self.conn,
+            self.queue,
+            SIDECAR_GROUP,
+            self.instance_id,
+            self.conn.settings.sidecar_batch,
+            self._take_moves,
+        )
+
+    async def _sort_out(self, entries: list[StreamEntry]) -> list[Taken]:
+        """The assignments among ``entries`` to take; the others dead-lettered (:meth:`_sorted`)."""
+        if not entries:
+            return []
+        parsed = [(entry_id, f, parse_assignment(entry_id, f)) for entry_id, f in entries]
+        taken, refused = self._sorted(parsed)
+        await self._drop_malformed(refused)
+        return taken
+
+    async def _start(
+        self, pool: WorkPool, taken: list[Taken], received: list[Moved], processing: list[Moved]
+    ) -> None:
+        """One job per message taken, by how its moves went."""
+        if not taken:
+            return
         failpoints.hit("sidecar.after_processing")
         ready = {
             t.entry_id: (r.value, p.ok)

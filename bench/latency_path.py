@@ -12,7 +12,8 @@ connection reads every command Redis runs, with the time it ran it. For each mes
 - ``XADD → acceptance``: the dispatcher's wake-up on its blocking read, its intake and
   routing, until its acceptance script runs;
 - ``acceptance → RECEIVED+PROCESSING``: the script, the sidecar's wake-up on its blocking
-  read, until its RECEIVED+PROCESSING script runs;
+  read, until the script that writes RECEIVED runs (its ``HSET``, which ``MONITOR`` shows
+  from ``lua``: the sidecar's take script names no message);
 - ``RECEIVED+PROCESSING → body``: that script's answer back in the sidecar, the job's
   start, the agent call, until the body's ``ECHO`` runs;
 
@@ -104,15 +105,20 @@ async def paced(client: Client, count: int, rate: float, sent: dict[str, float])
 
 
 def stage_times(lines: list[str], sent: dict[str, float]) -> dict[str, list[float]]:
-    """Each message's first XADD, its first two scripts from two different connections
-    (acceptance, then RECEIVED+PROCESSING) and its body's ECHO, as gaps in milliseconds."""
+    """Each message's first XADD, its first script (the acceptance), the write of RECEIVED
+    and its body's ECHO, as gaps in milliseconds."""
     seen: dict[str, list[tuple[float, str, str]]] = {}
     for line in lines:
-        if not (m := _LINE.match(line)) or m[2] == "lua":
+        if not (m := _LINE.match(line)):
             continue
+        command = m[3].upper()
+        if m[2] == "lua":  # of the commands scripts run, only the write of RECEIVED counts
+            if command != "HSET" or '"stage" "RECEIVED"' not in m[4]:
+                continue
+            command = "RECEIVED"
         for message_id in set(_ID.findall(m[4])):
             if message_id in sent:
-                seen.setdefault(message_id, []).append((float(m[1]), m[2], m[3].upper()))
+                seen.setdefault(message_id, []).append((float(m[1]), m[2], command))
     gaps: dict[str, list[float]] = {hop: [] for hop in (*HOPS, "enqueue → body")}
     for message_id, events in seen.items():
         times = _stages(events)
@@ -127,13 +133,12 @@ def stage_times(lines: list[str], sent: dict[str, float]) -> dict[str, list[floa
 
 def _stages(events: list[tuple[float, str, str]]) -> list[float] | None:
     xadd = next((t for t, _, c in events if c == "XADD"), None)
-    scripts = [(t, who) for t, who, c in events if c == "EVALSHA"]
+    accept_at = next((t for t, _, c in events if c == "EVALSHA"), None)
+    receive_at = next((t for t, _, c in events if c == "RECEIVED"), None)
     echo = next((t for t, _, c in events if c == "ECHO"), None)
-    if xadd is None or echo is None or not scripts:
+    if xadd is None or accept_at is None or receive_at is None or echo is None:
         return None
-    accept_at, dispatcher = scripts[0]
-    receive_at = next((t for t, who in scripts if who != dispatcher), None)
-    return None if receive_at is None else [xadd, accept_at, receive_at, echo]
+    return [xadd, accept_at, receive_at, echo]
 
 
 async def one_run(args: argparse.Namespace) -> dict[str, list[float]]:

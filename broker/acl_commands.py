@@ -53,6 +53,10 @@ INSTANCE_COMMANDS = (
     "del",
     "xgroup|create",
     "xreadgroup",
+    # take.lua and the blocking read before it: the stream's last id, the script's clock
+    "xread",
+    "xrevrange",
+    "time",
     "xack",
     "xinfo|groups",
     "xpending",
@@ -81,6 +85,8 @@ BROKER_COMMANDS = (
     "xlen",
     "xpending",
     "xrange",
+    "xrevrange",  # take.lua (every script is the broker's to run)
+    "time",
     "xreadgroup",
     "xtrim",
     "hdel",

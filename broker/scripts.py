@@ -14,6 +14,7 @@ class ScriptName(StrEnum):
     ASSIGN = "assign"
     TRANSITION = "transition"
     RECEIVE_PROCESS = "receive_process"
+    TAKE = "take"
     CLAIM_ASSIGN = "claim_assign"
     RELEASE = "release"
     FINISH = "finish"
@@ -47,6 +48,7 @@ COUNTING = frozenset(
         ScriptName.ACCEPT_ASSIGN,
         ScriptName.TRANSITION,
         ScriptName.RECEIVE_PROCESS,
+        ScriptName.TAKE,
         ScriptName.CLAIM_ASSIGN,
         ScriptName.CHILD_DONE,
     }
@@ -60,7 +62,14 @@ PRELUDES: tuple[tuple[str, frozenset[ScriptName]], ...] = (
     ("accept_record", frozenset({ScriptName.ACCEPT, ScriptName.ACCEPT_ASSIGN})),
     (
         "move_record",
-        frozenset({ScriptName.TRANSITION, ScriptName.RECEIVE_PROCESS, ScriptName.CLAIM_ASSIGN}),
+        frozenset(
+            {
+                ScriptName.TRANSITION,
+                ScriptName.RECEIVE_PROCESS,
+                ScriptName.TAKE,
+                ScriptName.CLAIM_ASSIGN,
+            }
+        ),
     ),
     ("free_credits", frozenset({ScriptName.RELEASE, ScriptName.FINISH})),
     (

@@ -22,6 +22,7 @@ from .connection import Connection
 from .credits import Credits, assign_keys
 from .delivery import Delivery
 from .due_clock import DueClock
+from .entries import MAX_ATTEMPT
 from .errors import raised
 from .event_log import emit, event_command
 from .keyspace import due_for
@@ -38,6 +39,7 @@ from .records import Accepted, MessageRecord, Moved, TimelineEntry
 from .resp import Command
 from .scripts import ScriptName
 from .stages import TERMINAL, Stage, sources_for
+from .streams import RawEntry, raw_entries
 from .timekeeping import now_ms
 from .usage import Charge, utc_day, utc_month
 from .waiting_sets import WaitingSets
@@ -235,6 +237,48 @@ def receive_process_command(conn: Connection, received: Move, processing: Move) 
     record = conn.keys.record(received.message_id)
     keys = (record, *conn.counting().keys(record))
     return conn.script_command(ScriptName.RECEIVE_PROCESS, keys, (len(first), *first, *second))
+
+
+@dataclass(frozen=True, slots=True)
+class Took:
+    """What ``lua/take.lua`` answered (:func:`took`)."""
+
+    after: str  # the id the next blocking read waits past
+    entries: list[RawEntry]  # every entry the group gave, as read
+    moves: dict[str, tuple[Moved, Moved]]  # by entry id: RECEIVED's and PROCESSING's answers
+    error: Exception | None = None  # the group could not be read (nothing was)
+
+
+def take_command(
+    conn: Connection, stream: str, group: str, consumer: str, count: int, moves: tuple[Move, ...]
+) -> tuple[Any, ...]:
+    """A sidecar's read of its group and RECEIVED + PROCESSING of what it reads, in one script
+    (``lua/take.lua``; single server only). ``moves``: the RECEIVED move, and the PROCESSING
+    moves of a first and of a later attempt, of any one message; the script sets each
+    entry's attempt and its own clock's time in them."""
+    assert not conn.cluster
+    assert [m.target for m in moves] == [Stage.RECEIVED, Stage.PROCESSING, Stage.PROCESSING]
+    assert all(m.charge is None and not m.assign_look_ms for m in moves)
+    receiving, first, later = ([*_move_args(conn, m), "", *_field_args(m)] for m in moves)
+    before, after = conn.keys.record("\n").split("\n")
+    counters = "".join(conn.counting().keys(stream))  # an argument, not a key: lua/take.lua
+    head = [group, consumer, count, before, after, counters, MAX_ATTEMPT]
+    head += [len(receiving), len(first)]
+    return conn.script_command(ScriptName.TAKE, (stream,), [*head, *receiving, *first, *later])
+
+
+def took(reply: Any) -> Took:
+    """The reply of :func:`take_command`. An entry whose moves failed (an error in their
+    place) is left out of ``moves``, as one the script left alone: it is taken again the
+    way of every other, and fails there as it would have."""
+    if reply[0] == b"":
+        return Took("", [], {}, reply[1])
+    moves = {
+        e[0].decode(): (moved(e[2]), moved(e[3]))
+        for e in reply[1:]
+        if len(e) == 4  # {id, fields, received, processing}
+    }
+    return Took(reply[0].decode(), raw_entries(reply[1:]), moves)
 
 
 def usage_keys(conn: Connection, ms: int, near: str) -> tuple[str, str]:

@@ -142,7 +142,28 @@ class GroupReader:
     def _url_for(self, stream: str) -> str:
         return self._route.url_for_key(stream) if self._route is not None else self._url
 
+    async def read_then_run(
+        self, stream: str, after: str, block_ms: int, command: tuple[Any, ...]
+    ) -> Any:
+        """A blocking ``XREAD`` of ``stream`` past ``after`` and ``command``, in one write:
+        Redis runs ``command`` as soon as an entry comes past ``after`` (or the block ends),
+        and both answers come back together — one wake-up, where a blocking read and then a
+        command take two. ``command``'s answer (an error reply is returned, not raised); the
+        read's own error is raised. Single server only."""
+        assert self._route is None
+        xread = ("XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", stream, after)
+        read, reply = await self._execute_all([xread, command], self._url)
+        if isinstance(read, Exception):
+            raise read
+        return reply
+
     async def _execute_at(self, command: tuple[Any, ...], url: str) -> Any:
+        (reply,) = await self._execute_all([command], url)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def _execute_all(self, commands: list[tuple[Any, ...]], url: str) -> list[Any]:
         if self._conn is not None and self._conn_url != url:
             await self.close()
         try:
@@ -150,13 +171,11 @@ class GroupReader:
                 self._conn = await RespConnection.open(url)
                 self._conn_url = url
             # a blocking read may take its block time; only silence beyond that is a failure
-            (reply,) = await self._conn.execute([command], timeout_s=self._timeout_for(command))
+            timeout_s = max(self._timeout_for(command) for command in commands)
+            return await self._conn.execute(commands, timeout_s=timeout_s)
         except BaseException:  # RedisUnavailable, or cancelled mid-read: out of step either way
             await self.close()
             raise
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
 
     @staticmethod
     def _timeout_for(command: tuple[Any, ...]) -> float:

@@ -4,35 +4,17 @@ once, and its copy is dead-lettered instead of being judged a crash's leftover."
 
 from __future__ import annotations
 
-import msgspec
-
 from broker.connection import Connection
-from broker.envelope import Envelope, complete
-from broker.ids import new_message_id
 from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.agents import http_agent
-from tests.support.harness import an_acceptance, dead_letters, eventually, running_sidecar
+from tests.support.harness import dead_letters, eventually, routed_to, running_sidecar
 
 # Both entries land in one call: the sidecar's blocked read wakes to find the two together.
 TWICE = (
     "redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 'attempt', '1') "
     "redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 'attempt', '1')"
 )
-
-
-async def routed_to(conn: Connection, instance_id: str) -> str:
-    """A message accepted and ROUTED to ``instance_id`` at attempt 1, as admission leaves it."""
-    message_id = new_message_id()
-    envelope = complete(
-        Envelope(id=message_id, capability="text.echo", payload=msgspec.Raw(b'{"n":1}'))
-    )
-    acceptance = an_acceptance(
-        message_id, msgspec.json.encode(envelope), next_stage=Stage.ROUTED, instance=instance_id
-    )
-    accepted = await MessageStore(conn).accept(acceptance)
-    assert accepted.created
-    return message_id
 
 
 async def test_an_assignment_delivered_twice_in_one_batch_runs_once(conn: Connection) -> None:

@@ -41,16 +41,24 @@ async def test_a_taken_message_starts_before_the_next_read(conn: Connection) -> 
 
 
 def count_reads(sidecar: Sidecar, reads: dict[str, int]) -> None:
-    """Count the intake's reads as they are issued (before each goes out), and note which
-    one brought entries."""
-    read = sidecar.intake.read
+    """Count the intake's reads as they are issued (before each goes out): a plain read, or
+    a read that takes too (``take_next``); and note which one brought what was started."""
+    intake = sidecar.intake
+    read, take_next, start = intake.read, intake.take_next, intake._start
 
-    async def counted(*args: Any, **kwargs: Any) -> Any:
+    async def counted_read(*args: Any, **kwargs: Any) -> Any:
         reads["issued"] += 1
-        number = reads["issued"]
-        entries = await read(*args, **kwargs)
-        if entries:
-            reads["brought"] = number
-        return entries
+        return await read(*args, **kwargs)
 
-    sidecar.intake.read = counted  # type: ignore[method-assign]
+    async def counted_take_next(*args: Any, **kwargs: Any) -> Any:
+        reads["issued"] += 1
+        return await take_next(*args, **kwargs)
+
+    async def noted_start(pool: Any, taken: list[Any], *args: Any) -> Any:
+        if taken:
+            reads["brought"] = reads["issued"]
+        return await start(pool, taken, *args)
+
+    intake.read = counted_read  # type: ignore[method-assign]
+    intake.take_next = counted_take_next  # type: ignore[method-assign]
+    intake._start = noted_start  # type: ignore[method-assign]

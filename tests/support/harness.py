@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import anyio
+import msgspec
 
 from adapters.http import HttpTransport
 from adapters.sidecar import Sidecar
@@ -13,10 +14,12 @@ from adapters.transport import Transport
 from broker.client import Result
 from broker.config import Settings
 from broker.connection import Connection, open_connection
+from broker.envelope import Envelope, complete
+from broker.ids import new_message_id
 from broker.records import InstanceCard
 from broker.replies import result_of
 from broker.stages import Stage
-from broker.store import Acceptance
+from broker.store import Acceptance, MessageStore
 from broker.timekeeping import now_ms
 from broker.wire import parse_reply_entry
 from workers.dispatcher import Dispatcher
@@ -187,3 +190,17 @@ def an_acceptance(
         instance=instance,
         reason=reason,
     )
+
+
+async def routed_to(conn: Connection, instance_id: str) -> str:
+    """A message accepted and ROUTED to ``instance_id`` at attempt 1, as admission leaves it
+    (its assignment not written: the test writes it)."""
+    message_id = new_message_id()
+    envelope = complete(
+        Envelope(id=message_id, capability="text.echo", payload=msgspec.Raw(b'{"n":1}'))
+    )
+    acceptance = an_acceptance(
+        message_id, msgspec.json.encode(envelope), next_stage=Stage.ROUTED, instance=instance_id
+    )
+    assert (await MessageStore(conn).accept(acceptance)).created
+    return message_id

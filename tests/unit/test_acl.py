@@ -285,6 +285,7 @@ def test_the_sidecar_role_runs_the_sidecar_and_its_scripts() -> None:
             "release",
             "transition",
             "receive_process",
+            "take",
             "move_record",
             "timeline",
             "count",
