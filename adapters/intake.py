@@ -17,6 +17,7 @@ dead-lettered and acknowledged.
 from __future__ import annotations
 
 import logging
+from collections.abc import Container
 from functools import partial
 from typing import Any
 
@@ -32,7 +33,7 @@ from broker.keyspace import SIDECAR_GROUP
 from broker.records import Moved
 from broker.scripts import ScriptName, script_source
 from broker.stages import Stage
-from broker.store import MessageStore, Move, take_command, took
+from broker.store import MessageStore, Move, Took, take_command, took
 from broker.streams import GroupReader, StreamEntry, field_bytes, fields_of
 from broker.timekeeping import now_ms
 
@@ -43,6 +44,15 @@ from .runner import Runner, not_awaiting
 from .workpool import WorkPool
 
 log = logging.getLogger("agent_reach.sidecar")
+
+
+def permission_refused(reply: Any) -> bool:
+    """Whether ``reply`` is Redis refusing a command to this user: ``NOPERM``, or, for a
+    command a script runs, the ``ERR`` Redis 7.0 and 6.2 answer with instead."""
+    return isinstance(reply, RedisReplyError) and (
+        reply.code == "NOPERM" or "can't run this command" in str(reply)
+    )
+
 
 READ_BLOCK_MS = 1000
 PENDING_AT_ONCE = 100_000
@@ -68,6 +78,7 @@ class SidecarIntake:
         self.finisher = finisher
         self.runner = runner
         self.desk = desk
+        self.one_wake_up = True  # until Redis says this user may not (take_next)
         self._after = "0-0"  # where take_next's blocking read waits past (lua/take.lua)
         self._take_moves: tuple[Move, Move, Move] | None = None
 
@@ -101,10 +112,10 @@ class SidecarIntake:
                     await self.finisher.room()
                 if crowded.cancelled_caught:
                     continue
-                if self.conn.cluster or failpoints.armed("sidecar.after_received"):
-                    await self.take(pool, await self.read(reader), fresh=True)
-                else:
+                if self._in_one_wake_up():
                     await self.take_next(pool, reader)
+                else:
+                    await self.take(pool, await self.read(reader), fresh=True)
             except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("read failed, retrying in %.1fs: %s", backoff, exc)
                 self.holdings.recheck_pending = True
@@ -113,6 +124,18 @@ class SidecarIntake:
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1
+
+    def _in_one_wake_up(self) -> bool:
+        """Whether new entries are read and taken at once (:meth:`take_next`): on a single
+        server (on a cluster the records are on other slots than the stream), and not where
+        writes wait for replicas (``replica_acks``: the pipeliner's ``WAIT`` must hold
+        PROCESSING before the call), nor with the failpoint between the two moves armed."""
+        return (
+            self.one_wake_up
+            and not self.conn.cluster
+            and not self.conn.settings.replica_acks
+            and not failpoints.armed("sidecar.after_received")
+        )
 
     async def take(
         self, pool: WorkPool, entries: list[StreamEntry], *, fresh: bool = False
@@ -135,27 +158,62 @@ class SidecarIntake:
     async def take_next(self, pool: WorkPool, reader: GroupReader) -> None:
         """New entries read and taken in one wake-up, on a single server (:meth:`take`'s
         moves, made by ``lua/take.lua`` as the entries are read: one round trip where a read
-        and then the moves take two, 0.2 ms off the median and 0.4 ms off the 99th
-        percentile: ``python -m bench.fused_take``). The script takes only what is plainly an
-        assignment; what it leaves (or failed to move) is taken the way of :meth:`take`,
-        after it. A group the script could not read is read the way of :meth:`read`."""
+        and then the moves take two: ``python -m bench.latency_path``). The script takes only
+        what is plainly an assignment; what it leaves (or failed to move) is taken the way of
+        :meth:`take`, after it. A group the script could not read is read the way of
+        :meth:`read`. A Redis user without this way's commands (rules older than it) is
+        read the plain way from then on."""
         command = self._take_command()
-        reply = await reader.read_then_run(self.queue, self._after, READ_BLOCK_MS, command)
-        if isinstance(reply, RedisReplyError) and reply.code == "NOSCRIPT":
+        read_reply, reply = await reader.read_then_run(
+            self.queue, self._after, READ_BLOCK_MS, command
+        )
+        if permission_refused(reply):
+            self._read_plainly(reply)
+        elif isinstance(reply, RedisReplyError) and reply.code == "NOSCRIPT":
             await self.conn.run_all([("SCRIPT", "LOAD", script_source(ScriptName.TAKE))])
-            return  # a Redis that lost its scripts (a restart): read again, the script back
-        if isinstance(reply, Exception):
+        elif isinstance(reply, Exception):
+            self.holdings.recheck_pending = True  # it may have read entries it did not take
             raise reply
-        read = took(reply)
-        if read.error is not None:
-            log.warning("reading with the take script failed, reading plainly: %s", read.error)
+        elif (read := took(reply)).error is not None:  # nothing was read
+            log.warning("the take script could not read, reading plainly: %s", read.error)
             await self.take(pool, await self.read(reader), fresh=True)
+        else:
+            self._after = read.after
+            await self._take_read(pool, read)
+        # the read's own error, after what the script took (it runs either way): a back-off,
+        # not a spin
+        if permission_refused(read_reply):
+            self._read_plainly(read_reply)
+        elif isinstance(read_reply, Exception):
+            raise read_reply
+
+    def _read_plainly(self, refused: Exception) -> None:
+        """This sidecar's Redis user may not read the one-wake-up way (``XREAD``,
+        ``XREVRANGE``, ``TIME``: rules made before it): it reads the plain way from now on,
+        and first takes again what the script may have read."""
+        self.holdings.recheck_pending = True
+        if not self.one_wake_up:
             return
-        self._after = read.after
-        taken = await self._sort_out([(i, fields_of(flat)) for i, flat in read.entries])
+        self.one_wake_up = False
+        log.warning(
+            "this sidecar's Redis user may not read the one-wake-up way (%s): reading the "
+            "plain way; give it the sidecar role's rules again (agent-reach acl)",
+            refused,
+        )
+
+    async def _take_read(self, pool: WorkPool, read: Took) -> None:
+        """What the script read: what it moved starts first, before any other round trip;
+        then the entries that are no assignment are dead-lettered and what the script left
+        is taken. Where an entry it moved has copies in the batch (an assignment written
+        again, in a form the script leaves), it is the one taken, and they are refused."""
+        entries = sorted(read.entries, key=lambda e: e[0] not in read.moves)  # stable
+        fields = [(entry_id, fields_of(flat)) for entry_id, flat in entries]
+        parsed = [(entry_id, f, parse_assignment(entry_id, f)) for entry_id, f in fields]
+        taken, refused = self._sorted(parsed, read.moves)
         moved = [t for t in taken if t.entry_id in read.moves]
         pairs = [read.moves[t.entry_id] for t in moved]
         await self._start(pool, moved, [r for r, _ in pairs], [p for _, p in pairs])
+        await self._drop_malformed(refused)
         rest = [t for t in taken if t.entry_id not in read.moves]
         if rest:
             await self._start(pool, rest, *await self._receive_and_process(rest))
@@ -211,13 +269,17 @@ class SidecarIntake:
         await anyio.lowlevel.checkpoint()
 
     def _sorted(
-        self, parsed: list[tuple[str, dict[str, bytes], Taken | str]]
+        self,
+        parsed: list[tuple[str, dict[str, bytes], Taken | str]],
+        moved: Container[str] = (),
     ) -> tuple[list[Taken], list[tuple[str, dict[str, bytes], str]]]:
         """The entries to take, and those not to, with why: entries that are no assignment,
         and copies of an assignment this instance already holds or meets earlier in the batch
         (only someone writing to the stream by hand makes one: ``lua/assign.lua`` adds an
         attempt once). A copy taken would find its message PROCESSING and judge it a crash's
-        leftover."""
+        leftover. An entry already ``moved`` to PROCESSING (``lua/take.lua``: its record was
+        ROUTED here at its attempt, so it is the assignment) is no copy of one held: it is
+        taken, and must come first in ``parsed`` to be no copy of the batch's either."""
         taken: list[Taken] = []
         refused: list[tuple[str, dict[str, bytes], str]] = []
         seen: dict[tuple[str, int], str] = {}
@@ -225,7 +287,7 @@ class SidecarIntake:
             if isinstance(t, str):
                 refused.append((entry_id, fields, t))
                 continue
-            held = self.holdings.holding(t.message_id)
+            held = None if entry_id in moved else self.holdings.holding(t.message_id)
             first = held.entry_id if held and held.attempt == t.attempt else entry_id
             first = seen.setdefault((t.message_id, t.attempt), first)
             if first == entry_id:

@@ -144,18 +144,16 @@ class GroupReader:
 
     async def read_then_run(
         self, stream: str, after: str, block_ms: int, command: tuple[Any, ...]
-    ) -> Any:
+    ) -> tuple[Any, Any]:
         """A blocking ``XREAD`` of ``stream`` past ``after`` and ``command``, in one write:
         Redis runs ``command`` as soon as an entry comes past ``after`` (or the block ends),
         and both answers come back together — one wake-up, where a blocking read and then a
-        command take two. ``command``'s answer (an error reply is returned, not raised); the
-        read's own error is raised. Single server only."""
+        command take two. Both answers, error replies in place: ``command`` runs whether the
+        read failed or not, so its answer counts either way. Single server only."""
         assert self._route is None
         xread = ("XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", stream, after)
         read, reply = await self._execute_all([xread, command], self._url)
-        if isinstance(read, Exception):
-            raise read
-        return reply
+        return read, reply
 
     async def _execute_at(self, command: tuple[Any, ...], url: str) -> Any:
         (reply,) = await self._execute_all([command], url)

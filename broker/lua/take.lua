@@ -31,6 +31,8 @@
 if redis.replicate_commands then
   redis.replicate_commands()  -- Redis 6.2: effects replication, for TIME before the writes
 end
+local time = redis.call('TIME')  -- before any write: a user who may not fails here, unread
+local now = string.format('%.0f', tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000))
 local ok, read = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3],
                        'STREAMS', KEYS[1], '>')
 local function error_of(e)
@@ -78,8 +80,6 @@ else
     taken[1] = last[1][1]
   end
 end
-local time = redis.call('TIME')
-local now = string.format('%.0f', tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000))
 local keys = {''}
 if ARGV[6] ~= '' then
   keys[2] = ARGV[6]

@@ -231,6 +231,37 @@ async def test_a_producer_with_only_its_role_submits_and_requests(users: Users) 
         assert left == 1 and 0 < ttl <= users.base.reply_ttl_s
 
 
+async def test_a_sidecar_user_made_before_the_one_wake_up_read_takes_work_the_plain_way(
+    server: Server, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rules printed before the sidecar read and took in one wake-up (``lua/take.lua``) lack
+    ``XREAD``, ``XREVRANGE`` and ``TIME``: its sidecar reads the plain way, and says why,
+    instead of failing every read."""
+    users, commands = make_users(server, settings)
+    new_commands = ("+xread", "+xrevrange", "+time")
+    sidecar_line = f"ACL SETUSER {users.name('sidecar')} "
+    older = []
+    for line in commands:
+        if line.startswith(sidecar_line):
+            words = line.split(" ")
+            assert all(c in words for c in new_commands)
+            line = " ".join(w for w in words if w not in new_commands)
+        older.append(line)
+    assert run_redis_cli(server.port, older) == ["OK"] * len(ROLES)
+    try:
+        async with (
+            broker_and_sidecar(users),
+            connected(users.settings("admin")) as admin,
+            connected(users.settings("producer")) as produce,
+        ):
+            sent = await Client(produce).submit(Envelope(capability="text.echo"))
+            await reaches(admin, sent, Stage.SUCCEEDED)
+    finally:
+        run_redis_cli(server.port, [f"ACL DELUSER {' '.join(users.name(r) for r in ROLES)}"])
+    said = [r.getMessage() for r in caplog.records if "one-wake-up" in r.getMessage()]
+    assert len(said) == 1 and "agent-reach acl" in said[0]
+
+
 async def test_send_and_request_run_as_a_producer(users: Users) -> None:
     produce = users.settings("producer")
     async with broker_and_sidecar(users), connected(users.settings("admin")) as admin:

@@ -4,6 +4,7 @@ reason, and reads go on."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,11 @@ from broker.config import build_settings
 from broker.connection import open_connection
 from broker.embedded import RedisServer
 from broker.errors import RedisUnavailable
+from broker.stages import Stage
+from broker.store import MessageStore
 from tests.conftest import suite_redis_binary
+from tests.support.agents import recording_agent
+from tests.support.harness import eventually, routed_to, running_sidecar
 
 TIMEOUT_S = 0.3
 
@@ -74,3 +79,43 @@ async def test_replica_acks_0_is_todays_behaviour(
     settings = build_settings([{"redis_url": master.url}])
     async with open_connection(settings, master.url) as conn:
         assert await conn.call("SET", "k", "v") == b"OK"
+
+
+async def test_a_sidecar_calls_its_agent_only_once_a_replica_has_processing(
+    pair: tuple[RedisServer, RedisServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """With ``replica_acks``, the sidecar takes its work the way whose writes wait for the
+    replica: while the replica is stopped, taking fails and the agent is not called. The
+    PROCESSING it wrote is not known to survive a failover (one would leave the message
+    ROUTED, to run elsewhere), so the message is parked for an operator, never run here."""
+    master, replica = pair
+    settings = build_settings(
+        [{"redis_url": master.url, "replica_acks": 1, "replica_ack_timeout_s": TIMEOUT_S}]
+    )
+    agent, calls = recording_agent("f")
+    async with open_connection(settings, master.url) as conn:
+        message_id = await routed_to(conn, "f-1")
+        async with running_sidecar(conn, "f-1", ("text.echo",), transport=agent):
+            replica.process.send_signal(signal.SIGSTOP)
+            try:
+                # the assignment, written past the broker's own writes (they wait for acks)
+                plain = redis.Redis(port=master.port)
+                plain.xadd(conn.keys.queue("f-1"), {"id": message_id, "attempt": "1"})
+
+                async def refused() -> bool:
+                    return any(
+                        "read failed" in r.getMessage() and "replica" in r.getMessage()
+                        for r in caplog.records
+                    )
+
+                await eventually(refused)
+                assert calls == []
+            finally:
+                replica.process.send_signal(signal.SIGCONT)
+
+            async def parked() -> bool:
+                stages = await MessageStore(conn).stages([message_id])
+                return stages == [Stage.NEEDS_CONFIRMATION]
+
+            await eventually(parked)
+    assert calls == []

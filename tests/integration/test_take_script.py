@@ -16,17 +16,18 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from adapters.python import Agent
 from broker.config import build_settings
 from broker.connection import Connection, open_connection
 from broker.embedded import RedisServer
 from broker.entries import parse_assignment
-from broker.envelope import Envelope
+from broker.errors import RedisReplyError
 from broker.keyspace import SIDECAR_GROUP
 from broker.stages import Stage
 from broker.store import MessageStore, Move, take_command, took
 from broker.streams import GroupReader, fields_of
+from tests.support.agents import recording_agent
 from tests.support.harness import (
+    dead_letters,
     eventually,
     routed_to,
     running_sidecar,
@@ -112,18 +113,26 @@ def test_the_script_takes_only_what_python_takes_and_every_plain_assignment(
 # -- the read it waits behind -----------------------------------------------------------------
 
 
+async def assigned(conn: Connection, stream: str) -> tuple[str, str]:
+    """The sidecar's group on ``stream`` (of instance f-1), and a message ROUTED there with
+    its assignment written: its id, and the entry's."""
+    await conn.call("XGROUP", "CREATE", stream, SIDECAR_GROUP, "0", "MKSTREAM")
+    message_id = await routed_to(conn, "f-1")
+    entry = await conn.call("XADD", stream, "*", "id", message_id, "attempt", "1")
+    return message_id, entry.decode()
+
+
 async def test_the_read_wakes_for_an_entry_past_the_last_and_the_script_takes_it(
     conn: Connection,
 ) -> None:
     store = MessageStore(conn)
     stream = conn.keys.queue("f-1")
-    await conn.call("XGROUP", "CREATE", stream, SIDECAR_GROUP, "0", "MKSTREAM")
-    first = await routed_to(conn, "f-1")
-    entry = (await conn.call("XADD", stream, "*", "id", first, "attempt", "1")).decode()
+    first, entry = await assigned(conn, stream)
     reader = GroupReader(conn.url)
     try:
         with anyio.fail_after(20):  # an entry there already: at once, not after the block
-            read = took(await reader.read_then_run(stream, "0-0", 60_000, command(conn, stream)))
+            _, reply = await reader.read_then_run(stream, "0-0", 60_000, command(conn, stream))
+        read = took(reply)
         assert (read.after, list(read.moves)) == (entry, [entry])
         received, processing = read.moves[entry]
         assert received.ok and processing.ok and processing.stage is Stage.PROCESSING
@@ -134,7 +143,8 @@ async def test_the_read_wakes_for_an_entry_past_the_last_and_the_script_takes_it
         assert timeline[-1].ts_ms >= timeline[-3].ts_ms  # the server's clock, not before ROUTED
 
         # nothing past the last entry: the block runs out, and nothing is taken
-        read = took(await reader.read_then_run(stream, read.after, 50, command(conn, stream)))
+        _, reply = await reader.read_then_run(stream, read.after, 50, command(conn, stream))
+        read = took(reply)
         assert (read.after, read.moves) == (entry, {})
 
         # an entry that comes during the block wakes it (the block itself is a minute)
@@ -146,9 +156,8 @@ async def test_the_read_wakes_for_an_entry_past_the_last_and_the_script_takes_it
 
             tg.start_soon(add)
             with anyio.fail_after(20):
-                read = took(
-                    await reader.read_then_run(stream, entry, 60_000, command(conn, stream))
-                )
+                _, reply = await reader.read_then_run(stream, entry, 60_000, command(conn, stream))
+        read = took(reply)
         assert len(read.moves) == 1 and read.after != entry
         assert (await store.stages([second])) == [Stage.PROCESSING]
     finally:
@@ -166,12 +175,26 @@ async def test_a_group_already_past_the_last_read_makes_the_read_wait_past_the_s
     await conn.call("XGROUP", "SETID", stream, SIDECAR_GROUP, "$")
     reader = GroupReader(conn.url)
     try:
-        read = took(await reader.read_then_run(stream, "0-0", 50, command(conn, stream)))
-        assert (read.after, read.entries) == (last, [])
-        read = took(await reader.read_then_run(stream, read.after, 50, command(conn, stream)))
-        assert (read.after, read.entries) == (last, [])
+        for after in ("0-0", last):
+            _, reply = await reader.read_then_run(stream, after, 50, command(conn, stream))
+            read = took(reply)
+            assert (read.after, read.entries) == (last, [])
     finally:
         await reader.close()
+
+
+async def test_a_failed_read_still_answers_what_the_script_did(conn: Connection) -> None:
+    """The script runs whether the read before it failed or not, so its answer comes back
+    with the read's error: what it moved is not lost."""
+    stream = conn.keys.queue("f-1")
+    _, entry = await assigned(conn, stream)
+    reader = GroupReader(conn.url)
+    try:
+        failed, reply = await reader.read_then_run(stream, "not-an-id", 50, command(conn, stream))
+    finally:
+        await reader.close()
+    assert isinstance(failed, RedisReplyError)
+    assert list(took(reply).moves) == [entry]
 
 
 async def test_a_group_that_is_gone_is_said_and_nothing_is_read(conn: Connection) -> None:
@@ -179,9 +202,10 @@ async def test_a_group_that_is_gone_is_said_and_nothing_is_read(conn: Connection
     await conn.call("XADD", stream, "*", "id", "m1", "attempt", "1")  # a stream, no group
     reader = GroupReader(conn.url)
     try:
-        read = took(await reader.read_then_run(stream, "0-0", 50, command(conn, stream)))
+        _, reply = await reader.read_then_run(stream, "0-0", 50, command(conn, stream))
     finally:
         await reader.close()
+    read = took(reply)
     assert read.error is not None and "NOGROUP" in str(read.error)
     assert read.entries == [] and read.after == ""
 
@@ -192,12 +216,7 @@ async def test_a_group_that_is_gone_is_said_and_nothing_is_read(conn: Connection
 async def served(conn: Connection, caplog: pytest.LogCaptureFixture, meanwhile: Any) -> None:
     """A sidecar takes the message ``meanwhile`` assigns to it (writing its entry by hand,
     after doing to Redis what the test is about) with no failed read: no back-off."""
-    agent = Agent("f")
-
-    @agent.handler("text.echo")
-    async def echo(envelope: Envelope) -> dict[str, Any]:
-        return {}
-
+    agent, _ = recording_agent("f")
     store = MessageStore(conn)
     async with running_sidecar(conn, "f-1", ("text.echo",), transport=agent):
         message_id = await routed_to(conn, "f-1")
@@ -238,3 +257,28 @@ async def test_a_work_stream_deleted_under_the_sidecar_is_read_again_from_its_st
         assert deleted == 1
 
     await served(conn, caplog, delete_then_assign)
+
+
+async def test_an_assignment_written_again_ahead_of_itself_runs_once_and_the_copy_is_refused(
+    conn: Connection,
+) -> None:
+    """A copy the script leaves (``attempt`` ``01``) written just before the assignment: the
+    script moves the assignment, so it is the one taken — not the copy, which would find its
+    message PROCESSING and, for an agent that is not idempotent, park it as may have run."""
+    agent, calls = recording_agent("f")
+    store = MessageStore(conn)
+    queue = conn.keys.queue("f-1")
+    async with running_sidecar(conn, "f-1", ("text.echo",), transport=agent, idempotent=False):
+        message_id = await routed_to(conn, "f-1")
+        ahead = "redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 'attempt', '01') "
+        ahead += "redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 'attempt', '1')"
+        await conn.call("EVAL", ahead, 1, queue, message_id)
+
+        async def settled() -> bool:
+            pending = (await conn.call("XPENDING", queue, SIDECAR_GROUP))[0]
+            return await store.stages([message_id]) == [Stage.SUCCEEDED] and pending == 0
+
+        await eventually(settled, timeout_s=20)
+    assert calls == [message_id]
+    (letter,) = await dead_letters(conn)
+    assert f"{message_id} attempt 1 is taken" in letter["reason"].decode()

@@ -19,6 +19,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from adapters.asgi import serve_app
+from adapters.python import Agent
+from broker.envelope import Envelope
 
 Behaviour = Callable[[dict[str, Any], Request], Awaitable[Response | None]]
 
@@ -87,3 +89,17 @@ async def http_agent(
     log = AgentLog()
     async with serve_app(_app(name, log, delay_s, behaviour)) as url:
         yield RunningAgent(url, log)
+
+
+def recording_agent(agent_id: str, capability: str = "text.echo") -> tuple[Agent, list[str]]:
+    """An in-process agent that answers ``{}`` to ``capability``, and the ids of the messages
+    it was called with, in order."""
+    calls: list[str] = []
+    agent = Agent(agent_id)
+
+    @agent.handler(capability)
+    async def record(envelope: Envelope) -> dict[str, Any]:
+        calls.append(envelope.id)
+        return {}
+
+    return agent, calls

@@ -292,7 +292,9 @@ def test_the_sidecar_role_runs_the_sidecar_and_its_scripts() -> None:
             "child_done",
         )
     ]
-    found = commands_in([*scripts, *(ROOT / "adapters").glob("*.py")])
+    # and the blocking reads it sends (broker/streams.py: XREADGROUP, XREAD before take.lua)
+    reads = ROOT / "broker" / "streams.py"
+    found = commands_in([*scripts, *(ROOT / "adapters").glob("*.py"), reads])
     user = sidecar(Keyspace("reach"), "7", "a")
     missing = {c: sorted(f) for c, f in found.items() if c not in granted(user)}
     assert not missing
