@@ -80,7 +80,7 @@ class SidecarIntake:
         self.desk = desk
         self.one_wake_up = True  # until Redis says this user may not (take_next)
         self._after = "0-0"  # where take_next's blocking read waits past (lua/take.lua)
-        self._take_moves: tuple[Move, Move, Move] | None = None
+        self._take: tuple[Any, ...] | None = None  # lua/take.lua's call (_take_command)
 
     async def read(self, reader: GroupReader, *, pending: bool = False) -> list[StreamEntry]:
         """New entries, or (at start) this instance's own pending list: a restart after a crash
@@ -219,17 +219,16 @@ class SidecarIntake:
             await self._start(pool, rest, *await self._receive_and_process(rest))
 
     def _take_command(self) -> tuple[Any, ...]:
-        if self._take_moves is None:
+        """``lua/take.lua``'s call: the same every time (the script sets each entry's attempt
+        and the time), so made once."""
+        if self._take is None:
             receiving, first = self._moves(Taken("", "", 1))
-            self._take_moves = (receiving, first, self._moves(Taken("", "", 2))[1])
-        return take_command(
-            self.conn,
-            self.queue,
-            SIDECAR_GROUP,
-            self.instance_id,
-            self.conn.settings.sidecar_batch,
-            self._take_moves,
-        )
+            moves = (receiving, first, self._moves(Taken("", "", 2))[1])
+            batch = self.conn.settings.sidecar_batch
+            self._take = take_command(
+                self.conn, self.queue, SIDECAR_GROUP, self.instance_id, batch, moves
+            )
+        return self._take
 
     async def _sort_out(self, entries: list[StreamEntry]) -> list[Taken]:
         """The assignments among ``entries`` to take; the others dead-lettered (:meth:`_sorted`)."""
