@@ -46,12 +46,18 @@ from .workpool import WorkPool
 log = logging.getLogger("agent_reach.sidecar")
 
 
+# what Redis says, in an ERR, of a command it refuses to the user running a script: 6.2 and
+# 7.0 ("The user executing the script can't run this command or subcommand"), 7.2 and later
+# ("ACL failure in script: User ... has no permissions to run the ... command")
+_REFUSED_IN_SCRIPT = ("can't run this command", "ACL failure in script")
+
+
 def permission_refused(reply: Any) -> bool:
     """Whether ``reply`` is Redis refusing a command to this user: ``NOPERM``, or, for a
-    command a script runs, the ``ERR`` Redis 7.0 and 6.2 answer with instead."""
-    return isinstance(reply, RedisReplyError) and (
-        reply.code == "NOPERM" or "can't run this command" in str(reply)
-    )
+    command a script runs, the ``ERR`` each version answers with instead."""
+    if not isinstance(reply, RedisReplyError):
+        return False
+    return reply.code == "NOPERM" or any(words in str(reply) for words in _REFUSED_IN_SCRIPT)
 
 
 READ_BLOCK_MS = 1000
@@ -167,24 +173,24 @@ class SidecarIntake:
         read_reply, reply = await reader.read_then_run(
             self.queue, self._after, READ_BLOCK_MS, command
         )
-        if permission_refused(reply):
-            self._read_plainly(reply)
-        elif isinstance(reply, RedisReplyError) and reply.code == "NOSCRIPT":
+        refused = next((e for e in (reply, read_reply) if permission_refused(e)), None)
+        if refused is not None:
+            self._read_plainly(refused)
+        if isinstance(reply, RedisReplyError) and reply.code == "NOSCRIPT":
             await self.conn.run_all([("SCRIPT", "LOAD", script_source(ScriptName.TAKE))])
         elif isinstance(reply, Exception):
             self.holdings.recheck_pending = True  # it may have read entries it did not take
-            raise reply
+            if refused is None:
+                raise reply
         elif (read := took(reply)).error is not None:  # nothing was read
-            log.warning("the take script could not read, reading plainly: %s", read.error)
-            await self.take(pool, await self.read(reader), fresh=True)
-        else:
+            if refused is None:
+                log.warning("the take script could not read, reading plainly: %s", read.error)
+                await self.take(pool, await self.read(reader), fresh=True)
+        else:  # the script ran, even where the read before it was refused: take what it took
             self._after = read.after
             await self._take_read(pool, read)
-        # the read's own error, after what the script took (it runs either way): a back-off,
-        # not a spin
-        if permission_refused(read_reply):
-            self._read_plainly(read_reply)
-        elif isinstance(read_reply, Exception):
+        # the read's own error, after what the script took: a back-off, not a spin
+        if isinstance(read_reply, Exception) and refused is None:
             raise read_reply
 
     def _read_plainly(self, refused: Exception) -> None:
@@ -204,12 +210,13 @@ class SidecarIntake:
     async def _take_read(self, pool: WorkPool, read: Took) -> None:
         """What the script read: what it moved starts first, before any other round trip;
         then the entries that are no assignment are dead-lettered and what the script left
-        is taken. Where an entry it moved has copies in the batch (an assignment written
+        is taken. Where an entry it received has copies in the batch (an assignment written
         again, in a form the script leaves), it is the one taken, and they are refused."""
-        entries = sorted(read.entries, key=lambda e: e[0] not in read.moves)  # stable
+        received = read.received
+        entries = sorted(read.entries, key=lambda e: e[0] not in received)  # stable
         fields = [(entry_id, fields_of(flat)) for entry_id, flat in entries]
         parsed = [(entry_id, f, parse_assignment(entry_id, f)) for entry_id, f in fields]
-        taken, refused = self._sorted(parsed, read.moves)
+        taken, refused = self._sorted(parsed, received)
         moved = [t for t in taken if t.entry_id in read.moves]
         pairs = [read.moves[t.entry_id] for t in moved]
         await self._start(pool, moved, [r for r, _ in pairs], [p for _, p in pairs])
@@ -270,15 +277,16 @@ class SidecarIntake:
     def _sorted(
         self,
         parsed: list[tuple[str, dict[str, bytes], Taken | str]],
-        moved: Container[str] = (),
+        received: Container[str] = (),
     ) -> tuple[list[Taken], list[tuple[str, dict[str, bytes], str]]]:
         """The entries to take, and those not to, with why: entries that are no assignment,
         and copies of an assignment this instance already holds or meets earlier in the batch
         (only someone writing to the stream by hand makes one: ``lua/assign.lua`` adds an
         attempt once). A copy taken would find its message PROCESSING and judge it a crash's
-        leftover. An entry already ``moved`` to PROCESSING (``lua/take.lua``: its record was
-        ROUTED here at its attempt, so it is the assignment) is no copy of one held: it is
-        taken, and must come first in ``parsed`` to be no copy of the batch's either."""
+        leftover. An entry already ``received`` (``lua/take.lua`` made its RECEIVED: its
+        record was ROUTED here at its attempt, so it is the assignment) is no copy of one
+        held: it is taken, and must come first in ``parsed`` to be no copy of the batch's
+        either."""
         taken: list[Taken] = []
         refused: list[tuple[str, dict[str, bytes], str]] = []
         seen: dict[tuple[str, int], str] = {}
@@ -286,7 +294,7 @@ class SidecarIntake:
             if isinstance(t, str):
                 refused.append((entry_id, fields, t))
                 continue
-            held = None if entry_id in moved else self.holdings.holding(t.message_id)
+            held = None if entry_id in received else self.holdings.holding(t.message_id)
             first = held.entry_id if held and held.attempt == t.attempt else entry_id
             first = seen.setdefault((t.message_id, t.attempt), first)
             if first == entry_id:

@@ -248,6 +248,13 @@ class Took:
     moves: dict[str, tuple[Moved, Moved]]  # by entry id: RECEIVED's and PROCESSING's answers
     error: Exception | None = None  # the group could not be read (nothing was)
 
+    @property
+    def received(self) -> set[str]:
+        """The entries whose RECEIVED the script made: their records were ROUTED to this
+        instance at their attempt, so each is the assignment, not a copy of it (a copy's
+        RECEIVED finds the record moved on, and is in ``moves`` all the same)."""
+        return {entry_id for entry_id, (r, _) in self.moves.items() if r.ok}
+
 
 def take_command(
     conn: Connection, stream: str, group: str, consumer: str, count: int, moves: tuple[Move, ...]

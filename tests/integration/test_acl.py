@@ -260,6 +260,7 @@ async def test_a_sidecar_user_made_before_the_one_wake_up_read_takes_work_the_pl
         run_redis_cli(server.port, [f"ACL DELUSER {' '.join(users.name(r) for r in ROLES)}"])
     said = [r.getMessage() for r in caplog.records if "one-wake-up" in r.getMessage()]
     assert len(said) == 1 and "agent-reach acl" in said[0]
+    assert not [r for r in caplog.records if "read failed" in r.getMessage()]  # no back-off
 
 
 async def test_send_and_request_run_as_a_producer(users: Users) -> None:

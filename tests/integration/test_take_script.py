@@ -16,10 +16,12 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from adapters.python import Agent
 from broker.config import build_settings
 from broker.connection import Connection, open_connection
 from broker.embedded import RedisServer
 from broker.entries import parse_assignment
+from broker.envelope import Envelope
 from broker.errors import RedisReplyError
 from broker.keyspace import SIDECAR_GROUP
 from broker.stages import Stage
@@ -277,6 +279,47 @@ async def test_an_assignment_written_again_ahead_of_itself_runs_once_and_the_cop
         async def settled() -> bool:
             pending = (await conn.call("XPENDING", queue, SIDECAR_GROUP))[0]
             return await store.stages([message_id]) == [Stage.SUCCEEDED] and pending == 0
+
+        await eventually(settled, timeout_s=20)
+    assert calls == [message_id]
+    (letter,) = await dead_letters(conn)
+    assert f"{message_id} attempt 1 is taken" in letter["reason"].decode()
+
+
+async def test_a_copy_of_an_assignment_being_run_is_refused_not_taken(conn: Connection) -> None:
+    """A copy in plain form, written while its message runs here: the script tries its
+    RECEIVED, which finds the record PROCESSING — so it is a copy, dead-lettered, and the
+    message runs once, not taken again as a crash's leftover while it runs."""
+    calls: list[str] = []
+    copied = anyio.Event()
+    agent = Agent("f")
+
+    @agent.handler("text.echo")
+    async def echo(envelope: Envelope) -> dict[str, Any]:
+        calls.append(envelope.id)
+        await copied.wait()
+        return {}
+
+    store = MessageStore(conn)
+    queue = conn.keys.queue("f-1")
+    async with running_sidecar(conn, "f-1", ("text.echo",), transport=agent, idempotent=False):
+        message_id = await routed_to(conn, "f-1")
+        await conn.call("XADD", queue, "*", "id", message_id, "attempt", "1")
+
+        async def running() -> bool:
+            return calls == [message_id]
+
+        await eventually(running)
+        await conn.call("XADD", queue, "*", "id", message_id, "attempt", "1")
+
+        async def refused() -> bool:
+            return len(await dead_letters(conn)) == 1
+
+        await eventually(refused)
+        copied.set()
+
+        async def settled() -> bool:
+            return await store.stages([message_id]) == [Stage.SUCCEEDED]
 
         await eventually(settled, timeout_s=20)
     assert calls == [message_id]
