@@ -90,7 +90,7 @@ async def test_a_sidecar_calls_its_agent_only_once_a_replica_has_processing(
     ROUTED, to run elsewhere), so the message is parked for an operator, never run here."""
     master, replica = pair
     settings = build_settings(
-        [{"redis_url": master.url, "replica_acks": 1, "replica_ack_timeout_s": TIMEOUT_S}]
+        [{"redis_url": master.url, "replica_acks": 1, "replica_ack_timeout_s": 2.0}]
     )
     agent, calls = recording_agent("f")
     async with open_connection(settings, master.url) as conn:
