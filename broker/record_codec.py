@@ -31,6 +31,13 @@ def text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _is_count(value: Any) -> bool:
+    """Whether a reply's ``value`` is a count as the scripts write one (digits, not many)."""
+    if isinstance(value, int):
+        return value >= 0
+    return isinstance(value, bytes) and value.isascii() and value.isdigit() and len(value) < 19
+
+
 def _int(value: Any) -> int:
     return int(value) if value not in (None, b"") else 0
 
@@ -47,14 +54,20 @@ def moved(reply: list[Any]) -> Moved:
     assignment's answer when the claim was made)."""
     if reply[0] == -1:
         return Moved(False, None, 0, "")
+    stage = STAGE_OF.get(reply[1])
+    if stage is None or not _is_count(reply[2]):
+        # a record no version wrote (by hand, or a role that may write records): not moved,
+        # and read as no record — whoever asked lets its delivery go, never crashes on it
+        log.warning("a move met a record that does not read: stage %r, attempt %r", *reply[1:3])
+        return Moved(False, None, 0, "")
     value = reply[4] if reply[0] == 1 and len(reply) > 4 and reply[4] else None
-    accepted_ms = _int(reply[5]) if len(reply) > 5 else 0
+    accepted_ms = int(reply[5]) if len(reply) > 5 and _is_count(reply[5]) else 0
     assigned = AssignResult(reply[6]) if len(reply) > 6 else None  # lua/claim_assign.lua
     return Moved(
         reply[0] == 1,
-        STAGE_OF[reply[1]],
+        stage,
         int(reply[2]),
-        reply[3].decode(),
+        reply[3].decode(errors="replace"),
         value,
         accepted_ms,
         assigned,

@@ -387,3 +387,40 @@ async def test_a_message_that_cannot_be_ended_dead_either_is_looked_at_again_alo
     ]
     assert [v.action for v in verdicts] == ["error"] * (MAX_JUDGE_ERRORS + 1)
     assert all(v.next_due_ms == now + JUDGE_ERROR_RETRY_MS for v in verdicts)
+
+
+async def test_an_assignment_of_a_record_that_does_not_read_is_dropped_not_a_crash(
+    conn: Connection,
+) -> None:
+    """A record whose stage or attempt no version wrote (a hand, or a role that may write
+    records), and its assignment on a sidecar's stream: the delivery is dropped as one that
+    is not this instance's to run (said in the log, acknowledged), the record left alone; the
+    sidecar goes on, and a message after it runs."""
+    reply_to = conn.keys.reply("after-junk")
+    queue = conn.keys.queue("a-1")
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url) as sidecar,
+        running_dispatcher(conn),
+    ):
+        junk = {  # stage, attempt, instance, accepted_ms
+            "junk-s": ("NOT-A-STAGE", "1", "a-1", "1"),
+            "junk-a": ("ROUTED", "x", "a-1", "1"),
+            "junk-i": ("PROCESSING", "1", b"\xff\xfe", "1"),
+            "junk-t": ("ROUTED", "1", "a-1", "abc"),  # moved, then found to hold no envelope
+        }
+        for message_id, (stage, attempt, instance, accepted) in junk.items():
+            fields = ("stage", stage, "attempt", attempt, "instance", instance)
+            await conn.call("HSET", conn.keys.record(message_id), *fields, "accepted_ms", accepted)
+            await conn.call("XADD", queue, "*", "id", message_id, "attempt", "1")
+        good = await Client(conn).submit(Envelope(capability="text.echo", reply_to=reply_to))
+        results = await collect_replies(conn, reply_to, 1)
+
+        async def acknowledged() -> bool:
+            return (await conn.call("XPENDING", queue, "sidecar"))[0] == 0
+
+        await eventually(acknowledged)
+        assert not sidecar.stopped.is_set()
+    assert results[good].stage is Stage.SUCCEEDED
+    assert agent.log.total == 1
+    assert await conn.call("HGET", conn.keys.record("junk-s"), "stage") == b"NOT-A-STAGE"
