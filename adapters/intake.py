@@ -46,18 +46,15 @@ from .workpool import WorkPool
 log = logging.getLogger("agent_reach.sidecar")
 
 
-# what Redis says, in an ERR, of a command it refuses to the user running a script: 6.2 and
-# 7.0 ("The user executing the script can't run this command or subcommand"), 7.2 and later
-# ("ACL failure in script: User ... has no permissions to run the ... command")
-_REFUSED_IN_SCRIPT = ("can't run this command", "ACL failure in script")
-
-
 def permission_refused(reply: Any) -> bool:
-    """Whether ``reply`` is Redis refusing a command to this user: ``NOPERM``, or, for a
-    command a script runs, the ``ERR`` each version answers with instead."""
-    if not isinstance(reply, RedisReplyError):
-        return False
-    return reply.code == "NOPERM" or any(words in str(reply) for words in _REFUSED_IN_SCRIPT)
+    """Whether ``reply`` is Redis refusing a command to this user
+    (:attr:`RedisReplyError.permission_refused`)."""
+    return isinstance(reply, RedisReplyError) and reply.permission_refused
+
+
+def _parsed(entries: list[StreamEntry]) -> list[tuple[str, dict[str, bytes], Taken | str]]:
+    """Each entry with the assignment it holds, or why it holds none."""
+    return [(entry_id, f, parse_assignment(entry_id, f)) for entry_id, f in entries]
 
 
 READ_BLOCK_MS = 1000
@@ -214,8 +211,7 @@ class SidecarIntake:
         again, in a form the script leaves), it is the one taken, and they are refused."""
         received = read.received
         entries = sorted(read.entries, key=lambda e: e[0] not in received)  # stable
-        fields = [(entry_id, fields_of(flat)) for entry_id, flat in entries]
-        parsed = [(entry_id, f, parse_assignment(entry_id, f)) for entry_id, f in fields]
+        parsed = _parsed([(entry_id, fields_of(flat)) for entry_id, flat in entries])
         taken, refused = self._sorted(parsed, received)
         moved = [t for t in taken if t.entry_id in read.moves]
         pairs = [read.moves[t.entry_id] for t in moved]
@@ -241,8 +237,7 @@ class SidecarIntake:
         """The assignments among ``entries`` to take; the others dead-lettered (:meth:`_sorted`)."""
         if not entries:
             return []
-        parsed = [(entry_id, f, parse_assignment(entry_id, f)) for entry_id, f in entries]
-        taken, refused = self._sorted(parsed)
+        taken, refused = self._sorted(_parsed(entries))
         await self._drop_malformed(refused)
         return taken
 

@@ -91,6 +91,18 @@ class RedisReplyError(ReachError):
         self.message = message
         self.code = message.split(" ", 1)[0]
 
+    @property
+    def permission_refused(self) -> bool:
+        """Whether Redis refused a command to this user: ``NOPERM``, or, for a command a
+        script runs, the ``ERR`` each version answers with instead."""
+        return self.code == "NOPERM" or any(words in self.message for words in _REFUSED_IN_SCRIPT)
+
+
+# what Redis says, in an ERR, of a command it refuses to the user running a script: 6.2 and
+# 7.0 ("The user executing the script can't run this command or subcommand"), 7.2 and later
+# ("ACL failure in script: User ... has no permissions to run the ... command")
+_REFUSED_IN_SCRIPT = ("can't run this command", "ACL failure in script")
+
 
 class EmbeddedRedisError(ReachError):
     """Raised when the embedded redis-server cannot be found or started."""
