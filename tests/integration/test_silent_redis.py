@@ -1,0 +1,89 @@
+"""A Redis that stops answering (SIGSTOPped: the connection stays up, nothing comes back, as
+in a partition) fails a call after that call's own timeout, on a bare connection, whatever
+calls came before it on that connection; a connection whose calls are answered is never
+closed by the watch on their deadlines, however long it then sits idle."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from broker.embedded import RedisServer
+from broker.errors import RedisUnavailable
+from broker.resp import RespConnection
+from tests.conftest import suite_redis_binary
+
+BOUND_S = 10  # far past every timeout here: a call that hangs fails the test instead
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer.start(tmp_path / "silent", binary=suite_redis_binary())
+    try:
+        yield server
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+        server.kill()
+
+
+async def test_a_silent_redis_fails_a_call_after_its_timeout(server: RedisServer) -> None:
+    conn = await RespConnection.open(server.url)
+    try:
+        assert await conn.execute([("PING",)]) == [b"PONG"]
+        server.process.send_signal(signal.SIGSTOP)
+        with anyio.fail_after(BOUND_S), pytest.raises(RedisUnavailable, match=r"within 0\.3 s"):
+            await conn.execute([("PING",)], timeout_s=0.3)
+        # the connection is closed under the call: the next one fails at once, as unavailable
+        with anyio.fail_after(BOUND_S), pytest.raises(RedisUnavailable, match=r"within 0\.3 s"):
+            await conn.execute([("PING",)], timeout_s=30)
+    finally:
+        await conn.close()
+
+
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
+@pytest.mark.parametrize(
+    ("answered", "timeout_s"),
+    [
+        # the watch set for the long timeouts before: the short one comes first all the same
+        ((60.0, 60.0, 60.0), 0.2),
+        # the watch comes due at the deadline of the call answered before, while the call out
+        # has a later one: it is not failed before it
+        ((0.2,), 1.0),
+    ],
+)
+async def test_a_call_fails_at_its_own_deadline_whatever_came_before(
+    server: RedisServer, answered: tuple[float, ...], timeout_s: float
+) -> None:
+    conn = await RespConnection.open(server.url)
+    try:
+        for before in answered:
+            assert await conn.execute([("PING",)], timeout_s=before) == [b"PONG"]
+        server.process.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        with anyio.fail_after(BOUND_S), pytest.raises(RedisUnavailable) as failed:
+            await conn.execute([("PING",)], timeout_s=timeout_s)
+        assert time.monotonic() - started >= timeout_s
+        assert str(failed.value) == f"redis did not answer within {timeout_s:g} s"
+    finally:
+        await conn.close()
+
+
+async def test_an_answered_connection_outlives_its_deadlines(server: RedisServer) -> None:
+    """Idle past the timeouts of its calls (the watch comes due with nothing out), the
+    connection still serves, and then still fails a silence."""
+    conn = await RespConnection.open(server.url)
+    try:
+        for _ in range(3):
+            assert await conn.execute([("PING",)], timeout_s=0.2) == [b"PONG"]
+            await anyio.sleep(0.3)  # what is tested: time passing with nothing out
+        assert await conn.execute([("ECHO", "still")], timeout_s=0.2) == [b"still"]
+        server.process.send_signal(signal.SIGSTOP)
+        with anyio.fail_after(BOUND_S), pytest.raises(RedisUnavailable, match=r"within 0\.25 s"):
+            await conn.execute([("PING",)], timeout_s=0.25)
+    finally:
+        await conn.close()
