@@ -343,10 +343,15 @@ class Finisher:
         await self.record_now()
         await self.release_now()
 
+    @property
+    def crowded(self) -> bool:
+        """Whether more than :data:`UNRECORDED_MAX` outcomes wait to be recorded."""
+        return len(self._queued) > UNRECORDED_MAX
+
     async def room(self) -> None:
-        """Wait while more than :data:`UNRECORDED_MAX` outcomes wait to be recorded: work
-        taken now would add to what a crash repeats."""
-        while len(self._queued) > UNRECORDED_MAX:
+        """Wait while the outcomes waiting to be recorded are too many (:attr:`crowded`):
+        work taken now would add to what a crash repeats."""
+        while self.crowded:
             await self._written.wait()
 
     async def record_now(self) -> None:
