@@ -41,7 +41,7 @@ import asyncio
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import hiredis
@@ -58,6 +58,9 @@ TRANSIENT = frozenset(
     {"LOADING", "BUSY", "OOM", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN"}
 )
 _UNAVAILABLE = "redis unavailable: "
+# A deadline this close is due: uvloop's timers fire on whole milliseconds, early too, and
+# the watchdog would otherwise re-arm until the clock ticked over (resp.RespConnection).
+_TIMER_SLACK_S = 0.001
 
 CertReqs = Literal["required", "optional", "none"]
 CERT_REQS: tuple[CertReqs, ...] = ("required", "optional", "none")
@@ -316,7 +319,7 @@ class RespConnection:
         messages a second the dispatcher and the sidecar spent 6-10 % more CPU a message
         (``bench.cpu_cost``, three interleaved runs each)."""
         if self._silent_for is not None:
-            raise RedisUnavailable(f"redis did not answer within {self._silent_for:g} s")
+            self._silent()
         self._deadline = self._loop.time() + timeout_s
         self._timeout_s = timeout_s
         if self._watchdog is None or self._watchdog.when() > self._deadline:
@@ -325,12 +328,17 @@ class RespConnection:
             return await self._execute(commands)
         except (OSError, hiredis.ProtocolError) as exc:
             if self._silent_for is not None:
-                raise RedisUnavailable(
-                    f"redis did not answer within {self._silent_for:g} s"
-                ) from exc
+                self._silent()
             raise _lost(exc) from exc
         finally:
             self._deadline = None
+
+    def _silent(self) -> NoReturn:
+        """What a call is told once the watchdog found Redis silent: a timeout (in
+        ``__cause__`` too, where a caller's own words for it read "no answer in time"), not
+        the close that ended the read."""
+        said = f"redis did not answer within {self._silent_for:g} s"
+        raise RedisUnavailable(said) from TimeoutError(said)
 
     def _watch(self, when: float) -> None:
         if self._watchdog is not None:
@@ -344,7 +352,7 @@ class RespConnection:
         self._watchdog = None
         if self._deadline is None:
             return
-        if self._loop.time() < self._deadline:
+        if self._deadline - self._loop.time() > _TIMER_SLACK_S:  # a timer may fire early
             self._watch(self._deadline)
             return
         self._silent_for = self._timeout_s
@@ -380,9 +388,13 @@ class RespConnection:
         self._parser.feed(data)
 
     async def close(self) -> None:
+        """Close the connection; a call still out on it ends at once (unavailable), rather
+        than wait, unwatched, for a write to a peer that stopped reading."""
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+        if self._deadline is not None:
+            self._writer.transport.abort()
         self._writer.close()
         try:
             await self._writer.wait_closed()
