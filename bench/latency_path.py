@@ -21,6 +21,11 @@ and the sum, enqueue to body. ``MONITOR`` costs Redis a write per command to the
 connection, so every figure is a little higher than without it; compare runs of this bench
 with each other (two commits: run it in each, interleaved), not with the anchors harness.
 
+Same-run baseline, before ``MONITOR`` starts: a ``PING`` round trip to the same Redis, back
+to back and after the pause between two messages (``1 / --rate``). The second is what a hop
+costs when the processes on both ends were idle (a wake-up on each end: the path's floor per
+process it crosses); the first, the same round trip with both ends awake.
+
 Usage: ``python -m bench.latency_path [--messages 2000] [--rate 200] [--reps 1]``. Figures
 only, no threshold: CI never runs it.
 """
@@ -56,6 +61,7 @@ HOPS = (
     "acceptance → RECEIVED+PROCESSING",
     "RECEIVED+PROCESSING → body",
 )
+Figures = dict[str, list[float]]  # milliseconds by hop (or by baseline)
 # `<time> [<db> <client>] "<COMMAND>" ...`: the commands a script runs say `lua`
 _LINE = re.compile(r'([\d.]+) \[\d+ ([^\]]+)\] "(\w+)"(.*)')
 _ID = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")
@@ -141,7 +147,23 @@ def _stages(events: list[tuple[float, str, str]]) -> list[float] | None:
     return [xadd, accept_at, receive_at, echo]
 
 
-async def one_run(args: argparse.Namespace) -> dict[str, list[float]]:
+async def round_trips(url: str, count: int, pause_s: float) -> list[float]:
+    """``count`` ``PING`` round trips (ms), each after ``pause_s`` of quiet (none: at once)."""
+    conn = await RespConnection.open(url)
+    times = []
+    try:
+        for _ in range(count):
+            if pause_s:
+                await anyio.sleep(pause_s)  # what is measured: a round trip after quiet
+            began = time.perf_counter()
+            await conn.execute([("PING",)])
+            times.append((time.perf_counter() - began) * 1000)
+    finally:
+        await conn.close()
+    return times
+
+
+async def one_run(args: argparse.Namespace) -> tuple[Figures, Figures]:
     server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-path-")))
     up = spawn(server.url, "up")
     sidecar = spawn(
@@ -158,6 +180,13 @@ async def one_run(args: argparse.Namespace) -> dict[str, list[float]]:
         async with open_connection(settings, server.url) as conn:
             client = Client(conn)
             await succeeded(conn, await paced(client, int(args.rate), args.rate, {}))  # warm-up
+            count = max(200, int(args.rate))
+            baseline = {
+                "back to back": await round_trips(server.url, count, 0.0),
+                "after the pause between messages": await round_trips(
+                    server.url, count, 1 / args.rate
+                ),
+            }
             async with anyio.create_task_group() as tg:
                 started = anyio.Event()
                 tg.start_soon(monitor, server.url, lines, started)
@@ -168,7 +197,7 @@ async def one_run(args: argparse.Namespace) -> dict[str, list[float]]:
         stop(sidecar)
         stop(up)
         server.stop()
-    return stage_times(lines, sent)
+    return stage_times(lines, sent), baseline
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -186,15 +215,23 @@ def main() -> None:
         parser.error("--messages must be at least 1 and --rate above 0")
     print(f"{args.messages} messages one at a time at {args.rate:g}/s, ms on Redis's clock")
     for rep in range(args.reps):
-        gaps = anyio.run(one_run, args)
+        gaps, baseline = anyio.run(one_run, args)
         counted = len(gaps["enqueue → body"])
         print(f"  run {rep + 1} ({counted} of {args.messages} messages seen at every stage):")
         for hop, values in gaps.items():
-            p50, p90, p99 = (percentile(values, q) for q in (0.5, 0.9, 0.99))
-            mean = statistics.fmean(values) if values else float("nan")
-            print(
-                f"    {hop:>34}  p50 {p50:6.3f}  p90 {p90:6.3f}  p99 {p99:6.3f}  mean {mean:6.3f}"
-            )
+            print(f"    {hop:>34}  {spread(values)}")
+        print("    baseline: a PING round trip to the same Redis, before MONITOR")
+        for when, values in baseline.items():
+            print(f"    {when:>34}  {spread(values)}")
+        idle = percentile(baseline["after the pause between messages"], 0.5)
+        whole = percentile(gaps["enqueue → body"], 0.5)
+        print(f"    {'enqueue → body, p50':>34}  {whole / idle:.1f} idle round trips")
+
+
+def spread(values: list[float]) -> str:
+    p50, p90, p99 = (percentile(values, q) for q in (0.5, 0.9, 0.99))
+    mean = statistics.fmean(values) if values else float("nan")
+    return f"p50 {p50:6.3f}  p90 {p90:6.3f}  p99 {p99:6.3f}  mean {mean:6.3f}"
 
 
 if __name__ == "__main__":
