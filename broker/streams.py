@@ -86,13 +86,13 @@ class GroupReader:
             command += ["BLOCK", block_ms]
         command += ["STREAMS", stream, "0" if pending else ">"]
         try:
-            reply = await self._execute(tuple(command), stream)
+            reply = await self._execute(tuple(command), stream, block_ms)
         except RedisReplyError as exc:
             if exc.code != "NOGROUP":
                 raise
             log.warning("group %s on %s is gone: creating it again", group, stream)
             await self._create_group(stream, group)
-            reply = await self._execute(tuple(command), stream)
+            reply = await self._execute(tuple(command), stream, block_ms)
         return raw_entries(reply[0][1]) if reply else []
 
     async def _create_group(self, stream: str, group: str) -> None:
@@ -110,9 +110,11 @@ class GroupReader:
         if block_ms is not None:
             command += ["BLOCK", block_ms]
         command += ["STREAMS", stream, after]
-        return parse_read_reply(await self._execute(tuple(command), stream))
+        return parse_read_reply(await self._execute(tuple(command), stream, block_ms))
 
-    async def _execute(self, command: tuple[Any, ...], stream: str) -> Any:
+    async def _execute(
+        self, command: tuple[Any, ...], stream: str, block_ms: int | None = None
+    ) -> Any:
         """On a cluster: on the connection to the master of ``stream``; a ``MOVED`` reply
         has the slot map read again and the command sent once more, there. A map marked stale
         (this reader or another lost a node) is read again first: a reader alone in its
@@ -120,7 +122,7 @@ class GroupReader:
         if self._route is not None and self._route.stale:
             await self._route.refresh()
         try:
-            reply = await self._execute_at(command, self._url_for(stream))
+            reply = await self._execute_at(command, self._url_for(stream), block_ms)
         except RedisUnavailable:
             if self._route is not None:
                 self._route.mark_stale()  # a failover, perhaps: the map is read again
@@ -132,7 +134,7 @@ class GroupReader:
             # still moving (ASK, or MOVED again) is "not now": the reading loop backs off
             await self._route.refresh_soon()
             try:
-                reply = await self._execute_at(command, self._url_for(stream))
+                reply = await self._execute_at(command, self._url_for(stream), block_ms)
             except RedisReplyError as again:
                 if again.code not in REDIRECT_CODES:
                     raise
@@ -152,16 +154,21 @@ class GroupReader:
         read failed or not, so its answer counts either way. Single server only."""
         assert self._route is None
         xread = ("XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", stream, after)
-        read, reply = await self._execute_all([xread, command], self._url)
+        read, reply = await self._execute_all([xread, command], self._url, block_ms)
         return read, reply
 
-    async def _execute_at(self, command: tuple[Any, ...], url: str) -> Any:
-        (reply,) = await self._execute_all([command], url)
+    async def _execute_at(self, command: tuple[Any, ...], url: str, block_ms: int | None) -> Any:
+        (reply,) = await self._execute_all([command], url, block_ms)
         if isinstance(reply, Exception):
             raise reply
         return reply
 
-    async def _execute_all(self, commands: list[tuple[Any, ...]], url: str) -> list[Any]:
+    async def _execute_all(
+        self, commands: list[tuple[Any, ...]], url: str, block_ms: int | None
+    ) -> list[Any]:
+        """``commands`` in one write on this reader's connection; ``block_ms``: the block
+        time of a blocking read among them (given, never read back out of the commands,
+        whose names and ids may be any word, ``BLOCK`` too)."""
         if self._conn is not None and self._conn_url != url:
             await self.close()
         try:
@@ -169,17 +176,11 @@ class GroupReader:
                 self._conn = await RespConnection.open(url)
                 self._conn_url = url
             # a blocking read may take its block time; only silence beyond that is a failure
-            timeout_s = max(self._timeout_for(command) for command in commands)
+            timeout_s = 30.0 if block_ms is None else block_ms / 1000 + 10.0
             return await self._conn.execute(commands, timeout_s=timeout_s)
         except BaseException:  # RedisUnavailable, or cancelled mid-read: out of step either way
             await self.close()
             raise
-
-    @staticmethod
-    def _timeout_for(command: tuple[Any, ...]) -> float:
-        if "BLOCK" in command:
-            return float(command[command.index("BLOCK") + 1]) / 1000 + 10.0
-        return 30.0
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None

@@ -1,4 +1,5 @@
-"""A sidecar's intake on a real server: what it takes starts before it reads again."""
+"""A sidecar's intake on a real server: what it takes starts before it reads again; any
+instance id the card allows reads its stream."""
 
 from __future__ import annotations
 
@@ -38,6 +39,32 @@ async def test_a_taken_message_starts_before_the_next_read(conn: Connection) -> 
             await collect_replies(conn, reply_to, len(reads_at_start) + 1)
     assert reads["brought"] > 0
     assert reads_at_start[-1] == reads["brought"]  # no read issued after it
+
+
+async def test_an_instance_named_like_a_read_option_serves(conn: Connection) -> None:
+    """``BLOCK`` is an instance id like any other (and the consumer name of its reads): a
+    read's timeout is its block time as given, never looked up among the command's words."""
+    agent = Agent("block")
+    served: list[str] = []
+
+    @agent.handler("order.check")
+    async def check(envelope: Envelope) -> dict[str, Any]:
+        served.append(envelope.message_id)
+        return {}
+
+    reply_to = conn.keys.reply("block")
+    async with (
+        running_sidecar(conn, "BLOCK", ("order.check",), transport=agent),
+        running_dispatcher(conn),
+    ):
+        client = Client(conn)
+        sent = [
+            await client.submit(Envelope(capability="order.check", reply_to=reply_to))
+            for _ in range(3)
+        ]
+        results = await collect_replies(conn, reply_to, 3, timeout_s=20)
+    assert sorted(served) == sorted(sent)
+    assert all(r.ok for r in results.values())
 
 
 def count_reads(sidecar: Sidecar, reads: dict[str, int]) -> None:
