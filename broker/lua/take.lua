@@ -17,14 +17,19 @@
 -- ARGV[4], ARGV[5]  a record's key before and after its message id (broker/keyspace.py)
 -- ARGV[6]  the counters (lua/count.lua), or "": nothing counted
 -- ARGV[7]  the highest attempt
--- ARGV[8]  a: how many of the arguments after ARGV[9] are the RECEIVED move's
--- ARGV[9]  b: how many after those are the PROCESSING move's at a first attempt; the rest
+-- ARGV[8]  the envelope bytes this script may answer: once the envelopes of the entries it
+--          took reach it, it leaves the rest to Python (one receive_process.lua each, which
+--          Redis runs between other clients' commands), so no batch of large envelopes holds
+--          Redis, and the sidecar's read, for long
+-- ARGV[9]  a: how many of the arguments after ARGV[10] are the RECEIVED move's
+-- ARGV[10] b: how many after those are the PROCESSING move's at a first attempt; the rest
 --          are the PROCESSING move's at a later attempt. Each is transition.lua's ARGV (no
 --          charge) with its expected attempt (2nd) and time (7th) set here: the entry's
 --          attempt, and the server's clock (the script may wait behind the XREAD).
 --
 -- Returns {after, entry, ...}: `after` is the id the next XREAD waits past (the last entry
--- read; else the stream's last; else "0-0"); each entry is {id, fields} when left to Python,
+-- read; else the stream's last; else "0-0"); each entry is {id, fields} when left to Python
+-- (not plainly an assignment, or past the envelope bytes),
 -- {id, fields, error} when a move failed (written so far stays, as in receive_process.lua),
 -- else {id, fields, received, processing}: transition.lua's answers, RECEIVED's for both when
 -- RECEIVED was not made. {"", error} when the group could not be read.
@@ -44,11 +49,12 @@ end
 if not ok then
   return {'', error_of(read)}
 end
-local a, b = tonumber(ARGV[8]), tonumber(ARGV[9])
-local receiving = {unpack(ARGV, 10, 9 + a)}
-local first = {unpack(ARGV, 10 + a, 9 + a + b)}
-local later = {unpack(ARGV, 10 + a + b)}
+local a, b = tonumber(ARGV[9]), tonumber(ARGV[10])
+local receiving = {unpack(ARGV, 11, 10 + a)}
+local first = {unpack(ARGV, 11 + a, 10 + a + b)}
+local later = {unpack(ARGV, 11 + a + b)}
 local highest = tonumber(ARGV[7])
+local budget, spent = tonumber(ARGV[8]), 0
 
 local function assignment(fields)
   if #fields ~= 4 then
@@ -86,7 +92,7 @@ if ARGV[6] ~= '' then
 end
 for i, entry in ipairs(entries) do
   local id, attempt = assignment(entry[2])
-  if not id then
+  if not id or spent >= budget then
     taken[i + 1] = {entry[1], entry[2]}
   else
     keys[1] = ARGV[4] .. id .. ARGV[5]
@@ -101,6 +107,9 @@ for i, entry in ipairs(entries) do
     end)
     if made then
       taken[i + 1] = {entry[1], entry[2], moves[1], moves[2]}
+      if type(moves[1][5]) == 'string' then  -- the envelope RECEIVED answers
+        spent = spent + #moves[1][5]
+      end
     else
       taken[i + 1] = {entry[1], entry[2], error_of(moves)}
     end

@@ -11,6 +11,7 @@ import itertools
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
@@ -21,14 +22,16 @@ from broker.config import build_settings
 from broker.connection import Connection, open_connection
 from broker.embedded import RedisServer
 from broker.entries import parse_assignment
-from broker.envelope import Envelope
+from broker.envelope import Envelope, complete
 from broker.errors import RedisReplyError
+from broker.ids import new_message_id
 from broker.keyspace import SIDECAR_GROUP
 from broker.stages import Stage
-from broker.store import MessageStore, Move, take_command, took
+from broker.store import TAKE_BYTES, MessageStore, Move, Took, take_command, took
 from broker.streams import GroupReader, fields_of
 from tests.support.agents import recording_agent
 from tests.support.harness import (
+    an_acceptance,
     dead_letters,
     eventually,
     routed_to,
@@ -40,9 +43,16 @@ pytestmark = pytest.mark.one_server  # the script is the single server's way
 _prefixes = itertools.count()
 
 # The moves a sidecar makes (adapters/intake.py), of any one message: the script sets the
-# entry's attempt in them.
+# entry's attempt in them; RECEIVED answers the envelope.
 MOVES = (
-    Move("", Stage.RECEIVED, only_from=Stage.ROUTED, expect_attempt=1, expect_instance="f-1"),
+    Move(
+        "",
+        Stage.RECEIVED,
+        only_from=Stage.ROUTED,
+        expect_attempt=1,
+        expect_instance="f-1",
+        return_field="envelope",
+    ),
     Move("", Stage.PROCESSING, only_from=Stage.RECEIVED, expect_attempt=1, expect_instance="f-1"),
     Move("", Stage.PROCESSING, only_from=Stage.RECEIVED, expect_attempt=2, expect_instance="f-1"),
 )
@@ -199,17 +209,70 @@ async def test_a_failed_read_still_answers_what_the_script_did(conn: Connection)
     assert list(took(reply).moves) == [entry]
 
 
-async def test_a_group_that_is_gone_is_said_and_nothing_is_read(conn: Connection) -> None:
-    stream = conn.keys.queue("f-1")
-    await conn.call("XADD", stream, "*", "id", "m1", "attempt", "1")  # a stream, no group
+async def taken_at_once(conn: Connection, stream: str) -> Took:
+    """What the script answers behind a read that does not wait (past ``0-0``)."""
     reader = GroupReader(conn.url)
     try:
         _, reply = await reader.read_then_run(stream, "0-0", 50, command(conn, stream))
     finally:
         await reader.close()
-    read = took(reply)
+    return took(reply)
+
+
+async def test_a_group_that_is_gone_is_said_and_nothing_is_read(conn: Connection) -> None:
+    stream = conn.keys.queue("f-1")
+    await conn.call("XADD", stream, "*", "id", "m1", "attempt", "1")  # a stream, no group
+    read = await taken_at_once(conn, stream)
     assert read.error is not None and "NOGROUP" in str(read.error)
     assert read.entries == [] and read.after == ""
+
+
+async def large_assignments(conn: Connection, stream: str, count: int) -> list[str]:
+    """``count`` messages ROUTED to f-1 whose envelopes are each over half the envelope bytes
+    one script answers, their assignments written; their ids."""
+    payload = msgspec.Raw(msgspec.json.encode("x" * (TAKE_BYTES // 2)))
+    ids = []
+    for _ in range(count):
+        envelope = complete(Envelope(id=new_message_id(), capability="text.echo", payload=payload))
+        acceptance = an_acceptance(
+            envelope.message_id,
+            msgspec.json.encode(envelope),
+            next_stage=Stage.ROUTED,
+            instance="f-1",
+        )
+        assert (await MessageStore(conn).accept(acceptance)).created
+        await conn.call("XADD", stream, "*", "id", envelope.message_id, "attempt", "1")
+        ids.append(envelope.message_id)
+    return ids
+
+
+async def test_a_batch_of_large_envelopes_is_taken_in_part_and_the_rest_left(
+    conn: Connection,
+) -> None:
+    """The script stops taking once the envelopes it answers reach ``TAKE_BYTES`` (a script
+    holds Redis while it runs): the rest of the batch is read, left unmoved for Python's way."""
+    stream = conn.keys.queue("f-1")
+    await conn.call("XGROUP", "CREATE", stream, SIDECAR_GROUP, "0", "MKSTREAM")
+    ids = await large_assignments(conn, stream, 3)
+    read = await taken_at_once(conn, stream)
+    assert len(read.entries) == 3 and len(read.moves) == 2
+    left = next(e for e, _ in read.entries if e not in read.moves)
+    assert [e for e, _ in read.entries].index(left) == 2  # the last, past the bytes
+    stages = await MessageStore(conn).stages(ids)
+    assert stages == [Stage.PROCESSING, Stage.PROCESSING, Stage.ROUTED]
+
+
+async def test_a_sidecar_runs_each_of_a_batch_of_large_envelopes_once(conn: Connection) -> None:
+    agent, calls = recording_agent("f")
+    store = MessageStore(conn)
+    async with running_sidecar(conn, "f-1", ("text.echo",), transport=agent):
+        ids = await large_assignments(conn, conn.keys.queue("f-1"), 4)
+
+        async def settled() -> bool:
+            return await store.stages(ids) == [Stage.SUCCEEDED] * 4
+
+        await eventually(settled, timeout_s=20)
+    assert sorted(calls) == sorted(ids)
 
 
 # -- a sidecar on it ---------------------------------------------------------------------------
