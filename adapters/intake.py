@@ -155,10 +155,9 @@ class SidecarIntake:
         if not taken:
             return
         if fresh and not failpoints.armed("sidecar.after_received"):
-            received, processing = await self._receive_and_process(taken)
+            await self._start(pool, *await self._receive_and_process(taken))
         else:
-            received, processing = await self._receive_then_process(taken)
-        await self._start(pool, taken, received, processing)
+            await self._start(pool, taken, *await self._receive_then_process(taken))
 
     async def take_next(self, pool: WorkPool, reader: GroupReader) -> None:
         """New entries read and taken in one wake-up, on a single server (:meth:`take`'s
@@ -221,7 +220,7 @@ class SidecarIntake:
         await self._drop_malformed(refused)
         rest = [t for t in taken if t.entry_id not in read.moves]
         if rest:
-            await self._start(pool, rest, *await self._receive_and_process(rest))
+            await self._start(pool, *await self._receive_and_process(rest))
 
     def _take_command(self) -> tuple[Any, ...]:
         """``lua/take.lua``'s call: the same every time (the script sets each entry's attempt
@@ -310,9 +309,26 @@ class SidecarIntake:
             ),
         )
 
-    async def _receive_and_process(self, taken: list[Taken]) -> tuple[list[Moved], list[Moved]]:
-        moved = await self.store.receive_and_process([self._moves(t) for t in taken])
-        return [received for received, _ in moved], [processing for _, processing in moved]
+    async def _receive_and_process(
+        self, taken: list[Taken]
+    ) -> tuple[list[Taken], list[Moved], list[Moved]]:
+        """Both moves of each, and what was taken with them. An entry whose record Redis
+        could not move (an error for that entry alone: its record a key of another type, or
+        fields no version wrote) is dead-lettered with the error and acknowledged, and left
+        out: one such entry, which anyone allowed to write records can make, does not hold
+        up the others for ever. A refusal to this user concerns them all: it is raised."""
+        answers = await self.store.receive_and_process([self._moves(t) for t in taken])
+        for answer in answers:
+            if isinstance(answer, RedisReplyError) and answer.permission_refused:
+                raise answer
+        unusable = [
+            (t.entry_id, {"id": t.message_id.encode(), "attempt": b"%d" % t.attempt}, str(a))
+            for t, a in zip(taken, answers, strict=True)
+            if isinstance(a, RedisReplyError)
+        ]
+        await self._drop_malformed(unusable, kind="unusable_record")
+        moved = [(t, a) for t, a in zip(taken, answers, strict=True) if isinstance(a, tuple)]
+        return [t for t, _ in moved], [a[0] for _, a in moved], [a[1] for _, a in moved]
 
     async def _receive_then_process(self, taken: list[Taken]) -> tuple[list[Moved], list[Moved]]:
         moves = [self._moves(t) for t in taken]
@@ -325,10 +341,13 @@ class SidecarIntake:
         skipped = Moved(False, Stage.RECEIVED, 0, "")
         return received, [next(moved) if m.ok and m.value else skipped for m in received]
 
-    async def _drop_malformed(self, malformed: list[tuple[str, dict[str, bytes], str]]) -> None:
-        """Entries that are not assignments (someone else wrote to this stream): each is
-        dead-lettered with its bytes and why, and acknowledged. Nothing runs; no credit was
-        taken for it (only ``lua/assign.lua`` takes credits)."""
+    async def _drop_malformed(
+        self, malformed: list[tuple[str, dict[str, bytes], str]], kind: str = "malformed_entry"
+    ) -> None:
+        """Entries that are not assignments (someone else wrote to this stream), or
+        (``kind``) that are but cannot be taken: each is dead-lettered with its bytes and
+        why, and acknowledged. Nothing runs; no credit was taken for it (only
+        ``lua/assign.lua`` takes credits)."""
         if not malformed:
             return
         letters = [
@@ -338,7 +357,7 @@ class SidecarIntake:
                 self.store.conn,
                 Letter(
                     id="",
-                    reason=f"malformed_entry: {why}",
+                    reason=f"{kind}: {why}",
                     raw=fields_as_bytes((field_bytes(k), v) for k, v in fields.items()),
                     source=f"{self.queue} {entry_id}",
                     ts_ms=now_ms(),
@@ -347,4 +366,4 @@ class SidecarIntake:
         ]
         ack = ("XACK", self.queue, SIDECAR_GROUP, *(entry_id for entry_id, _, _ in malformed))
         await self.store.conn.run_all([*letters, ack])
-        log.warning("dropped %d malformed entries from %s", len(malformed), self.queue)
+        log.warning("dropped %d entries from %s (%s)", len(malformed), self.queue, kind)

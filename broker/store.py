@@ -23,7 +23,7 @@ from .credits import Credits, assign_keys
 from .delivery import Delivery
 from .due_clock import DueClock
 from .entries import MAX_ATTEMPT
-from .errors import raised
+from .errors import RedisReplyError, RedisUnavailable, raised
 from .event_log import emit, event_command
 from .keyspace import due_for
 from .record_codec import (
@@ -363,11 +363,19 @@ class MessageStore:
 
     async def receive_and_process(
         self, pairs: list[tuple[Move, Move]]
-    ) -> list[tuple[Moved, Moved]]:
+    ) -> list[tuple[Moved, Moved] | RedisReplyError]:
         """RECEIVED then PROCESSING of each message, one script each (PROCESSING made only
-        where RECEIVED was), all in one round trip."""
+        where RECEIVED was), all in one round trip. A message whose script Redis answered
+        with an error (its record a key of another type, say) has that error in its place;
+        a Redis that cannot serve now raises :class:`RedisUnavailable`."""
         replies = await self.conn.call_many([receive_process_command(self.conn, *p) for p in pairs])
-        return [(moved(r[0]), moved(r[1])) for r in map(raised, replies)]
+        answers: list[tuple[Moved, Moved] | RedisReplyError] = []
+        for reply in replies:
+            if isinstance(reply, RedisUnavailable):
+                raise reply
+            is_error = isinstance(reply, RedisReplyError)
+            answers.append(reply if is_error else (moved(reply[0]), moved(reply[1])))
+        return answers
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ headers may say reaches the agent exactly once, after ours."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -396,6 +397,48 @@ async def test_an_assignment_of_a_record_that_does_not_read_is_dropped_not_a_cra
     records), and its assignment on a sidecar's stream: the delivery is dropped as one that
     is not this instance's to run (said in the log, acknowledged), the record left alone; the
     sidecar goes on, and a message after it runs."""
+    queue = conn.keys.queue("a-1")
+    junk = {  # stage, attempt, instance, accepted_ms
+        "junk-s": ("NOT-A-STAGE", "1", "a-1", "1"),
+        "junk-a": ("ROUTED", "x", "a-1", "1"),
+        "junk-i": ("PROCESSING", "1", b"\xff\xfe", "1"),
+        "junk-t": ("ROUTED", "1", "a-1", "abc"),  # moved, then found to hold no envelope
+    }
+
+    async def write() -> None:
+        for message_id, (stage, attempt, instance, accepted) in junk.items():
+            fields = ("stage", stage, "attempt", attempt, "instance", instance)
+            await conn.call("HSET", conn.keys.record(message_id), *fields, "accepted_ms", accepted)
+            await conn.call("XADD", queue, "*", "id", message_id, "attempt", "1")
+
+    assert await served_after(conn, write) == (Stage.SUCCEEDED, 1)
+    assert await conn.call("HGET", conn.keys.record("junk-s"), "stage") == b"NOT-A-STAGE"
+
+
+async def test_an_assignment_whose_record_is_another_type_is_dead_lettered_not_a_stall(
+    conn: Connection,
+) -> None:
+    """A key of another type where an assigned message's record should be (anyone allowed to
+    write records can make one): Redis answers its move with an error, for that entry alone.
+    The entry is dead-lettered with the error and acknowledged; the sidecar reads on, and a
+    message after it runs — where one such entry used to fail every batch, and every read."""
+
+    async def write() -> None:
+        await conn.call("SET", conn.keys.record("not-a-hash"), "x")
+        await conn.call("XADD", conn.keys.queue("a-1"), "*", "id", "not-a-hash", "attempt", "1")
+
+    assert await served_after(conn, write) == (Stage.SUCCEEDED, 1)
+    (letter,) = await dead_letters(conn)
+    reason = letter["reason"].decode()
+    assert reason.startswith("unusable_record: ") and "WRONGTYPE" in reason
+    assert b"not-a-hash" in letter["raw"]
+    assert await conn.call("GET", conn.keys.record("not-a-hash")) == b"x"
+
+
+async def served_after(conn: Connection, write: Callable[[], Awaitable[None]]) -> tuple[Stage, int]:
+    """Sidecar a-1 (an HTTP agent) and a dispatcher; ``write`` puts what it puts on a-1's
+    stream, then one message is sent: its outcome and the agent's calls, once every entry on
+    the stream is acknowledged with the sidecar still running."""
     reply_to = conn.keys.reply("after-junk")
     queue = conn.keys.queue("a-1")
     async with (
@@ -403,24 +446,13 @@ async def test_an_assignment_of_a_record_that_does_not_read_is_dropped_not_a_cra
         running_sidecar(conn, "a-1", ("text.echo",), url=agent.url) as sidecar,
         running_dispatcher(conn),
     ):
-        junk = {  # stage, attempt, instance, accepted_ms
-            "junk-s": ("NOT-A-STAGE", "1", "a-1", "1"),
-            "junk-a": ("ROUTED", "x", "a-1", "1"),
-            "junk-i": ("PROCESSING", "1", b"\xff\xfe", "1"),
-            "junk-t": ("ROUTED", "1", "a-1", "abc"),  # moved, then found to hold no envelope
-        }
-        for message_id, (stage, attempt, instance, accepted) in junk.items():
-            fields = ("stage", stage, "attempt", attempt, "instance", instance)
-            await conn.call("HSET", conn.keys.record(message_id), *fields, "accepted_ms", accepted)
-            await conn.call("XADD", queue, "*", "id", message_id, "attempt", "1")
+        await write()
         good = await Client(conn).submit(Envelope(capability="text.echo", reply_to=reply_to))
-        results = await collect_replies(conn, reply_to, 1)
+        results = await collect_replies(conn, reply_to, 1, timeout_s=20)
 
         async def acknowledged() -> bool:
             return (await conn.call("XPENDING", queue, "sidecar"))[0] == 0
 
         await eventually(acknowledged)
         assert not sidecar.stopped.is_set()
-    assert results[good].stage is Stage.SUCCEEDED
-    assert agent.log.total == 1
-    assert await conn.call("HGET", conn.keys.record("junk-s"), "stage") == b"NOT-A-STAGE"
+    return results[good].stage, agent.log.total
