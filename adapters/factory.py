@@ -172,7 +172,7 @@ def make_card(
     _check_words(description, examples)
     return InstanceCard(
         agent_id=agent_id,
-        instance_id=instance_id or f"{agent_id}-{new_message_id()[-8:]}",
+        instance_id=instance_id or default_instance_id(agent_id),
         capabilities=tuple(capabilities),
         endpoint=endpoint,
         max_inflight=max_inflight,
@@ -187,6 +187,12 @@ def make_card(
         rate_ms=rate_ms,
         burst=burst,
     )
+
+
+def default_instance_id(agent_id: str) -> str:
+    """``<agent_id>-`` and 8 random characters, the agent id cut so the whole stays an id (at
+    most 128): a longest agent id made an instance id every dispatcher left out."""
+    return f"{agent_id[:119]}-{new_message_id()[-8:]}"
 
 
 def _check_words(description: str, examples: Sequence[str]) -> None:

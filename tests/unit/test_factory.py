@@ -126,6 +126,8 @@ def test_the_card_carries_the_options_and_a_fresh_instance_id() -> None:
     assert re.fullmatch(r"order-[0-9A-Za-z]{8}", card.instance_id)
     assert card_of().instance_id != card.instance_id
     assert card_of(instance_id="order-7").instance_id == "order-7"
+    longest = card_of(agent_id="a" * 128).instance_id  # the default stays an id
+    assert re.match(MESSAGE_ID_PATTERN, longest) and longest.startswith("a" * 119 + "-")
 
 
 @pytest.mark.parametrize(
