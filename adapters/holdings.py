@@ -5,10 +5,20 @@ producer told and its credit returned (the finisher lets go of it). After an err
 *slips*: the entry stays pending in Redis and is taken again from the pending list — the
 pending list minus what is held is what fell through the cracks. Unexpected errors are
 counted per entry, so one that keeps failing can be given up on.
+
+Unanswered calls. Every round trip in which the sidecar writes PROCESSING (before it calls
+the agent) writes its own token with it (field ``take_call``). When no answer comes back
+(Redis went silent, the connection broke: a partition while the sidecar waited in its
+blocking read, say), the writes may still have been made, and the agent was certainly not
+called with them: it is called only after the answer. The token is kept, and a record found
+PROCESSING with it is run, not judged a crash's leftover (``Runner._restarted``). A new
+process knows no tokens: after a restart such a record is judged as before.
 """
 
 from __future__ import annotations
 
+import secrets
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from broker.entries import Assignment
@@ -16,6 +26,8 @@ from broker.results import Command
 from broker.store import Move
 
 Taken = Assignment  # one entry read from the instance's stream
+
+MAX_UNANSWERED = 1024  # call tokens kept: a partition leaves one or two
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +46,23 @@ class Holdings:
     by_message: dict[str, Taken] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)  # entry id -> unexpected errors
     recheck_pending: bool = False
+    unanswered: OrderedDict[str, None] = field(default_factory=OrderedDict)  # call tokens
+
+    def call_token(self) -> str:
+        """A new round trip's token, to write with each PROCESSING it makes."""
+        return secrets.token_hex(8)
+
+    def unanswered_call(self, token: str) -> None:
+        """The round trip of ``token`` ended without an answer acted on: none of the
+        PROCESSING it may have written was followed by a call to the agent."""
+        self.unanswered[token] = None
+        while len(self.unanswered) > MAX_UNANSWERED:  # the oldest: judged as after a restart
+            self.unanswered.popitem(last=False)
+
+    def never_called(self, token: str) -> bool:
+        """Whether a PROCESSING written with ``token`` was written by a round trip of this
+        process that went unanswered (so the agent was never called with it)."""
+        return bool(token) and token in self.unanswered
 
     def take(self, taken: Taken) -> None:
         self.held.add(taken.entry_id)

@@ -33,7 +33,7 @@ from broker.keyspace import SIDECAR_GROUP
 from broker.records import Moved
 from broker.scripts import ScriptName, script_source
 from broker.stages import Stage
-from broker.store import MessageStore, Move, Took, take_command, took
+from broker.store import MessageStore, Move, Took, take_command, take_stamped, took
 from broker.streams import GroupReader, StreamEntry, field_bytes, fields_of
 from broker.timekeeping import now_ms
 
@@ -167,10 +167,17 @@ class SidecarIntake:
         :meth:`take`, after it. A group the script could not read is read the way of
         :meth:`read`. A Redis user without this way's commands (rules older than it) is
         read the plain way from then on."""
-        command = self._take_command()
-        read_reply, reply = await reader.read_then_run(
-            self.queue, self._after, READ_BLOCK_MS, command
-        )
+        token = self.holdings.call_token()
+        command = take_stamped(self._take_command(), token)
+        try:
+            read_reply, reply = await reader.read_then_run(
+                self.queue, self._after, READ_BLOCK_MS, command
+            )
+        except BaseException:
+            # the script may have run (a partition while the read waited), but nothing it
+            # wrote was acted on: what it moved to PROCESSING is run when found again
+            self.holdings.unanswered_call(token)
+            raise
         refused = next((e for e in (reply, read_reply) if permission_refused(e)), None)
         if refused is not None:
             self._read_plainly(refused)
@@ -225,9 +232,9 @@ class SidecarIntake:
     def _take_command(self) -> tuple[Any, ...]:
         """``lua/take.lua``'s call: the same every time (the script sets each entry's attempt
         and the time), so made once."""
-        if self._take is None:
-            receiving, first = self._moves(Taken("", "", 1))
-            moves = (receiving, first, self._moves(Taken("", "", 2))[1])
+        if self._take is None:  # the script writes each call's token (take_stamped)
+            receiving, first = self._moves(Taken("", "", 1), token=None)
+            moves = (receiving, first, self._moves(Taken("", "", 2), token=None)[1])
             batch = self.conn.settings.sidecar_batch
             self._take = take_command(
                 self.conn, self.queue, SIDECAR_GROUP, self.instance_id, batch, moves
@@ -300,13 +307,16 @@ class SidecarIntake:
                 refused.append((entry_id, fields, why))
         return taken, refused
 
-    def _moves(self, t: Taken) -> tuple[Move, Move]:
+    def _moves(self, t: Taken, *, token: str | None) -> tuple[Move, Move]:
+        """RECEIVED, and PROCESSING written with the round trip's ``token`` (None: set by
+        the script, lua/take.lua)."""
         fenced = self.finisher.fenced
+        fields = not_awaiting(Stage.RECEIVED, t.attempt)
+        if token is not None:
+            fields = {**(fields or {}), "take_call": token}
         return (
             fenced(t, Stage.RECEIVED, Stage.ROUTED, return_field="envelope"),
-            fenced(
-                t, Stage.PROCESSING, Stage.RECEIVED, fields=not_awaiting(Stage.RECEIVED, t.attempt)
-            ),
+            fenced(t, Stage.PROCESSING, Stage.RECEIVED, fields=fields),
         )
 
     async def _receive_and_process(
@@ -317,27 +327,39 @@ class SidecarIntake:
         fields no version wrote) is dead-lettered with the error and acknowledged, and left
         out: one such entry, which anyone allowed to write records can make, does not hold
         up the others for ever. A refusal to this user concerns them all: it is raised."""
-        answers = await self.store.receive_and_process([self._moves(t) for t in taken])
-        for answer in answers:
-            if isinstance(answer, RedisReplyError) and answer.permission_refused:
-                raise answer
-        unusable = [
-            (t.entry_id, {"id": t.message_id.encode(), "attempt": b"%d" % t.attempt}, str(a))
-            for t, a in zip(taken, answers, strict=True)
-            if isinstance(a, RedisReplyError)
-        ]
-        await self._drop_malformed(unusable, kind="unusable_record")
+        token = self.holdings.call_token()
+        try:
+            answers = await self.store.receive_and_process(
+                [self._moves(t, token=token) for t in taken]
+            )
+            for answer in answers:
+                if isinstance(answer, RedisReplyError) and answer.permission_refused:
+                    raise answer
+            unusable = [
+                (t.entry_id, {"id": t.message_id.encode(), "attempt": b"%d" % t.attempt}, str(a))
+                for t, a in zip(taken, answers, strict=True)
+                if isinstance(a, RedisReplyError)
+            ]
+            await self._drop_malformed(unusable, kind="unusable_record")
+        except BaseException:
+            self.holdings.unanswered_call(token)  # the moves may be made; no call was
+            raise
         moved = [(t, a) for t, a in zip(taken, answers, strict=True) if isinstance(a, tuple)]
         return [t for t, _ in moved], [a[0] for _, a in moved], [a[1] for _, a in moved]
 
     async def _receive_then_process(self, taken: list[Taken]) -> tuple[list[Moved], list[Moved]]:
-        moves = [self._moves(t) for t in taken]
+        token = self.holdings.call_token()
+        moves = [self._moves(t, token=token) for t in taken]
         received = await self.store.move_many([receive for receive, _ in moves])
         failpoints.hit("sidecar.after_received")
         fresh = [
             process for (_, process), m in zip(moves, received, strict=True) if m.ok and m.value
         ]
-        moved = iter(await self.store.move_many(fresh) if fresh else [])
+        try:
+            moved = iter(await self.store.move_many(fresh) if fresh else [])
+        except BaseException:
+            self.holdings.unanswered_call(token)  # the moves may be made; no call was
+            raise
         skipped = Moved(False, Stage.RECEIVED, 0, "")
         return received, [next(moved) if m.ok and m.value else skipped for m in received]
 

@@ -56,6 +56,7 @@ SIDECAR_ERROR = "SIDECAR_ERROR"
 # failed inside the sidecar
 RESUMED = "resumed from this instance's pending entries"
 RESTARTED = "sidecar restarted while the agent was processing"
+NEVER_CALLED = "PROCESSING written by a round trip left unanswered: the agent was never called"
 # Written with a PROCESSING that is about to call the agent: a retry's attempt awaits no
 # callback until its own agent answers 202 (see not_awaiting).
 NOT_AWAITING: dict[str, str | bytes | int] = {"awaiting_callback": "", "agent_task": ""}
@@ -231,9 +232,18 @@ class Runner:
             self.finisher.done(taken)
 
     async def _restarted(self, taken: Taken, envelope: Envelope, record: MessageRecord) -> None:
-        """The agent had the message when this sidecar stopped (or an error stopped it)."""
-        facts = self.facts(taken, envelope, awaiting_callback=record.awaiting_callback)
+        """The agent may have had the message when this sidecar stopped (or an error stopped
+        it) — unless this very process wrote the PROCESSING and never heard back."""
+        facts = self.facts(
+            taken,
+            envelope,
+            awaiting_callback=record.awaiting_callback,
+            never_called=self.holdings.never_called(record.take_call),
+        )
         match decide(Signal.RESTARTED, facts):
+            case Action.CALL:
+                log.info("message %s attempt %d: %s", taken.message_id, taken.attempt, NEVER_CALLED)
+                await self.execute(taken, envelope, Stage.PROCESSING, NEVER_CALLED)
             case Action.AWAIT_CALLBACK if self.desk is not None:
                 self.desk.resume_awaiting(taken)  # its callback is to come
             case Action.ASK_STATUS:
@@ -247,15 +257,15 @@ class Runner:
                 self.finisher.settle(taken, envelope, Stage.NEEDS_CONFIRMATION, reason)
 
     async def execute(self, taken: Taken, envelope: Envelope, source: Stage, reason: str) -> None:
-        processing = await self.store.apply(
-            self.finisher.fenced(
-                taken,
-                Stage.PROCESSING,
-                source,
-                reason=reason,
-                fields=not_awaiting(source, taken.attempt),
-            )
-        )
+        """PROCESSING (from ``source``), written with its round trip's token, then the call."""
+        token = self.holdings.call_token()
+        fields = {**(not_awaiting(source, taken.attempt) or {}), "take_call": token}
+        move = self.finisher.fenced(taken, Stage.PROCESSING, source, reason=reason, fields=fields)
+        try:
+            processing = await self.store.apply(move)
+        except BaseException:
+            self.holdings.unanswered_call(token)  # the move may be made; no call was
+            raise
         if not processing.ok:
             self.finisher.done(taken)
             return

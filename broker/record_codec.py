@@ -117,6 +117,7 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
         awaiting_callback=bool(get("awaiting_callback")),
         agent_task=text(get("agent_task")),
         usage=raw.get(f"usage:{attempt}".encode()),
+        take_call=text(get("take_call")),
     )
 
 

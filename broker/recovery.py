@@ -21,8 +21,10 @@ STATUS_DONE          SUCCEED (with the result the endpoint gave)
 STATUS_RUNNING       extensions left: EXTEND — else as STATUS_UNKNOWN
 STATUS_FAILED        idempotent with attempts left: RETRY — else FAIL
 STATUS_UNKNOWN       idempotent with attempts left: RETRY — not idempotent: PARK — else GIVE_UP
-RESTARTED            awaiting a callback: AWAIT_CALLBACK — a status endpoint: ASK_STATUS —
-                     idempotent: RUN_AGAIN (same idempotency key) — else PARK
+RESTARTED            never called (written by a round trip of this sidecar's that went
+                     unanswered): CALL — awaiting a callback: AWAIT_CALLBACK — a status
+                     endpoint: ASK_STATUS — idempotent: RUN_AGAIN (same idempotency key) —
+                     else PARK
 LATE                 by stage: ACCEPTED: REROUTE (its dispatcher stopped) — ROUTED, RECEIVED:
                      past the deadline EXPIRE, else REROUTE (never asked) — PROCESSING:
                      ASK_STATUS — CALLBACK_RECEIVED: FINISH (its result is on the record)
@@ -59,7 +61,7 @@ class Signal(StrEnum):
     STATUS_RUNNING = "status: running"
     STATUS_FAILED = "status: failed"
     STATUS_UNKNOWN = "status: unknown"
-    RESTARTED = "restarted"  # a sidecar found the attempt PROCESSING after its restart
+    RESTARTED = "restarted"  # a sidecar found the attempt PROCESSING, not held (a restart)
     LATE = "late"  # its time in its stage is up, or its instance is dead
     DEADLINE = "deadline"  # waiting, and its deadline has come
 
@@ -71,6 +73,7 @@ class Action(StrEnum):
     REQUEUE = "requeue"  # WAITING again at once, elsewhere if possible; no error charged
     REROUTE = "reroute"  # WAITING again at once: the agent was never asked
     RUN_AGAIN = "run again"  # call the agent again now, same idempotency key
+    CALL = "call"  # call the agent now: it never was
     ASK_STATUS = "ask status"  # ask the agent's status endpoint, then decide on its answer
     AWAIT_CALLBACK = "await callback"  # keep the credit; the agent will call back
     EXTEND = "extend"  # let it run on; look again later
@@ -92,10 +95,17 @@ class Facts:
     status_asked: bool = False  # the endpoint has been asked about this very signal
     awaiting_callback: bool = False
     extensions_left: bool = False  # the asker can look again later, and has not too often
+    # PROCESSING was written by a round trip of this very sidecar process whose answer never
+    # came (adapters/holdings.py): it calls the agent only after the answer, so it never did
+    never_called: bool = False
 
 
 def _always(f: Facts) -> bool:
     return True
+
+
+def _never_called(f: Facts) -> bool:
+    return f.never_called
 
 
 def _attempts_left(f: Facts) -> bool:
@@ -182,6 +192,7 @@ RULES: dict[Signal, tuple[Rule, ...]] = {
     Signal.STATUS_FAILED: (Rule(Action.RETRY, _safe_retry), Rule(Action.FAIL)),
     Signal.STATUS_UNKNOWN: _UNKNOWN,
     Signal.RESTARTED: (
+        Rule(Action.CALL, _never_called),
         Rule(Action.AWAIT_CALLBACK, _awaiting),
         Rule(Action.ASK_STATUS, _status_endpoint),
         Rule(Action.RUN_AGAIN, _idempotent),

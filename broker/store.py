@@ -268,16 +268,28 @@ def take_command(
     """A sidecar's read of its group and RECEIVED + PROCESSING of what it reads, in one script
     (``lua/take.lua``; single server only). ``moves``: the RECEIVED move, and the PROCESSING
     moves of a first and of a later attempt, of any one message; the script sets each
-    entry's attempt and its own clock's time in them."""
+    entry's attempt and its own clock's time in them. Sent as :func:`take_stamped` makes
+    it, with the call's token."""
     assert not conn.cluster
     assert [m.target for m in moves] == [Stage.RECEIVED, Stage.PROCESSING, Stage.PROCESSING]
     assert all(m.charge is None and not m.assign_look_ms for m in moves)
     receiving, first, later = ([*_move_args(conn, m), "", *_field_args(m)] for m in moves)
     before, after = conn.keys.record("\n").split("\n")
     counters = "".join(conn.counting().keys(stream))  # an argument, not a key: lua/take.lua
-    head = [group, consumer, count, before, after, counters, MAX_ATTEMPT, TAKE_BYTES]
+    head = [group, consumer, count, before, after, counters, MAX_ATTEMPT, TAKE_BYTES, ""]
     head += [len(receiving), len(first)]
-    return conn.script_command(ScriptName.TAKE, (stream,), [*head, *receiving, *first, *later])
+    command = conn.script_command(ScriptName.TAKE, (stream,), [*head, *receiving, *first, *later])
+    assert command[_TAKE_TOKEN_AT] == ""
+    return command
+
+
+_TAKE_TOKEN_AT = 4 + 8  # EVALSHA sha 1 stream, then ARGV[9]: the call's token (lua/take.lua)
+
+
+def take_stamped(command: tuple[Any, ...], token: str) -> tuple[Any, ...]:
+    """:func:`take_command`'s call, writing ``token`` on each PROCESSING it makes (field
+    ``take_call``): one token per call, so that a call left unanswered is known by it."""
+    return (*command[:_TAKE_TOKEN_AT], token, *command[_TAKE_TOKEN_AT + 1 :])
 
 
 def took(reply: Any) -> Took:

@@ -21,8 +21,12 @@
 --          took reach it, it leaves the rest to Python (one receive_process.lua each, which
 --          Redis runs between other clients' commands), so no batch of large envelopes holds
 --          Redis, and the sidecar's read, for long
--- ARGV[9]  a: how many of the arguments after ARGV[10] are the RECEIVED move's
--- ARGV[10] b: how many after those are the PROCESSING move's at a first attempt; the rest
+-- ARGV[9]  this call's token, written on every PROCESSING it makes (field `take_call`): a
+--          sidecar whose call went unanswered (a partition while it waited) knows from it
+--          that it never called the agent with such a record, and runs it
+--          (adapters/runner.py, Runner._restarted) instead of judging it a crash's leftover
+-- ARGV[10] a: how many of the arguments after ARGV[11] are the RECEIVED move's
+-- ARGV[11] b: how many after those are the PROCESSING move's at a first attempt; the rest
 --          are the PROCESSING move's at a later attempt. Each is transition.lua's ARGV (no
 --          charge) with its expected attempt (2nd) and time (7th) set here: the entry's
 --          attempt, and the server's clock (the script may wait behind the XREAD).
@@ -49,10 +53,14 @@ end
 if not ok then
   return {'', error_of(read)}
 end
-local a, b = tonumber(ARGV[9]), tonumber(ARGV[10])
-local receiving = {unpack(ARGV, 11, 10 + a)}
-local first = {unpack(ARGV, 11 + a, 10 + a + b)}
-local later = {unpack(ARGV, 11 + a + b)}
+local a, b = tonumber(ARGV[10]), tonumber(ARGV[11])
+local receiving = {unpack(ARGV, 12, 11 + a)}
+local first = {unpack(ARGV, 12 + a, 11 + a + b)}
+local later = {unpack(ARGV, 12 + a + b)}
+for _, processing in ipairs({first, later}) do  -- field pairs come last (transition.lua)
+  processing[#processing + 1] = 'take_call'
+  processing[#processing + 1] = ARGV[9]
+end
 local highest = tonumber(ARGV[7])
 local budget, spent = tonumber(ARGV[8]), 0
 

@@ -1,16 +1,34 @@
 """A sidecar's intake on a real server: what it takes starts before it reads again; any
-instance id the card allows reads its stream."""
+instance id the card allows reads its stream; a read whose answer is lost costs no message
+a call."""
 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
+
+import anyio
+import msgspec
 
 from adapters.python import Agent
 from adapters.sidecar import Sidecar
 from broker.client import Client
+from broker.config import Settings
 from broker.connection import Connection
 from broker.envelope import Envelope
-from tests.support.harness import collect_replies, running_dispatcher, running_sidecar
+from broker.stages import Stage
+from broker.store import MessageStore
+from tests.support.agents import recording_agent
+from tests.support.harness import (
+    collect_replies,
+    connected,
+    routed_to,
+    running_dispatcher,
+    running_sidecar,
+)
+from tests.support.partition import partition_proxy
+
+XREAD = b"$5\r\nXREAD\r\n"  # the blocking read's command, as it is sent
 
 
 async def test_a_taken_message_starts_before_the_next_read(conn: Connection) -> None:
@@ -65,6 +83,52 @@ async def test_an_instance_named_like_a_read_option_serves(conn: Connection) -> 
         results = await collect_replies(conn, reply_to, 3, timeout_s=20)
     assert sorted(served) == sorted(sent)
     assert all(r.ok for r in results.values())
+
+
+async def test_a_take_whose_answer_is_lost_runs_its_message(
+    conn: Connection, settings: Settings
+) -> None:
+    """A partition while the sidecar waits in its blocking read: Redis still holds the
+    connection and runs the take script when an assignment comes (RECEIVED, PROCESSING),
+    and its answer is lost. The sidecar gives up on the read, reads again, and finds the
+    message PROCESSING: written by its own unanswered call, so never sent to the agent. It
+    calls the (non-idempotent) agent once, and the message succeeds; it is not parked as a
+    crash's leftover."""
+    agent, calls = recording_agent("f")
+    store = MessageStore(conn)
+    queue = conn.keys.queue("f-1")
+    async with partition_proxy(urlsplit(conn.url).port or 6379) as proxy:
+        through = msgspec.structs.replace(settings, redis_url=proxy.url)
+        async with (
+            connected(through) as sidecar_conn,
+            running_sidecar(sidecar_conn, "f-1", ("text.echo",), transport=agent),
+        ):
+            warm = await routed_to(conn, "f-1")
+            await conn.call("XADD", queue, "*", "id", warm, "attempt", "1")
+            await wait_for_stage(store, warm, Stage.SUCCEEDED)
+            proxy.lose_answers_after(XREAD)
+            with anyio.fail_after(5):
+                await proxy.cut.wait()  # the next read went out, and no answer comes back
+            lost = await routed_to(conn, "f-1")
+            await conn.call("XADD", queue, "*", "id", lost, "attempt", "1")
+            # the script ran on the cut connection (the read's block is 1 s)
+            await wait_for_stage(store, lost, Stage.PROCESSING, timeout_s=5)
+            assert calls.count(lost) == 0
+            # the read times out (block + 10 s), and the message is found again
+            await wait_for_stage(store, lost, Stage.SUCCEEDED, timeout_s=30)
+    assert calls.count(lost) == 1
+    record = await store.get_record(lost)
+    assert record is not None and record.error == ""
+
+
+async def wait_for_stage(
+    store: MessageStore, message_id: str, stage: Stage, *, timeout_s: float = 10
+) -> None:
+    """Until the record of ``message_id`` is in ``stage``; it must not end elsewhere."""
+    with anyio.fail_after(timeout_s):
+        while (now := (await store.stages([message_id]))[0]) is not stage:
+            assert now not in (Stage.NEEDS_CONFIRMATION, Stage.FAILED, Stage.DEAD), now
+            await anyio.sleep(0.02)
 
 
 def count_reads(sidecar: Sidecar, reads: dict[str, int]) -> None:

@@ -46,6 +46,8 @@ CASES: list[tuple[Signal, dict[str, object], Action]] = [
     (S.STATUS_UNKNOWN, {"idempotent": True, "attempts_left": False}, A.GIVE_UP),
     (S.STATUS_UNKNOWN, {"idempotent": False}, A.PARK),
     # a restarted sidecar finds the attempt PROCESSING
+    (S.RESTARTED, {"never_called": True, "status_endpoint": True}, A.CALL),
+    (S.RESTARTED, {"never_called": True, "idempotent": False}, A.CALL),
     (S.RESTARTED, {"awaiting_callback": True, "status_endpoint": True}, A.AWAIT_CALLBACK),
     (S.RESTARTED, {"status_endpoint": True, "idempotent": True}, A.ASK_STATUS),
     (S.RESTARTED, {"idempotent": True, "attempts_left": False}, A.RUN_AGAIN),
@@ -78,7 +80,7 @@ def test_every_rule_of_the_table_is_walked_by_a_case() -> None:
 
 
 BOOLEANS = ("idempotent", "attempts_left", "deadline_passed", "status_endpoint", "status_asked")
-BOOLEANS += ("awaiting_callback", "extensions_left")
+BOOLEANS += ("awaiting_callback", "extensions_left", "never_called")
 # what each signal can meet: an agent's answer or a status answer comes in PROCESSING
 STAGES = {
     S.LATE: (
@@ -115,6 +117,9 @@ def test_for_any_facts_there_is_one_answer_and_it_is_safe(signal: Signal) -> Non
         # a retry only while attempts remain (RUN_AGAIN resumes the attempt that stopped)
         if action is A.RETRY:
             assert f.attempts_left, (signal, f)
+        # called without a run again's rules only when this process knows it never was
+        if action is A.CALL:
+            assert signal is S.RESTARTED and f.never_called, (signal, f)
         # never EXPIRED once the agent may have it
         if action is A.EXPIRE:
             assert f.stage in (Stage.WAITING, Stage.ROUTED, Stage.RECEIVED), (signal, f)
