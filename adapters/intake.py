@@ -17,7 +17,7 @@ dead-lettered and acknowledged.
 from __future__ import annotations
 
 import logging
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from functools import partial
 from typing import Any
 
@@ -157,7 +157,7 @@ class SidecarIntake:
         if fresh and not failpoints.armed("sidecar.after_received"):
             await self._start(pool, *await self._receive_and_process(taken))
         else:
-            await self._start(pool, taken, *await self._receive_then_process(taken))
+            await self._start(pool, *await self._receive_then_process(taken))
 
     async def take_next(self, pool: WorkPool, reader: GroupReader) -> None:
         """New entries read and taken in one wake-up, on a single server (:meth:`take`'s
@@ -322,46 +322,67 @@ class SidecarIntake:
     async def _receive_and_process(
         self, taken: list[Taken]
     ) -> tuple[list[Taken], list[Moved], list[Moved]]:
-        """Both moves of each, and what was taken with them. An entry whose record Redis
-        could not move (an error for that entry alone: its record a key of another type, or
-        fields no version wrote) is dead-lettered with the error and acknowledged, and left
-        out: one such entry, which anyone allowed to write records can make, does not hold
-        up the others for ever. A refusal to this user concerns them all: it is raised."""
+        """Both moves of each, and what was taken with them; an entry whose record Redis
+        could not move is dead-lettered and left out (:meth:`_drop_unusable`)."""
         token = self.holdings.call_token()
         try:
             answers = await self.store.receive_and_process(
                 [self._moves(t, token=token) for t in taken]
             )
-            for answer in answers:
-                if isinstance(answer, RedisReplyError) and answer.permission_refused:
-                    raise answer
-            unusable = [
-                (t.entry_id, {"id": t.message_id.encode(), "attempt": b"%d" % t.attempt}, str(a))
-                for t, a in zip(taken, answers, strict=True)
-                if isinstance(a, RedisReplyError)
-            ]
-            await self._drop_malformed(unusable, kind="unusable_record")
+            await self._drop_unusable(taken, answers)
         except BaseException:
             self.holdings.unanswered_call(token)  # the moves may be made; no call was
             raise
         moved = [(t, a) for t, a in zip(taken, answers, strict=True) if isinstance(a, tuple)]
         return [t for t, _ in moved], [a[0] for _, a in moved], [a[1] for _, a in moved]
 
-    async def _receive_then_process(self, taken: list[Taken]) -> tuple[list[Moved], list[Moved]]:
+    async def _receive_then_process(
+        self, taken: list[Taken]
+    ) -> tuple[list[Taken], list[Moved], list[Moved]]:
+        """RECEIVED of each, then PROCESSING of those whose RECEIVED was just made (the
+        pending list: one may be RECEIVED or further already). An unusable record is
+        dead-lettered, as in :meth:`_receive_and_process`."""
         token = self.holdings.call_token()
         moves = [self._moves(t, token=token) for t in taken]
-        received = await self.store.move_many([receive for receive, _ in moves])
-        failpoints.hit("sidecar.after_received")
-        fresh = [
-            process for (_, process), m in zip(moves, received, strict=True) if m.ok and m.value
+        answers = await self.store.try_moves([receive for receive, _ in moves])
+        await self._drop_unusable(taken, answers)
+        received = [
+            (t, process, a)
+            for t, (_, process), a in zip(taken, moves, answers, strict=True)
+            if isinstance(a, Moved)
         ]
+        failpoints.hit("sidecar.after_received")
+        fresh = [(t, process) for t, process, a in received if a.ok and a.value]
         try:
-            moved = iter(await self.store.move_many(fresh) if fresh else [])
+            processed = await self.store.try_moves([p for _, p in fresh]) if fresh else []
+            await self._drop_unusable([t for t, _ in fresh], processed)
         except BaseException:
             self.holdings.unanswered_call(token)  # the moves may be made; no call was
             raise
+        by_entry = dict(zip((t.entry_id for t, _ in fresh), processed, strict=True))
         skipped = Moved(False, Stage.RECEIVED, 0, "")
-        return received, [next(moved) if m.ok and m.value else skipped for m in received]
+        out: list[tuple[Taken, Moved, Moved]] = []
+        for t, _, r in received:
+            p = by_entry.get(t.entry_id, skipped)
+            if isinstance(p, Moved):  # else dead-lettered: its PROCESSING move failed
+                out.append((t, r, p))
+        return [t for t, _, _ in out], [r for _, r, _ in out], [p for _, _, p in out]
+
+    async def _drop_unusable(self, taken: list[Taken], answers: Sequence[object]) -> None:
+        """The entries whose record Redis could not move (an error for that entry alone: its
+        record a key of another type, or fields no version wrote), dead-lettered with the
+        error and acknowledged: one such entry, which anyone allowed to write records can
+        make, does not hold up the others for ever. A refusal to this user concerns them
+        all: it is raised."""
+        for answer in answers:
+            if isinstance(answer, RedisReplyError) and answer.permission_refused:
+                raise answer
+        unusable = [
+            (t.entry_id, {"id": t.message_id.encode(), "attempt": b"%d" % t.attempt}, str(a))
+            for t, a in zip(taken, answers, strict=True)
+            if isinstance(a, RedisReplyError)
+        ]
+        await self._drop_malformed(unusable, kind="unusable_record")
 
     async def _drop_malformed(
         self, malformed: list[tuple[str, dict[str, bytes], str]], kind: str = "malformed_entry"

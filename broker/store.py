@@ -368,10 +368,21 @@ class MessageStore:
         return done
 
     async def move_many(self, moves: list[Move]) -> list[Moved]:
+        return [raised(answer) for answer in await self.try_moves(moves)]
+
+    async def try_moves(self, moves: list[Move]) -> list[Moved | RedisReplyError]:
+        """Several moves in one round trip. A move Redis answered with an error (its record
+        a key of another type, say) has that error in its place; a Redis that cannot serve
+        now raises :class:`RedisUnavailable`."""
         replies = await self.conn.call_many([move_command(self.conn, m) for m in moves])
-        done = [moved(raised(r)) for r in replies]
-        await emit(self.conn, parked_events(self.conn, moves, done))
-        return done
+        answers: list[Moved | RedisReplyError] = []
+        for reply in replies:
+            if isinstance(reply, Exception) and not isinstance(reply, RedisReplyError):
+                raise reply
+            answers.append(reply if isinstance(reply, RedisReplyError) else moved(reply))
+        made = [(m, a) for m, a in zip(moves, answers, strict=True) if isinstance(a, Moved)]
+        await emit(self.conn, parked_events(self.conn, [m for m, _ in made], [a for _, a in made]))
+        return answers
 
     async def receive_and_process(
         self, pairs: list[tuple[Move, Move]]

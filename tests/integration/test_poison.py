@@ -20,11 +20,12 @@ from broker.records import MessageRecord
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore
 from broker.timekeeping import now_ms
-from tests.support.agents import http_agent
+from tests.support.agents import http_agent, recording_agent
 from tests.support.harness import (
     collect_replies,
     dead_letters,
     eventually,
+    routed_to,
     running_dispatcher,
     running_sidecar,
 )
@@ -433,6 +434,42 @@ async def test_an_assignment_whose_record_is_another_type_is_dead_lettered_not_a
     assert reason.startswith("unusable_record: ") and "WRONGTYPE" in reason
     assert b"not-a-hash" in letter["raw"]
     assert await conn.call("GET", conn.keys.record("not-a-hash")) == b"x"
+
+
+async def test_an_unusable_record_in_the_pending_list_is_dead_lettered_at_start(
+    conn: Connection,
+) -> None:
+    """A restarted sidecar takes its pending list first, the plain way (RECEIVED, then
+    PROCESSING where RECEIVED was made). An entry there whose record is a key of another
+    type is dead-lettered with the error and acknowledged, and the message pending beside
+    it runs — where the error used to fail the whole list, at every start and every
+    recheck."""
+    queue = conn.keys.queue("a-1")
+    await conn.call("XGROUP", "CREATE", queue, "sidecar", "0", "MKSTREAM")
+    await conn.call("SET", conn.keys.record("not-a-hash"), "x")
+    good = await routed_to(conn, "a-1")
+    await conn.call("XADD", queue, "*", "id", "not-a-hash", "attempt", "1")
+    await conn.call("XADD", queue, "*", "id", good, "attempt", "1")
+    # both delivered to a-1 and never acknowledged: what a sidecar killed at once leaves
+    await conn.call("XREADGROUP", "GROUP", "sidecar", "a-1", "STREAMS", queue, ">")
+    agent, calls = recording_agent("a")
+    store = MessageStore(conn)
+
+    async def acknowledged() -> bool:
+        return (await conn.call("XPENDING", queue, "sidecar"))[0] == 0
+
+    async def served() -> bool:
+        return await store.stages([good]) == [Stage.SUCCEEDED]
+
+    async with running_sidecar(conn, "a-1", ("text.echo",), transport=agent) as sidecar:
+        await eventually(served)
+        await eventually(acknowledged)
+        assert not sidecar.stopped.is_set()
+    assert calls == [good]
+    (letter,) = await dead_letters(conn)
+    reason = letter["reason"].decode()
+    assert reason.startswith("unusable_record: ") and "WRONGTYPE" in reason
+    assert b"not-a-hash" in letter["raw"]
 
 
 async def served_after(conn: Connection, write: Callable[[], Awaitable[None]]) -> tuple[Stage, int]:
