@@ -86,8 +86,9 @@ async def test_a_sidecar_calls_its_agent_only_once_a_replica_has_processing(
 ) -> None:
     """With ``replica_acks``, the sidecar takes its work the way whose writes wait for the
     replica: while the replica is stopped, taking fails and the agent is not called. The
-    PROCESSING it wrote is not known to survive a failover (one would leave the message
-    ROUTED, to run elsewhere), so the message is parked for an operator, never run here."""
+    PROCESSING it wrote was never answered, so never followed by a call: once the replica
+    is back, the sidecar writes PROCESSING again, this time held by the replica, and calls
+    the (non-idempotent) agent once — the message is not parked as a crash's leftover."""
     master, replica = pair
     settings = build_settings(
         [{"redis_url": master.url, "replica_acks": 1, "replica_ack_timeout_s": 2.0}]
@@ -113,9 +114,10 @@ async def test_a_sidecar_calls_its_agent_only_once_a_replica_has_processing(
             finally:
                 replica.process.send_signal(signal.SIGCONT)
 
-            async def parked() -> bool:
+            async def succeeded() -> bool:
                 stages = await MessageStore(conn).stages([message_id])
-                return stages == [Stage.NEEDS_CONFIRMATION]
+                assert stages != [Stage.NEEDS_CONFIRMATION]
+                return stages == [Stage.SUCCEEDED]
 
-            await eventually(parked)
-    assert calls == []
+            await eventually(succeeded)
+    assert calls == [message_id]
