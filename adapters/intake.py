@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 
 from broker import failpoints
+from broker.config import Settings
 from broker.connection import Connection
 from broker.deadletters import Letter
 from broker.delivery import dead_letter_commands
@@ -40,8 +41,9 @@ from broker.timekeeping import now_ms
 from .callback_desk import CallbackDesk
 from .finisher import Finisher
 from .holdings import Holdings, Taken
-from .runner import Runner, not_awaiting
+from .runner import Runner
 from .workpool import WorkPool
+from .write_ahead import processing_move
 
 log = logging.getLogger("agent_reach.sidecar")
 
@@ -59,6 +61,16 @@ def _parsed(entries: list[StreamEntry]) -> list[tuple[str, dict[str, bytes], Tak
 
 READ_BLOCK_MS = 1000
 PENDING_AT_ONCE = 100_000
+
+
+def read_silence_s(settings: Settings) -> float:
+    """How long past its block the intake's read waits for Redis before it takes the
+    connection as lost. A take whose answer was lost (a partition during the read) is run by
+    its own sidecar once found again (adapters/holdings.py); the reaper asks after a
+    PROCESSING message ``sync_call_timeout_s + processing_grace_s`` after it was written, and
+    parks it where the agent cannot say. So the read gives up within the grace: 5 s past the
+    block by default, never less than 1 s nor more than 10 s."""
+    return min(10.0, max(1.0, settings.processing_grace_s))
 
 
 class SidecarIntake:
@@ -169,6 +181,9 @@ class SidecarIntake:
         read the plain way from then on."""
         token = self.holdings.call_token()
         command = take_stamped(self._take_command(), token)
+        # a Redis that cannot be reached is told apart from a call that went out: only the
+        # latter may have run, and only its token is kept (a long outage would fill the list)
+        await reader.connect()
         try:
             read_reply, reply = await reader.read_then_run(
                 self.queue, self._after, READ_BLOCK_MS, command
@@ -184,6 +199,7 @@ class SidecarIntake:
         if isinstance(reply, RedisReplyError) and reply.code == "NOSCRIPT":
             await self.conn.run_all([("SCRIPT", "LOAD", script_source(ScriptName.TAKE))])
         elif isinstance(reply, Exception):
+            self.holdings.unanswered_call(token)  # an error after a write is not acted on
             self.holdings.recheck_pending = True  # it may have read entries it did not take
             if refused is None:
                 raise reply
@@ -311,12 +327,9 @@ class SidecarIntake:
         """RECEIVED, and PROCESSING written with the round trip's ``token`` (None: set by
         the script, lua/take.lua)."""
         fenced = self.finisher.fenced
-        fields = not_awaiting(Stage.RECEIVED, t.attempt)
-        if token is not None:
-            fields = {**(fields or {}), "take_call": token}
         return (
             fenced(t, Stage.RECEIVED, Stage.ROUTED, return_field="envelope"),
-            fenced(t, Stage.PROCESSING, Stage.RECEIVED, fields=fields),
+            processing_move(fenced, t, Stage.RECEIVED, token=token),
         )
 
     async def _receive_and_process(

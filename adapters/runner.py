@@ -46,6 +46,7 @@ from .outcome import (
 from .status import StatusClient
 from .transport import Transport
 from .vitals import Vitals
+from .write_ahead import processing_move
 
 log = logging.getLogger("agent_reach.sidecar")
 
@@ -57,17 +58,6 @@ SIDECAR_ERROR = "SIDECAR_ERROR"
 RESUMED = "resumed from this instance's pending entries"
 RESTARTED = "sidecar restarted while the agent was processing"
 NEVER_CALLED = "PROCESSING written by a round trip left unanswered: the agent was never called"
-# Written with a PROCESSING that is about to call the agent: a retry's attempt awaits no
-# callback until its own agent answers 202 (see not_awaiting).
-NOT_AWAITING: dict[str, str | bytes | int] = {"awaiting_callback": "", "agent_task": ""}
-
-
-def not_awaiting(source: Stage, attempt: int) -> dict[str, str | bytes | int] | None:
-    """The fields a move from ``source`` to PROCESSING clears, if any. A callback's fields
-    are set only in PROCESSING, and every way back to ROUTED starts a new attempt, so the
-    first attempt coming from RECEIVED has nothing to clear — and its record stores no empty
-    fields (``python -m bench.memory``)."""
-    return None if source is Stage.RECEIVED and attempt == 1 else NOT_AWAITING
 
 
 _CALL: dict[type, str] = {  # the outcome label of agent_reach_agent_calls_total
@@ -243,7 +233,9 @@ class Runner:
         match decide(Signal.RESTARTED, facts):
             case Action.CALL:
                 log.info("message %s attempt %d: %s", taken.message_id, taken.attempt, NEVER_CALLED)
-                await self.execute(taken, envelope, Stage.PROCESSING, NEVER_CALLED)
+                await self.execute(
+                    taken, envelope, Stage.PROCESSING, NEVER_CALLED, last_call=record.take_call
+                )
             case Action.AWAIT_CALLBACK if self.desk is not None:
                 self.desk.resume_awaiting(taken)  # its callback is to come
             case Action.ASK_STATUS:
@@ -251,16 +243,31 @@ class Runner:
                 await self.record(taken, envelope, Ambiguous(RESTARTED))
             case Action.RUN_AGAIN:
                 reason = f"{RESUMED}; agent is idempotent, same idempotency key"
-                await self.execute(taken, envelope, Stage.PROCESSING, reason)
+                await self.execute(
+                    taken, envelope, Stage.PROCESSING, reason, last_call=record.take_call
+                )
             case _:
                 reason = f"{RESTARTED}; agent is not idempotent"
                 self.finisher.settle(taken, envelope, Stage.NEEDS_CONFIRMATION, reason)
 
-    async def execute(self, taken: Taken, envelope: Envelope, source: Stage, reason: str) -> None:
-        """PROCESSING (from ``source``), written with its round trip's token, then the call."""
+    async def execute(
+        self,
+        taken: Taken,
+        envelope: Envelope,
+        source: Stage,
+        reason: str,
+        *,
+        last_call: str | None = None,
+    ) -> None:
+        """PROCESSING (from ``source``), written with its round trip's token, then the call.
+        From PROCESSING the move is fenced on ``last_call`` too: the token the record held
+        when this was decided. The stage, attempt and instance do not tell such a move from
+        one made before it, and a write given up on may still land later (bytes a network
+        held): fenced, it cannot write an unanswered token over a record since called."""
         token = self.holdings.call_token()
-        fields = {**(not_awaiting(source, taken.attempt) or {}), "take_call": token}
-        move = self.finisher.fenced(taken, Stage.PROCESSING, source, reason=reason, fields=fields)
+        move = processing_move(
+            self.finisher.fenced, taken, source, token=token, reason=reason, last_call=last_call
+        )
         try:
             processing = await self.store.apply(move)
         except BaseException:

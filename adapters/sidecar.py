@@ -34,7 +34,7 @@ from .a2a_tasks import A2ATasks
 from .callback_desk import CallbackDesk
 from .finisher import Finisher
 from .holdings import Holdings
-from .intake import SidecarIntake
+from .intake import SidecarIntake, read_silence_s
 from .lifecycle import Lifecycle
 from .runner import Runner
 from .transport import Transport
@@ -142,7 +142,11 @@ class Sidecar:
         await ensure_group(self.conn, self.conn.keys.queue(self.instance_id), SIDECAR_GROUP)
         await self.lifecycle.register()
         try:
-            async with self.conn.reader() as reader, anyio.create_task_group() as outer:
+            silence_s = read_silence_s(self.conn.settings)
+            async with (
+                self.conn.reader(silence_s=silence_s) as reader,
+                anyio.create_task_group() as outer,
+            ):
                 outer.start_soon(self.lifecycle.heartbeat_loop)
                 outer.start_soon(self.finisher.run)
                 outer.start_soon(self.lifecycle.overdue_loop)

@@ -32,7 +32,7 @@ from .pipeliner import Pipeliner
 from .resp import RespConnection, describe, parse_redis_url
 from .scripts import Script, ScriptName, load_scripts
 from .slots import SLOTS, key_slot, slot_tag
-from .streams import GroupReader
+from .streams import READ_SILENCE_S, GroupReader
 
 log = logging.getLogger("agent_reach.connection")
 
@@ -133,10 +133,11 @@ class Connection:
         return ("EVALSHA", self.scripts[name].sha, len(keys), *keys, *args)
 
     @asynccontextmanager
-    async def reader(self) -> AsyncIterator[GroupReader]:
-        """A dedicated connection for one blocking consumer loop."""
+    async def reader(self, *, silence_s: float = READ_SILENCE_S) -> AsyncIterator[GroupReader]:
+        """A dedicated connection for one blocking consumer loop; Redis silent ``silence_s``
+        past a read's block is taken as lost."""
         route = self.pipeliner if isinstance(self.pipeliner, ClusterPipeliner) else None
-        reader = GroupReader(self.url, route)
+        reader = GroupReader(self.url, route, silence_s=silence_s)
         try:
             yield reader
         finally:

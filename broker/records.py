@@ -127,7 +127,9 @@ class MessageRecord(msgspec.Struct, frozen=True, kw_only=True):
     awaiting_callback: bool = False  # an async agent took it (202) and will call back
     agent_task: str = ""  # the async agent's own id for the work, when it gave one
     usage: bytes | None = None  # what the agent reported for this attempt (usage:<attempt>)
-    take_call: str = ""  # the sidecar's round trip that last wrote PROCESSING (its token)
+    # the token of the sidecar's round trip that last wrote PROCESSING before a call
+    # (adapters/holdings.py); "" on records older than it
+    take_call: str = ""
 
     @property
     def reply_to(self) -> str:

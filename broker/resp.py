@@ -38,7 +38,10 @@ wrong URL stops at start-up with that sentence instead of retrying for ever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import ssl
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -61,6 +64,8 @@ _UNAVAILABLE = "redis unavailable: "
 # A deadline this close is due: uvloop's timers fire on whole milliseconds, early too, and
 # the watchdog would otherwise re-arm until the clock ticked over (resp.RespConnection).
 _TIMER_SLACK_S = 0.001
+# SO_LINGER on, 0 s: a close resets the connection and drops what is still unsent
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 CertReqs = Literal["required", "optional", "none"]
 CERT_REQS: tuple[CertReqs, ...] = ("required", "optional", "none")
@@ -356,6 +361,16 @@ class RespConnection:
             self._watch(self._deadline)
             return
         self._silent_for = self._timeout_s
+        self._abandon()
+
+    def _abandon(self) -> None:
+        """Close the connection under a call out, with a reset: what the call wrote that the
+        peer has not taken is dropped, not sent on after the caller has given up on it (a
+        late write could act after its retry did)."""
+        sock = self._writer.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
         self._writer.transport.abort()
 
     async def _execute(self, commands: list[Command]) -> list[Any]:
@@ -394,7 +409,7 @@ class RespConnection:
             self._watchdog.cancel()
             self._watchdog = None
         if self._deadline is not None:
-            self._writer.transport.abort()
+            self._abandon()
         self._writer.close()
         try:
             await self._writer.wait_closed()

@@ -13,6 +13,7 @@ class ScriptName(StrEnum):
     ACCEPT_ASSIGN = "accept_assign"
     ASSIGN = "assign"
     TRANSITION = "transition"
+    TRANSITION_IF = "transition_if"
     RECEIVE_PROCESS = "receive_process"
     TAKE = "take"
     CLAIM_ASSIGN = "claim_assign"
@@ -47,6 +48,7 @@ COUNTING = frozenset(
         ScriptName.ACCEPT,
         ScriptName.ACCEPT_ASSIGN,
         ScriptName.TRANSITION,
+        ScriptName.TRANSITION_IF,
         ScriptName.RECEIVE_PROCESS,
         ScriptName.TAKE,
         ScriptName.CLAIM_ASSIGN,
@@ -65,6 +67,7 @@ PRELUDES: tuple[tuple[str, frozenset[ScriptName]], ...] = (
         frozenset(
             {
                 ScriptName.TRANSITION,
+                ScriptName.TRANSITION_IF,
                 ScriptName.RECEIVE_PROCESS,
                 ScriptName.TAKE,
                 ScriptName.CLAIM_ASSIGN,

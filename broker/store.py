@@ -108,6 +108,8 @@ class Move(msgspec.Struct):
     # it in the same script (``lua/claim_assign.lua``), the reaper's look brought forward to
     # this time (ms); no charge then
     assign_look_ms: int = 0
+    # made only where the record's field holds this value ("": absent; lua/transition_if.lua)
+    expect_field: tuple[str, str] | None = None
 
     def landed(self, moved: Moved) -> bool:
         """The move is on the record: made now, or by an earlier try whose answer was lost
@@ -207,7 +209,7 @@ def move_command(conn: Connection, m: Move) -> tuple[Any, ...]:
     record = conn.keys.record(m.message_id)
     keys: tuple[str, ...] = (record, *counting.keys(record))
     if m.assign_look_ms:
-        assert m.charge is None and m.new_instance and not conn.cluster
+        assert m.charge is None and m.new_instance and not conn.cluster and not m.expect_field
         args += ["", *_field_args(m)]
         fused = (*assign_keys(conn, m.new_instance), due_for(conn.keys, m.message_id))
         down_after_ms = int(conn.settings.down_after_s * 1000)
@@ -222,6 +224,8 @@ def move_command(conn: Connection, m: Move) -> tuple[Any, ...]:
         keys += usage_keys(conn, m.charge.ms, record)
         args += charge_args(conn, m.charge)
     args += _field_args(m)
+    if m.expect_field is not None:
+        return conn.script_command(ScriptName.TRANSITION_IF, keys, (*m.expect_field, *args))
     return conn.script_command(ScriptName.TRANSITION, keys, args)
 
 
@@ -232,6 +236,7 @@ def receive_process_command(conn: Connection, received: Move, processing: Move) 
     assert (received.target, processing.target) == (Stage.RECEIVED, Stage.PROCESSING)
     assert received.charge is None and processing.charge is None
     assert not (received.assign_look_ms or processing.assign_look_ms)
+    assert received.expect_field is None and processing.expect_field is None
     first = [*_move_args(conn, received), "", *_field_args(received)]
     second = [*_move_args(conn, processing), "", *_field_args(processing)]
     record = conn.keys.record(received.message_id)
@@ -272,7 +277,7 @@ def take_command(
     it, with the call's token."""
     assert not conn.cluster
     assert [m.target for m in moves] == [Stage.RECEIVED, Stage.PROCESSING, Stage.PROCESSING]
-    assert all(m.charge is None and not m.assign_look_ms for m in moves)
+    assert all(m.charge is None and not m.assign_look_ms and not m.expect_field for m in moves)
     receiving, first, later = ([*_move_args(conn, m), "", *_field_args(m)] for m in moves)
     before, after = conn.keys.record("\n").split("\n")
     counters = "".join(conn.counting().keys(stream))  # an argument, not a key: lua/take.lua

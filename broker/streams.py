@@ -38,6 +38,9 @@ RawEntry = tuple[str, list[bytes]]
 log = logging.getLogger("agent_reach.streams")
 
 
+READ_SILENCE_S = 10.0
+
+
 class GroupReader:
     """Reads of one consuming loop, on a connection of its own (opened on first use, and
     again after a failure). A lost connection raises :class:`RedisUnavailable`; an error
@@ -47,9 +50,12 @@ class GroupReader:
     once. Every consuming loop rests on this one rule: none stops, or spins, on a lost
     group."""
 
-    def __init__(self, url: str, route: Router | None = None) -> None:
+    def __init__(
+        self, url: str, route: Router | None = None, *, silence_s: float = READ_SILENCE_S
+    ) -> None:
         self._url = url
         self._route = route
+        self._silence_s = silence_s  # past a blocking read's block: Redis is taken as lost
         self._conn: RespConnection | None = None
         self._conn_url = url
 
@@ -157,6 +163,15 @@ class GroupReader:
         read, reply = await self._execute_all([xread, command], self._url, block_ms)
         return read, reply
 
+    async def connect(self) -> None:
+        """Open this reader's connection now, where it is not open (single server): a caller
+        that must tell a Redis it could not reach from a call that went out calls this
+        first (:class:`RedisUnavailable` either way)."""
+        assert self._route is None
+        if self._conn is None:
+            self._conn = await RespConnection.open(self._url)
+            self._conn_url = self._url
+
     async def _execute_at(self, command: tuple[Any, ...], url: str, block_ms: int | None) -> Any:
         (reply,) = await self._execute_all([command], url, block_ms)
         if isinstance(reply, Exception):
@@ -176,7 +191,7 @@ class GroupReader:
                 self._conn = await RespConnection.open(url)
                 self._conn_url = url
             # a blocking read may take its block time; only silence beyond that is a failure
-            timeout_s = 30.0 if block_ms is None else block_ms / 1000 + 10.0
+            timeout_s = 30.0 if block_ms is None else block_ms / 1000 + self._silence_s
             return await self._conn.execute(commands, timeout_s=timeout_s)
         except BaseException:  # RedisUnavailable, or cancelled mid-read: out of step either way
             await self.close()

@@ -11,6 +11,7 @@ import anyio
 import msgspec
 
 from adapters.python import Agent
+from adapters.runner import NEVER_CALLED
 from adapters.sidecar import Sidecar
 from broker.client import Client
 from broker.config import Settings
@@ -22,7 +23,6 @@ from tests.support.agents import recording_agent
 from tests.support.harness import (
     collect_replies,
     connected,
-    routed_to,
     running_dispatcher,
     running_sidecar,
 )
@@ -90,35 +90,45 @@ async def test_a_take_whose_answer_is_lost_runs_its_message(
 ) -> None:
     """A partition while the sidecar waits in its blocking read: Redis still holds the
     connection and runs the take script when an assignment comes (RECEIVED, PROCESSING),
-    and its answer is lost. The sidecar gives up on the read, reads again, and finds the
-    message PROCESSING: written by its own unanswered call, so never sent to the agent. It
-    calls the (non-idempotent) agent once, and the message succeeds; it is not parked as a
-    crash's leftover."""
+    and its answer is lost. The sidecar gives up on the read within the processing grace,
+    reads again, and finds the message PROCESSING: written by its own unanswered call, so
+    never sent to the agent. It calls the (non-idempotent) agent once, and the message
+    succeeds — before the reaper (here at the default call timeout: 5 s + 5 s after
+    PROCESSING) would ask after it and park it as a crash's leftover."""
     agent, calls = recording_agent("f")
+    default_timeouts = msgspec.structs.replace(settings, sync_call_timeout_s=5.0)
     store = MessageStore(conn)
-    queue = conn.keys.queue("f-1")
+    reply_to = conn.keys.reply("lost")
     async with partition_proxy(urlsplit(conn.url).port or 6379) as proxy:
-        through = msgspec.structs.replace(settings, redis_url=proxy.url)
+        through = msgspec.structs.replace(default_timeouts, redis_url=proxy.url)
         async with (
+            connected(default_timeouts) as broker_conn,
             connected(through) as sidecar_conn,
             running_sidecar(sidecar_conn, "f-1", ("text.echo",), transport=agent),
+            running_dispatcher(broker_conn),
         ):
-            warm = await routed_to(conn, "f-1")
-            await conn.call("XADD", queue, "*", "id", warm, "attempt", "1")
+            client = Client(broker_conn)
+            warm = await client.submit(Envelope(capability="text.echo", reply_to=reply_to))
             await wait_for_stage(store, warm, Stage.SUCCEEDED)
             proxy.lose_answers_after(XREAD)
             with anyio.fail_after(5):
                 await proxy.cut.wait()  # the next read went out, and no answer comes back
-            lost = await routed_to(conn, "f-1")
-            await conn.call("XADD", queue, "*", "id", lost, "attempt", "1")
+            # a deadline within the reaper's lateness (5 s + 5 s): it looks at 9 s, and parks
+            # the message at 10 s unless its sidecar has run it by then
+            lost = await client.submit(
+                Envelope(capability="text.echo", reply_to=reply_to, timeout_s=9.0)
+            )
             # the script ran on the cut connection (the read's block is 1 s)
             await wait_for_stage(store, lost, Stage.PROCESSING, timeout_s=5)
             assert calls.count(lost) == 0
-            # the read times out (block + 10 s), and the message is found again
+            record = await store.get_record(lost)
+            assert record is not None and record.take_call
+            # the read gives up (block + 5 s), and the message is found again
             await wait_for_stage(store, lost, Stage.SUCCEEDED, timeout_s=30)
     assert calls.count(lost) == 1
-    record = await store.get_record(lost)
-    assert record is not None and record.error == ""
+    reasons = [(e.stage, e.reason) for e in await store.get_timeline(lost)]
+    assert (Stage.PROCESSING, NEVER_CALLED) in reasons, reasons
+    assert Stage.NEEDS_CONFIRMATION not in [stage for stage, _ in reasons]
 
 
 async def wait_for_stage(

@@ -19,7 +19,7 @@ from adapters.callbacks import (
     parse_callback,
 )
 from adapters.outcome import Failed, Succeeded
-from adapters.runner import not_awaiting
+from adapters.write_ahead import not_awaiting
 from broker.stages import Stage
 
 
