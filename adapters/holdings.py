@@ -28,6 +28,7 @@ from broker.store import Move
 Taken = Assignment  # one entry read from the instance's stream
 
 MAX_UNANSWERED = 1024  # call tokens kept: a partition leaves one or two
+MAX_CALLED_AGAIN = 65_536  # messages called after an unanswered round trip (a take's batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,8 @@ class Holdings:
     errors: dict[str, int] = field(default_factory=dict)  # entry id -> unexpected errors
     recheck_pending: bool = False
     unanswered: OrderedDict[str, None] = field(default_factory=OrderedDict)  # call tokens
+    # (message id, attempt) called after being found PROCESSING: never uncalled again
+    called_again: OrderedDict[tuple[str, int], None] = field(default_factory=OrderedDict)
 
     def call_token(self) -> str:
         """A new round trip's token, to write with each PROCESSING it makes."""
@@ -59,10 +62,23 @@ class Holdings:
         while len(self.unanswered) > MAX_UNANSWERED:  # the oldest: judged as after a restart
             self.unanswered.popitem(last=False)
 
-    def never_called(self, token: str) -> bool:
-        """Whether a PROCESSING written with ``token`` was written by a round trip of this
-        process that went unanswered (so the agent was never called with it)."""
-        return bool(token) and token in self.unanswered
+    def calling_again(self, taken: Taken) -> None:
+        """``taken``, found PROCESSING, is called now: whatever token its record shows later
+        (a Redis that lost writes it had acknowledged can give back an older one), it is
+        never taken as uncalled again."""
+        self.called_again[(taken.message_id, taken.attempt)] = None
+        while len(self.called_again) > MAX_CALLED_AGAIN:
+            self.called_again.popitem(last=False)
+
+    def never_called(self, token: str, taken: Taken) -> bool:
+        """Whether ``taken``'s PROCESSING, written with ``token``, was written by a round trip
+        of this process that went unanswered, and this process has not called it since (so
+        the agent was never called with it)."""
+        return (
+            bool(token)
+            and token in self.unanswered
+            and (taken.message_id, taken.attempt) not in self.called_again
+        )
 
     def take(self, taken: Taken) -> None:
         self.held.add(taken.entry_id)

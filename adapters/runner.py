@@ -228,7 +228,7 @@ class Runner:
             taken,
             envelope,
             awaiting_callback=record.awaiting_callback,
-            never_called=self.holdings.never_called(record.take_call),
+            never_called=self.holdings.never_called(record.take_call, taken),
         )
         match decide(Signal.RESTARTED, facts):
             case Action.CALL:
@@ -260,10 +260,8 @@ class Runner:
         last_call: str | None = None,
     ) -> None:
         """PROCESSING (from ``source``), written with its round trip's token, then the call.
-        From PROCESSING the move is fenced on ``last_call`` too: the token the record held
-        when this was decided. The stage, attempt and instance do not tell such a move from
-        one made before it, and a write given up on may still land later (bytes a network
-        held): fenced, it cannot write an unanswered token over a record since called."""
+        From PROCESSING fenced on ``last_call`` too, the token the record held when this was
+        decided: a write given up on that lands later cannot relabel a record since called."""
         token = self.holdings.call_token()
         move = processing_move(
             self.finisher.fenced, taken, source, token=token, reason=reason, last_call=last_call
@@ -273,10 +271,15 @@ class Runner:
         except BaseException:
             self.holdings.unanswered_call(token)  # the move may be made; no call was
             raise
-        if not processing.ok:
-            self.finisher.done(taken)
-            return
-        await self.call_agent(taken, envelope)
+        here = (Stage.PROCESSING, taken.attempt, self.card.instance_id)
+        if not processing.ok and last_call is not None and processing.key == here:
+            self._slip(taken)  # another token landed meanwhile: found, and decided, again
+        elif not processing.ok:
+            self.finisher.done(taken)  # someone else owns it now
+        else:
+            if last_call is not None:
+                self.holdings.calling_again(taken)
+            await self.call_agent(taken, envelope)
 
     # -- the call ------------------------------------------------------------------------------
 

@@ -178,3 +178,8 @@ class Moved(msgspec.Struct, frozen=True):
     @property
     def missing(self) -> bool:
         return self.stage is None
+
+    @property
+    def key(self) -> tuple[Stage | None, int, str]:
+        """Where the record is: its stage, attempt and instance (what a move is fenced on)."""
+        return (self.stage, self.attempt, self.instance)

@@ -365,8 +365,9 @@ class RespConnection:
 
     def _abandon(self) -> None:
         """Close the connection under a call out, with a reset: what the call wrote that the
-        peer has not taken is dropped, not sent on after the caller has given up on it (a
-        late write could act after its retry did)."""
+        peer's host has not acknowledged (a partition: the kernel would go on sending it for
+        minutes) is dropped, not delivered after the caller gave up on it and decided. What
+        the peer's host already took is beyond recall: Redis still reads it."""
         sock = self._writer.transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):

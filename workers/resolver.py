@@ -33,6 +33,7 @@ import anyio
 from adapters.callback_desk import callback_charge, callback_outcome
 from adapters.finisher import charged
 from adapters.status import StatusClient
+from adapters.write_ahead import TAKE_CALL
 from broker.broadcast import decode_children
 from broker.connection import Connection
 from broker.deadletters import Letter
@@ -239,8 +240,9 @@ class Resolver:
                     reason=f"{reason}; the agent is not idempotent: parked for an operator",
                 )
             )
-            if moved.ok:
-                await self.release(record)
+            if not moved.ok:  # it moved on meanwhile: look again soon
+                return Verdict("raced", now + RACED_LOOK_MS)
+            await self.release(record)
         return Verdict("needs confirmation", now + PARKED_RECHECK_MS)
 
     async def _callback_received(self, record: MessageRecord, now: int) -> Verdict:
@@ -321,13 +323,18 @@ class Resolver:
         return min(record.deadline_ms, now + self.delivery_timeout_ms)
 
     def fenced(self, record: MessageRecord, target: Stage, **options: Any) -> Move:
-        """A move only from the stage, attempt and instance the reaper looked at."""
+        """A move only from the stage, attempt and instance the reaper looked at; from
+        PROCESSING, only while the sidecar's last write before a call is the one it looked
+        at (``take_call``): a sidecar that since called the agent (a record it found never
+        called, adapters/holdings.py) is not parked, or retried, under it."""
+        processing = record.stage is Stage.PROCESSING
         return Move(
             record.id,
             target,
             only_from=record.stage,
             expect_attempt=record.attempt,
             expect_instance=record.instance,
+            expect_field=(TAKE_CALL, record.take_call) if processing else None,
             **options,
         )
 

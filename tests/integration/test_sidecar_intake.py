@@ -17,6 +17,7 @@ from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection
 from broker.envelope import Envelope
+from broker.ids import new_message_id
 from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.agents import recording_agent
@@ -27,8 +28,6 @@ from tests.support.harness import (
     running_sidecar,
 )
 from tests.support.partition import partition_proxy
-
-XREAD = b"$5\r\nXREAD\r\n"  # the blocking read's command, as it is sent
 
 
 async def test_a_taken_message_starts_before_the_next_read(conn: Connection) -> None:
@@ -110,15 +109,16 @@ async def test_a_take_whose_answer_is_lost_runs_its_message(
             client = Client(broker_conn)
             warm = await client.submit(Envelope(capability="text.echo", reply_to=reply_to))
             await wait_for_stage(store, warm, Stage.SUCCEEDED)
-            proxy.lose_answers_after(XREAD)
-            with anyio.fail_after(5):
-                await proxy.cut.wait()  # the next read went out, and no answer comes back
+            # the take script's answer (it holds the envelope, with the id) is lost
+            lost = new_message_id()
+            proxy.lose_answer_with(lost.encode())
             # a deadline within the reaper's lateness (5 s + 5 s): it looks at 9 s, and parks
             # the message at 10 s unless its sidecar has run it by then
-            lost = await client.submit(
-                Envelope(capability="text.echo", reply_to=reply_to, timeout_s=9.0)
+            await client.submit(
+                Envelope(id=lost, capability="text.echo", reply_to=reply_to, timeout_s=9.0)
             )
-            # the script ran on the cut connection (the read's block is 1 s)
+            with anyio.fail_after(5):
+                await proxy.cut.wait()
             await wait_for_stage(store, lost, Stage.PROCESSING, timeout_s=5)
             assert calls.count(lost) == 0
             record = await store.get_record(lost)

@@ -4,22 +4,29 @@ lands late never makes a record since called look uncalled."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 
 from adapters.holdings import Taken
 from adapters.outcome import Succeeded
 from adapters.runner import NEVER_CALLED
+from adapters.sidecar import Sidecar
 from adapters.workpool import WorkPool
 from adapters.write_ahead import processing_move
 from broker.connection import Connection
 from broker.embedded import free_port
 from broker.envelope import Envelope, load_envelope
 from broker.errors import RedisUnavailable
+from broker.records import MessageRecord
 from broker.stages import Stage
 from broker.store import MessageStore, Move
 from broker.streams import GroupReader
+from broker.timekeeping import now_ms
+from tests.support.agents import recording_agent
 from tests.support.harness import eventually, routed_to, running_sidecar
+from workers.reaper import Reaper
 
 
 class HeldAgent:
@@ -82,7 +89,7 @@ async def test_a_late_write_of_an_unanswered_call_cannot_relabel_a_called_record
             assert not landed.ok and landed.stage is Stage.PROCESSING
             after = await store.get_record(message_id)
             assert after is not None and after.take_call == called.take_call
-            assert not holdings.never_called(after.take_call)
+            assert not holdings.never_called(after.take_call, taken)
             agent.release.set()
 
         async def succeeded() -> bool:
@@ -145,3 +152,126 @@ async def test_a_redis_that_cannot_be_reached_leaves_no_unanswered_call(
                 with pytest.raises(RedisUnavailable):
                     await sidecar.intake.take_next(pool, nowhere)
         assert holdings.unanswered == before
+
+
+async def taken_unanswered(conn: Connection, sidecar: Sidecar) -> tuple[Taken, str]:
+    """An assignment read by f-1 and moved to PROCESSING by a round trip whose answer was
+    lost (what a take during a partition leaves): the entry, and that round trip's token.
+    The sidecar finds it at its next look at its pending list."""
+    message_id = await routed_to(conn, "f-1")
+    queue = conn.keys.queue("f-1")
+    replies = await conn.call_many(
+        [
+            ("MULTI",),
+            ("XADD", queue, "*", "id", message_id, "attempt", "1"),
+            ("XREADGROUP", "GROUP", "sidecar", "f-1", "COUNT", "1", "STREAMS", queue, ">"),
+            ("EXEC",),
+        ]
+    )
+    taken = Taken(replies[-1][0].decode(), message_id, 1)
+    holdings = sidecar.runner.holdings
+    token = holdings.call_token()
+    for move in sidecar.intake._moves(taken, token=token):
+        assert (await MessageStore(conn).apply(move)).ok
+    holdings.unanswered_call(token)
+    return taken, token
+
+
+async def test_a_record_given_back_older_is_not_called_again(conn: Connection) -> None:
+    """Called once found never called; then Redis loses writes it had acknowledged (a
+    restart from an AOF without its last second, a failover to a replica behind) and gives
+    back the record and the stream as they were: PROCESSING, the unanswered token. The
+    sidecar, finding it again, does not call the (non-idempotent) agent a second time."""
+    agent, calls = recording_agent("f")
+    store = MessageStore(conn)
+    queue = conn.keys.queue("f-1")
+    async with running_sidecar(conn, "f-1", ("text.echo",), transport=agent) as sidecar:
+        taken, _ = await taken_unanswered(conn, sidecar)
+        record_key = conn.keys.record(taken.message_id)
+        before = [await conn.call("DUMP", key) for key in (record_key, queue)]
+        sidecar.runner.holdings.recheck_pending = True  # the read after the partition
+
+        async def settled() -> bool:
+            stage = (await store.stages([taken.message_id]))[0]
+            pending = (await conn.call("XPENDING", queue, "sidecar"))[0]
+            return stage in (Stage.SUCCEEDED, Stage.NEEDS_CONFIRMATION) and pending == 0
+
+        await eventually(settled, timeout_s=10)
+        assert calls == [taken.message_id]
+        for key, dumped in zip((record_key, queue), before, strict=True):
+            await conn.call("RESTORE", key, 0, dumped, "REPLACE")
+        sidecar.runner.holdings.recheck_pending = True  # the read after Redis came back
+        await eventually(settled, timeout_s=10)
+    assert calls == [taken.message_id]
+    assert await store.stages([taken.message_id]) == [Stage.NEEDS_CONFIRMATION]
+
+
+async def test_a_call_refused_for_a_token_landed_meanwhile_is_decided_again(
+    conn: Connection,
+) -> None:
+    """The sidecar reads the record (token T0, unanswered) and decides CALL; before its
+    write, an earlier CALL's write given up on (T1, fenced on T0) lands. Its own write,
+    fenced on T0, is refused — and the message, still PROCESSING here, is found and decided
+    again (T1 is unanswered too: CALL), not let go of uncalled."""
+    agent, calls = recording_agent("f")
+    store = MessageStore(conn)
+    async with running_sidecar(conn, "f-1", ("text.echo",), transport=agent) as sidecar:
+        holdings = sidecar.runner.holdings
+        taken, t0 = await taken_unanswered(conn, sidecar)
+        t1 = holdings.call_token()
+        fenced = sidecar.finisher.fenced
+        late = processing_move(
+            fenced, taken, Stage.PROCESSING, token=t1, reason=NEVER_CALLED, last_call=t0
+        )
+        holdings.unanswered_call(t1)
+        read_record = sidecar.runner.store.get_record
+        landed: list[bool] = []
+
+        async def read_then_late_write(message_id: str) -> MessageRecord | None:
+            record = await read_record(message_id)
+            if message_id == taken.message_id and not landed:
+                landed.append((await store.apply(late)).ok)  # T1's bytes land now
+            return record
+
+        sidecar.runner.store.get_record = read_then_late_write  # type: ignore[method-assign]
+        holdings.recheck_pending = True
+
+        async def succeeded() -> bool:
+            return await store.stages([taken.message_id]) == [Stage.SUCCEEDED]
+
+        await eventually(succeeded, timeout_s=10)
+    assert landed == [True]
+    assert calls == [taken.message_id]
+
+
+async def test_the_reaper_does_not_park_what_the_sidecar_called_since_it_looked(
+    conn: Connection,
+) -> None:
+    """The reaper looks at a PROCESSING message past its time (token T0) and asks after
+    it; meanwhile its sidecar, which knows it never called it, calls it (T2). The reaper's
+    park is fenced on T0: refused, it looks again soon, and the message runs on — rather
+    than parked under a running call whose answer would then be refused."""
+    store = MessageStore(conn)
+    message_id = await routed_to(conn, "f-1")
+    taken = Taken("1-0", message_id, 1)
+
+    def fenced(t: Taken, target: Stage, source: Stage, **options: Any) -> Move:
+        return Move(
+            t.message_id,
+            target,
+            only_from=source,
+            expect_attempt=t.attempt,
+            expect_instance="f-1",
+            **options,
+        )
+
+    assert (await store.apply(fenced(taken, Stage.RECEIVED, Stage.ROUTED))).ok
+    assert (await store.apply(processing_move(fenced, taken, Stage.RECEIVED, token="t0"))).ok
+    looked = await store.get_record(message_id)  # what the reaper read
+    called = processing_move(fenced, taken, Stage.PROCESSING, token="t2", last_call="t0")
+    assert (await store.apply(called)).ok  # the sidecar's CALL, while the reaper asks
+    verdict = await Reaper(conn).resolve(message_id, looked, now_ms() + 3_600_000)
+    assert verdict.action == "raced"
+    record = await store.get_record(message_id)
+    assert record is not None
+    assert (record.stage, record.take_call) == (Stage.PROCESSING, "t2")

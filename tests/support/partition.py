@@ -27,9 +27,10 @@ class PartitionProxy:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
-    def lose_answers_after(self, marker: bytes) -> None:
-        """The next connection to send a write holding ``marker`` gets no answer to it, nor
-        to anything after: that write reaches Redis, whatever Redis says is dropped."""
+    def lose_answer_with(self, marker: bytes) -> None:
+        """The first answer from Redis that holds ``marker`` (on any connection) is dropped,
+        and everything after it on that connection: Redis did what was asked, and the client
+        never hears of it."""
         self._marker = marker
         self.cut = anyio.Event()
 
@@ -37,19 +38,20 @@ class PartitionProxy:
         lost = False
 
         async def up(redis: anyio.abc.SocketStream) -> None:
-            nonlocal lost
             async for chunk in client:
-                if self._marker is not None and self._marker in chunk:
-                    self._marker = None
-                    lost = True
                 await redis.send(chunk)
-                if lost:
-                    self.cut.set()
 
         async def down(redis: anyio.abc.SocketStream) -> None:
+            nonlocal lost
+            tail = b""  # the end of the last chunk: a marker may straddle two
             async for chunk in redis:
+                marker = self._marker
+                if not lost and marker is not None and marker in tail + chunk:
+                    self._marker, lost = None, True
+                    self.cut.set()
                 if not lost:
                     await client.send(chunk)
+                tail = chunk[-len(marker) :] if marker else b""
 
         async def pipe(tg: anyio.abc.TaskGroup, one_way: Any, redis: Any) -> None:
             try:

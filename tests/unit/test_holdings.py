@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from adapters.holdings import MAX_UNANSWERED, Holdings
+from adapters.holdings import MAX_UNANSWERED, Holdings, Taken
+
+TAKEN = Taken("1-0", "m", 1)
 
 
 def test_only_a_token_of_an_unanswered_call_says_never_called() -> None:
@@ -10,9 +12,9 @@ def test_only_a_token_of_an_unanswered_call_says_never_called() -> None:
     answered, unanswered = holdings.call_token(), holdings.call_token()
     assert answered != unanswered
     holdings.unanswered_call(unanswered)
-    assert holdings.never_called(unanswered)
-    assert not holdings.never_called(answered)
-    assert not holdings.never_called("")  # a record no sidecar of this version wrote
+    assert holdings.never_called(unanswered, TAKEN)
+    assert not holdings.never_called(answered, TAKEN)
+    assert not holdings.never_called("", TAKEN)  # a record no sidecar of this version wrote
 
 
 def test_the_oldest_unanswered_tokens_are_forgotten_past_the_cap() -> None:
@@ -21,5 +23,19 @@ def test_the_oldest_unanswered_tokens_are_forgotten_past_the_cap() -> None:
     for token in tokens:
         holdings.unanswered_call(token)
     assert len(holdings.unanswered) == MAX_UNANSWERED
-    assert not holdings.never_called(tokens[0]) and not holdings.never_called(tokens[1])
-    assert all(holdings.never_called(t) for t in tokens[2:])
+    assert not any(holdings.never_called(t, TAKEN) for t in tokens[:2])
+    assert all(holdings.never_called(t, TAKEN) for t in tokens[2:])
+
+
+def test_a_message_called_again_is_never_uncalled_again_whatever_its_token() -> None:
+    """Found PROCESSING and called: an older record given back by a Redis that lost writes
+    it had acknowledged still shows a token of an unanswered call; the message is not
+    called a third time on it. Another message of the same unanswered take still is."""
+    holdings = Holdings()
+    token = holdings.call_token()
+    holdings.unanswered_call(token)
+    other = Taken("2-0", "n", 1)
+    holdings.calling_again(TAKEN)
+    assert not holdings.never_called(token, TAKEN)
+    assert holdings.never_called(token, other)
+    assert holdings.never_called(token, Taken("1-0", "m", 2))  # a later attempt is its own
