@@ -27,7 +27,7 @@ from broker.store import Move
 
 Taken = Assignment  # one entry read from the instance's stream
 
-MAX_UNANSWERED = 1024  # call tokens kept: a partition leaves one or two
+MAX_UNANSWERED = 1024  # call tokens kept: a partition, or a replica falling behind, leaves a few
 MAX_CALLED_AGAIN = 65_536  # messages called after an unanswered round trip (a take's batch)
 
 

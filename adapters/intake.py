@@ -32,6 +32,7 @@ from broker.entries import fields_as_bytes, parse_assignment
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
 from broker.records import Moved
+from broker.results import Command
 from broker.scripts import ScriptName, script_source
 from broker.stages import Stage
 from broker.store import MessageStore, Move, Took, take_command, take_stamped, took
@@ -40,7 +41,8 @@ from broker.timekeeping import now_ms
 
 from .callback_desk import CallbackDesk
 from .finisher import Finisher
-from .holdings import Holdings, Taken
+from .holdings import Finished, Holdings, Taken
+from .one_trip import release_of
 from .runner import Runner
 from .workpool import WorkPool
 from .write_ahead import processing_move
@@ -384,26 +386,32 @@ class SidecarIntake:
     async def _drop_unusable(self, taken: list[Taken], answers: Sequence[object]) -> None:
         """The entries whose record Redis could not move (an error for that entry alone: its
         record a key of another type, or fields no version wrote), dead-lettered with the
-        error and acknowledged: one such entry, which anyone allowed to write records can
-        make, does not hold up the others for ever. A refusal to this user concerns them
-        all: it is raised."""
+        error and acknowledged, and its credit returned: one such entry, which anyone
+        allowed to write records can make, does not hold up the others for ever. A refusal to
+        this user concerns them all: it is raised."""
         for answer in answers:
             if isinstance(answer, RedisReplyError) and answer.permission_refused:
                 raise answer
+        failed = [
+            (t, a) for t, a in zip(taken, answers, strict=True) if isinstance(a, RedisReplyError)
+        ]
         unusable = [
             (t.entry_id, {"id": t.message_id.encode(), "attempt": b"%d" % t.attempt}, str(a))
-            for t, a in zip(taken, answers, strict=True)
-            if isinstance(a, RedisReplyError)
+            for t, a in failed
         ]
-        await self._drop_malformed(unusable, kind="unusable_record")
+        await self._drop_malformed(unusable, "unusable_record", [t for t, _ in failed])
 
     async def _drop_malformed(
-        self, malformed: list[tuple[str, dict[str, bytes], str]], kind: str = "malformed_entry"
+        self,
+        malformed: list[tuple[str, dict[str, bytes], str]],
+        kind: str = "malformed_entry",
+        assigned: list[Taken] | None = None,
     ) -> None:
         """Entries that are not assignments (someone else wrote to this stream), or
         (``kind``) that are but cannot be taken: each is dead-lettered with its bytes and
-        why, and acknowledged. Nothing runs; no credit was taken for it (only
-        ``lua/assign.lua`` takes credits)."""
+        why, and acknowledged. Nothing runs. No credit was taken for an entry that is no
+        assignment (only ``lua/assign.lua`` takes credits); an ``assigned`` one's credit is
+        returned with the acknowledgement (where there is none, nothing is freed)."""
         if not malformed:
             return
         letters = [
@@ -420,6 +428,9 @@ class SidecarIntake:
                 ),
             )
         ]
-        ack = ("XACK", self.queue, SIDECAR_GROUP, *(entry_id for entry_id, _, _ in malformed))
+        ack: Command = ("XACK", self.queue, SIDECAR_GROUP, *(e for e, _, _ in malformed))
+        if assigned is not None:
+            finished = [Finished(t, []) for t in assigned]
+            ack = release_of(self.store.conn, self.instance_id, finished)
         await self.store.conn.run_all([*letters, ack])
         log.warning("dropped %d entries from %s (%s)", len(malformed), self.queue, kind)

@@ -441,12 +441,14 @@ async def test_an_unusable_record_in_the_pending_list_is_dead_lettered_at_start(
 ) -> None:
     """A restarted sidecar takes its pending list first, the plain way (RECEIVED, then
     PROCESSING where RECEIVED was made). An entry there whose record is a key of another
-    type is dead-lettered with the error and acknowledged, and the message pending beside
-    it runs — where the error used to fail the whole list, at every start and every
-    recheck."""
+    type is dead-lettered with the error and acknowledged, its credit returned, and the
+    message pending beside it runs — where the error used to fail the whole list, at every
+    start and every recheck."""
     queue = conn.keys.queue("a-1")
     await conn.call("XGROUP", "CREATE", queue, "sidecar", "0", "MKSTREAM")
     await conn.call("SET", conn.keys.record("not-a-hash"), "x")
+    # assigned against a credit before its record was spoiled: the credit comes back
+    await conn.call("SADD", conn.keys.inflight("a-1"), "not-a-hash:1")
     good = await routed_to(conn, "a-1")
     await conn.call("XADD", queue, "*", "id", "not-a-hash", "attempt", "1")
     await conn.call("XADD", queue, "*", "id", good, "attempt", "1")
@@ -466,6 +468,7 @@ async def test_an_unusable_record_in_the_pending_list_is_dead_lettered_at_start(
         await eventually(acknowledged)
         assert not sidecar.stopped.is_set()
     assert calls == [good]
+    assert await conn.call("SISMEMBER", conn.keys.inflight("a-1"), "not-a-hash:1") == 0
     (letter,) = await dead_letters(conn)
     reason = letter["reason"].decode()
     assert reason.startswith("unusable_record: ") and "WRONGTYPE" in reason

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
+import anyio.abc
 import pytest
 from anyio import wait_all_tasks_blocked
 
@@ -117,3 +118,35 @@ async def test_an_answered_connection_outlives_its_deadlines(server: RedisServer
             await conn.execute([("PING",)], timeout_s=0.25)
     finally:
         await conn.close()
+
+
+async def test_a_connection_given_up_on_is_reset_not_closed_in_order() -> None:
+    """The watchdog resets the connection under a call it gave up on (``SO_LINGER`` 0): the
+    peer sees a reset, not an orderly end — so what the call wrote and the peer's host had
+    not acknowledged (a partition) is dropped rather than sent on for minutes after the
+    caller decided. A loopback peer that takes the connection and answers nothing."""
+    accepted: list[anyio.abc.SocketStream] = []
+    arrived = anyio.Event()
+
+    async def hold(stream: anyio.abc.SocketStream) -> None:
+        accepted.append(stream)
+        arrived.set()
+        await anyio.sleep_forever()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, hold)
+        conn = await RespConnection.open(f"redis://127.0.0.1:{port}")
+        try:
+            with anyio.fail_after(BOUND_S), pytest.raises(RedisUnavailable):
+                await conn.execute([("PING",)], timeout_s=0.3)
+        finally:
+            await conn.close()
+        with anyio.fail_after(BOUND_S):
+            await arrived.wait()
+            (peer,) = accepted
+            with pytest.raises(anyio.BrokenResourceError):  # an orderly end: EndOfStream
+                while True:
+                    await peer.receive()  # the PING, then the reset
+        tg.cancel_scope.cancel()

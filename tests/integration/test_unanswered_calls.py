@@ -4,6 +4,7 @@ lands late never makes a record since called look uncalled."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -275,3 +276,79 @@ async def test_the_reaper_does_not_park_what_the_sidecar_called_since_it_looked(
     record = await store.get_record(message_id)
     assert record is not None
     assert (record.stage, record.take_call) == (Stage.PROCESSING, "t2")
+
+
+def answer_lost_once(store: MessageStore, name: str, lose: Callable[[Any], bool]) -> list[bool]:
+    """``store``'s method ``name`` made as ever, and for the first call ``lose`` picks, its
+    answer lost after Redis made it (:class:`RedisUnavailable`, as a connection that went
+    silent gives): the list says whether that happened."""
+    real = getattr(store, name)
+    lost: list[bool] = []
+
+    async def made_then_lost(arg: Any) -> Any:
+        answer = await real(arg)
+        if not lost and lose(arg):
+            lost.append(True)
+            raise RedisUnavailable("redis did not answer within 0.1 s")
+        return answer
+
+    setattr(store, name, made_then_lost)
+    return lost
+
+
+async def test_a_call_whose_write_went_unanswered_is_called_once_found_again(
+    conn: Connection,
+) -> None:
+    """Found never called (T0), the message's CALL writes PROCESSING again (T1), and that
+    answer is lost: T1 is kept too, so found again the message is still known uncalled, and
+    the (non-idempotent) agent is called once — not parked."""
+    agent, calls = recording_agent("f")
+    store = MessageStore(conn)
+    async with running_sidecar(conn, "f-1", ("text.echo",), transport=agent) as sidecar:
+        taken, _ = await taken_unanswered(conn, sidecar)
+        lost = answer_lost_once(sidecar.runner.store, "apply", lambda m: m.expect_field is not None)
+        sidecar.runner.holdings.recheck_pending = True
+        await succeeds_unparked(store, taken.message_id)
+    assert lost == [True]
+    assert calls == [taken.message_id]
+
+
+async def test_a_pending_entry_whose_processing_went_unanswered_is_called(
+    conn: Connection,
+) -> None:
+    """An entry of the pending list (a restart, a recheck) is taken the plain way: RECEIVED,
+    then PROCESSING in a second round trip, whose answer is lost. Found again, PROCESSING
+    with that round trip's token: called once, not parked."""
+    agent, calls = recording_agent("f")
+    store = MessageStore(conn)
+    queue = conn.keys.queue("f-1")
+    async with running_sidecar(conn, "f-1", ("text.echo",), transport=agent) as sidecar:
+        message_id = await routed_to(conn, "f-1")
+        lost = answer_lost_once(
+            sidecar.intake.store,
+            "try_moves",
+            lambda moves: any(m.target is Stage.PROCESSING for m in moves),
+        )
+        await conn.call_many(  # read by f-1 and not taken: what a crash leaves pending
+            [
+                ("MULTI",),
+                ("XADD", queue, "*", "id", message_id, "attempt", "1"),
+                ("XREADGROUP", "GROUP", "sidecar", "f-1", "COUNT", "1", "STREAMS", queue, ">"),
+                ("EXEC",),
+            ]
+        )
+        sidecar.runner.holdings.recheck_pending = True
+        await succeeds_unparked(store, message_id)
+    assert lost == [True]
+    assert calls == [message_id]
+
+
+async def succeeds_unparked(store: MessageStore, message_id: str) -> None:
+    """Until the message has SUCCEEDED; it must not be parked on the way."""
+
+    async def succeeded() -> bool:
+        stage = (await store.stages([message_id]))[0]
+        assert stage is not Stage.NEEDS_CONFIRMATION
+        return stage is Stage.SUCCEEDED
+
+    await eventually(succeeded, timeout_s=15)
