@@ -143,6 +143,16 @@ def raised(reply: Any) -> Any:
     return reply
 
 
+def errors_in_place(replies: list[Any]) -> list[Any]:
+    """Pipelined replies, each an answer or the error reply Redis gave that command alone
+    (:class:`RedisReplyError`, left in place); anything else among them (Redis unavailable,
+    a lost connection) concerns them all, and is raised."""
+    for reply in replies:
+        if isinstance(reply, Exception) and not isinstance(reply, RedisReplyError):
+            raise reply
+    return replies
+
+
 def first_leaf(error: BaseException) -> BaseException:
     """The first exception at the bottom of nested exception groups (``error`` itself when it
     is no group): what a task group's failure was, said as the callers of one call expect."""

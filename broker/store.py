@@ -23,7 +23,7 @@ from .credits import Credits, assign_keys
 from .delivery import Delivery
 from .due_clock import DueClock
 from .entries import MAX_ATTEMPT
-from .errors import RedisReplyError, RedisUnavailable, raised
+from .errors import RedisReplyError, errors_in_place, raised
 from .event_log import emit, event_command
 from .keyspace import due_for
 from .record_codec import (
@@ -380,11 +380,9 @@ class MessageStore:
         a key of another type, say) has that error in its place; a Redis that cannot serve
         now raises :class:`RedisUnavailable`."""
         replies = await self.conn.call_many([move_command(self.conn, m) for m in moves])
-        answers: list[Moved | RedisReplyError] = []
-        for reply in replies:
-            if isinstance(reply, Exception) and not isinstance(reply, RedisReplyError):
-                raise reply
-            answers.append(reply if isinstance(reply, RedisReplyError) else moved(reply))
+        answers: list[Moved | RedisReplyError] = [
+            r if isinstance(r, RedisReplyError) else moved(r) for r in errors_in_place(replies)
+        ]
         made = [(m, a) for m, a in zip(moves, answers, strict=True) if isinstance(a, Moved)]
         await emit(self.conn, parked_events(self.conn, [m for m, _ in made], [a for _, a in made]))
         return answers
@@ -397,13 +395,10 @@ class MessageStore:
         with an error (its record a key of another type, say) has that error in its place;
         a Redis that cannot serve now raises :class:`RedisUnavailable`."""
         replies = await self.conn.call_many([receive_process_command(self.conn, *p) for p in pairs])
-        answers: list[tuple[Moved, Moved] | RedisReplyError] = []
-        for reply in replies:
-            if isinstance(reply, RedisUnavailable):
-                raise reply
-            is_error = isinstance(reply, RedisReplyError)
-            answers.append(reply if is_error else (moved(reply[0]), moved(reply[1])))
-        return answers
+        return [
+            r if isinstance(r, RedisReplyError) else (moved(r[0]), moved(r[1]))
+            for r in errors_in_place(replies)
+        ]
 
     # -- reading -----------------------------------------------------------------------------
 
