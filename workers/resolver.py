@@ -327,16 +327,21 @@ class Resolver:
         PROCESSING, only while the sidecar's last write before a call is the one it looked
         at (``take_call``): a sidecar that since called the agent (a record it found never
         called, adapters/holdings.py) is not parked, or retried, under it."""
-        processing = record.stage is Stage.PROCESSING
         return Move(
             record.id,
             target,
             only_from=record.stage,
             expect_attempt=record.attempt,
             expect_instance=record.instance,
-            expect_field=(TAKE_CALL, record.take_call) if processing else None,
+            expect_field=self.call_fence(record),
             **options,
         )
+
+    @staticmethod
+    def call_fence(record: MessageRecord) -> tuple[str, str] | None:
+        """From PROCESSING, a move is made only while the record's ``take_call`` is the one
+        looked at."""
+        return (TAKE_CALL, record.take_call) if record.stage is Stage.PROCESSING else None
 
     async def end(
         self,
@@ -372,9 +377,10 @@ class Resolver:
     async def unresolvable(self, record: MessageRecord, exc: Exception) -> Verdict:
         """End a message the reaper cannot resolve (an unreadable envelope, say) as DEAD with
         the error, from whatever stage it is in (fenced on that stage, attempt and
-        instance): nothing is sent to the agent, the record's bytes go to the dead letters
-        as they are, its producer is told on the reply stream the record names, and a credit
-        it held on a dead instance is returned."""
+        instance, and from PROCESSING on its last call: :meth:`call_fence`): nothing is sent
+        to the agent, the record's bytes go to the dead letters as they are, its producer is
+        told on the reply stream the record names, and a credit it held on a dead instance
+        is returned."""
         if record.stage in TERMINAL:
             return Verdict("forgotten", None)
         error = f"the reaper could not resolve it: {type(exc).__name__}: {exc}"
@@ -385,6 +391,7 @@ class Resolver:
                 any_of=frozenset({record.stage}),
                 expect_attempt=record.attempt,
                 expect_instance=record.instance,
+                expect_field=self.call_fence(record),
                 reason=error,
                 fields={"error": error},
             )

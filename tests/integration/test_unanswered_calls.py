@@ -245,13 +245,9 @@ async def test_a_call_refused_for_a_token_landed_meanwhile_is_decided_again(
     assert calls == [taken.message_id]
 
 
-async def test_the_reaper_does_not_park_what_the_sidecar_called_since_it_looked(
-    conn: Connection,
-) -> None:
-    """The reaper looks at a PROCESSING message past its time (token T0) and asks after
-    it; meanwhile its sidecar, which knows it never called it, calls it (T2). The reaper's
-    park is fenced on T0: refused, it looks again soon, and the message runs on — rather
-    than parked under a running call whose answer would then be refused."""
+async def called_since_looked(conn: Connection) -> tuple[MessageStore, MessageRecord]:
+    """A PROCESSING message as the reaper read it (token T0), then called by its sidecar,
+    which knows it never called it (T2): the store, and the record the reaper read."""
     store = MessageStore(conn)
     message_id = await routed_to(conn, "f-1")
     taken = Taken("1-0", message_id, 1)
@@ -269,13 +265,41 @@ async def test_the_reaper_does_not_park_what_the_sidecar_called_since_it_looked(
     assert (await store.apply(fenced(taken, Stage.RECEIVED, Stage.ROUTED))).ok
     assert (await store.apply(processing_move(fenced, taken, Stage.RECEIVED, token="t0"))).ok
     looked = await store.get_record(message_id)  # what the reaper read
+    assert looked is not None
     called = processing_move(fenced, taken, Stage.PROCESSING, token="t2", last_call="t0")
     assert (await store.apply(called)).ok  # the sidecar's CALL, while the reaper asks
-    verdict = await Reaper(conn).resolve(message_id, looked, now_ms() + 3_600_000)
-    assert verdict.action == "raced"
+    return store, looked
+
+
+async def still_called(store: MessageStore, message_id: str) -> None:
     record = await store.get_record(message_id)
     assert record is not None
     assert (record.stage, record.take_call) == (Stage.PROCESSING, "t2")
+
+
+async def test_the_reaper_does_not_park_what_the_sidecar_called_since_it_looked(
+    conn: Connection,
+) -> None:
+    """The reaper looks at a PROCESSING message past its time (token T0) and asks after
+    it; meanwhile its sidecar calls it (T2). The reaper's park is fenced on T0: refused, it
+    looks again soon, and the message runs on — rather than parked under a running call
+    whose answer would then be refused."""
+    store, looked = await called_since_looked(conn)
+    verdict = await Reaper(conn).resolve(looked.id, looked, now_ms() + 3_600_000)
+    assert verdict.action == "raced"
+    await still_called(store, looked.id)
+
+
+async def test_the_reaper_does_not_end_dead_what_the_sidecar_called_since_it_looked(
+    conn: Connection,
+) -> None:
+    """Nor is it ended DEAD as a message the reaper could not resolve (its envelope
+    unreadable, say) under a call its sidecar made since the reaper read it."""
+    store, looked = await called_since_looked(conn)
+    unreadable = ValueError("the envelope does not decode")
+    verdict = await Reaper(conn).resolver.unresolvable(looked, unreadable)
+    assert verdict.action == "raced"
+    await still_called(store, looked.id)
 
 
 def answer_lost_once(store: MessageStore, name: str, lose: Callable[[Any], bool]) -> list[bool]:
