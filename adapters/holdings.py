@@ -13,11 +13,19 @@ blocking read, say), the writes may still have been made, and the agent was cert
 called with them: it is called only after the answer. The token is kept, and a record found
 PROCESSING with it is run, not judged a crash's leftover (``Runner._restarted``). A new
 process knows no tokens: after a restart such a record is judged as before.
+
+Late writes. A round trip given up on may still reach Redis after the sidecar has read its
+pending list again (a partition that held its bytes): what it took then sits in that list,
+PROCESSING with an unanswered token, and no read brings it back. So after a round trip went
+unanswered the pending list is read again every read silence for as long as the reaper
+leaves such a record to its sidecar (:meth:`Holdings.look_again`).
 """
 
 from __future__ import annotations
 
+import math
 import secrets
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -50,8 +58,10 @@ class Holdings:
     unanswered: OrderedDict[str, None] = field(default_factory=OrderedDict)  # call tokens
     # (message id, attempt) called after being found PROCESSING: never uncalled again
     called_again: OrderedDict[tuple[str, int], None] = field(default_factory=OrderedDict)
+    unanswered_at: float = -math.inf  # when a round trip last went so (time.monotonic())
     _process: str = field(default_factory=lambda: secrets.token_hex(8) + ".")
     _calls: int = 0
+    _next_look: float = 0.0  # the pending list is read again no sooner (look_again)
 
     def call_token(self) -> str:
         """A new round trip's token, to write with each PROCESSING it makes: this process's
@@ -64,8 +74,22 @@ class Holdings:
         """The round trip of ``token`` ended without an answer acted on: none of the
         PROCESSING it may have written was followed by a call to the agent."""
         self.unanswered[token] = None
+        self.unanswered_at = time.monotonic()
         while len(self.unanswered) > MAX_UNANSWERED:  # the oldest: judged as after a restart
             self.unanswered.popitem(last=False)
+
+    def look_again(self, lateness_s: float, every_s: float) -> bool:
+        """Whether to read the pending list again now: after an error (``recheck_pending``),
+        and every ``every_s`` until ``lateness_s`` (how long the reaper leaves a PROCESSING
+        record to its sidecar) and one more look have passed since a round trip last went
+        unanswered: one of its writes landing that late is still this sidecar's to run."""
+        now = time.monotonic()
+        late = now - self.unanswered_at < lateness_s + every_s and now >= self._next_look
+        if not (self.recheck_pending or late):
+            return False
+        self.recheck_pending = False
+        self._next_look = now + every_s
+        return True
 
     def calling_again(self, taken: Taken) -> None:
         """``taken``, found PROCESSING, is called now: whatever token its record shows later

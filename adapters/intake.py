@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 
 from broker import failpoints
-from broker.config import Settings
+from broker.config import Settings, processing_lateness_s
 from broker.connection import Connection
 from broker.deadletters import Letter
 from broker.delivery import dead_letter_commands
@@ -98,6 +98,8 @@ class SidecarIntake:
         self.one_wake_up = True  # until Redis says this user may not (take_next)
         self._after = "0-0"  # where take_next's blocking read waits past (lua/take.lua)
         self._take: tuple[Any, ...] | None = None  # lua/take.lua's call (_take_command)
+        self._lateness_s = processing_lateness_s(conn.settings)  # Holdings.look_again
+        self._silence_s = read_silence_s(conn.settings)
 
     async def read(self, reader: GroupReader, *, pending: bool = False) -> list[StreamEntry]:
         """New entries, or (at start) this instance's own pending list: a restart after a crash
@@ -116,12 +118,12 @@ class SidecarIntake:
 
     async def consume(self, reader: GroupReader, pool: WorkPool, stopping: anyio.Event) -> None:
         """Read and take until the sidecar stops; after a failure (or a slipped hold), first
-        take again what fell through the cracks of the pending list."""
+        take again what fell through the cracks of the pending list (and for a while after
+        an unanswered round trip: :meth:`Holdings.look_again`)."""
         backoff = 0.1
         while not stopping.is_set():
             try:
-                if self.holdings.recheck_pending:
-                    self.holdings.recheck_pending = False
+                if self.holdings.look_again(self._lateness_s, self._silence_s):
                     pending = await self.read(reader, pending=True)
                     await self.take(pool, [e for e in pending if e[0] not in self.holdings.held])
                 # no new work while outcomes pile up unrecorded (a stop is still heard); the

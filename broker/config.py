@@ -164,6 +164,12 @@ def answer_grace_s(settings: Settings) -> float:
     return 3 * settings.sweep_interval_s + 2.0
 
 
+def processing_lateness_s(settings: Settings) -> float:
+    """How long after PROCESSING is written the reaper leaves the message to its sidecar
+    before it asks after it: the sidecar's own call timeout, and the grace past it."""
+    return settings.sync_call_timeout_s + settings.processing_grace_s
+
+
 def build_settings(layers: list[Mapping[str, Any]]) -> Settings:
     """Merge layers (later wins) and validate; raise :class:`ConfigError` naming the key."""
     merged: dict[str, Any] = {}

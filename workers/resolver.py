@@ -35,6 +35,7 @@ from adapters.finisher import charged
 from adapters.status import StatusClient
 from adapters.write_ahead import TAKE_CALL
 from broker.broadcast import decode_children
+from broker.config import processing_lateness_s
 from broker.connection import Connection
 from broker.deadletters import Letter
 from broker.envelope import Envelope, load_envelope
@@ -80,9 +81,7 @@ class Resolver:
         self.status = status
         self.rng = random.Random()
         self.delivery_timeout_ms = int(conn.settings.delivery_timeout_s * 1000)
-        self.processing_timeout_ms = int(
-            (conn.settings.sync_call_timeout_s + conn.settings.processing_grace_s) * 1000
-        )
+        self.processing_timeout_ms = int(processing_lateness_s(conn.settings) * 1000)
         self.callback_timeout_ms = int(conn.settings.callback_timeout_s * 1000)
 
     async def resolve(self, message_id: str, record: MessageRecord | None, now: int) -> Verdict:

@@ -4,15 +4,19 @@ a call."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
 import msgspec
+import pytest
 
 from adapters.python import Agent
 from adapters.runner import NEVER_CALLED
 from adapters.sidecar import Sidecar
+from adapters.transport import Transport
 from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection
@@ -24,10 +28,11 @@ from tests.support.agents import recording_agent
 from tests.support.harness import (
     collect_replies,
     connected,
+    eventually,
     running_dispatcher,
     running_sidecar,
 )
-from tests.support.partition import partition_proxy
+from tests.support.partition import PartitionProxy, partition_proxy
 
 
 async def test_a_taken_message_starts_before_the_next_read(conn: Connection) -> None:
@@ -84,6 +89,7 @@ async def test_an_instance_named_like_a_read_option_serves(conn: Connection) -> 
     assert all(r.ok for r in results.values())
 
 
+@pytest.mark.one_server  # the one-wake-up take (lua/take.lua): a single server's
 async def test_a_take_whose_answer_is_lost_runs_its_message(
     conn: Connection, settings: Settings
 ) -> None:
@@ -95,11 +101,83 @@ async def test_a_take_whose_answer_is_lost_runs_its_message(
     succeeds — before the reaper (here at the default call timeout: 5 s + 5 s after
     PROCESSING) would ask after it and park it as a crash's leftover."""
     agent, calls = recording_agent("f")
-    default_timeouts = msgspec.structs.replace(settings, sync_call_timeout_s=5.0)
     store = MessageStore(conn)
     reply_to = conn.keys.reply("lost")
-    async with partition_proxy(urlsplit(conn.url).port or 6379) as proxy:
-        through = msgspec.structs.replace(default_timeouts, redis_url=proxy.url)
+    async with sidecar_through_proxy(settings, agent, reply_to) as (proxy, client):
+        # the take script's answer (it holds the envelope, with the id) is lost
+        lost = new_message_id()
+        proxy.lose_answer_with(lost.encode())
+        # a deadline within the reaper's lateness (5 s + 5 s): it looks at 9 s, and parks
+        # the message at 10 s unless its sidecar has run it by then
+        await client.submit(
+            Envelope(id=lost, capability="text.echo", reply_to=reply_to, timeout_s=9.0)
+        )
+        with anyio.fail_after(5):
+            await proxy.cut.wait()
+        await wait_for_stage(store, lost, Stage.PROCESSING, timeout_s=5)
+        assert calls.count(lost) == 0
+        record = await store.get_record(lost)
+        assert record is not None and record.take_call
+        # the read gives up (block + 5 s), and the message is found again
+        await wait_for_stage(store, lost, Stage.SUCCEEDED, timeout_s=30)
+    assert calls.count(lost) == 1
+    reasons = [(e.stage, e.reason) for e in await store.get_timeline(lost)]
+    assert (Stage.PROCESSING, NEVER_CALLED) in reasons, reasons
+    assert Stage.NEEDS_CONFIRMATION not in [stage for stage, _ in reasons]
+
+
+@pytest.mark.one_server  # the one-wake-up take (lua/take.lua): a single server's
+async def test_a_take_that_reaches_redis_after_the_sidecar_read_again_runs_its_message(
+    conn: Connection, settings: Settings
+) -> None:
+    """The other half of a partition: a take's write held on the way, until the sidecar
+    gave up on it, read its pending list again (empty) and read on, on a new connection. Then
+    it reaches Redis (on the old connection, which Redis kept) and takes a message: PROCESSING
+    with the lost take's token, in the pending list, and no read of the sidecar's brings it
+    back. The sidecar reads its pending list again for a while after a round trip went
+    unanswered, finds it there, and calls the (non-idempotent) agent once — before the reaper
+    (5 s + 5 s after PROCESSING) parks it."""
+    agent, calls = recording_agent("f")
+    store = MessageStore(conn)
+    reply_to = conn.keys.reply("late")
+    # the read gives up 1 s past its block
+    async with sidecar_through_proxy(settings, agent, reply_to, grace_s=1.0) as (proxy, client):
+        # the next take (its blocking XREAD), and the one after the sidecar gave up on it
+        proxy.hold_writes_with(b"$5\r\nXREAD\r\n", 2)
+        with anyio.fail_after(15):
+            await proxy.all_held.wait()
+        late = await client.submit(Envelope(capability="text.echo", reply_to=reply_to))
+        queue = conn.keys.queue("f-1")
+
+        async def assigned() -> bool:
+            return int(await conn.call("XLEN", queue)) == 2
+
+        await eventually(assigned, timeout_s=10)
+        lost, live = proxy.held
+        await lost.deliver()  # the old take reaches Redis, and takes the message
+        await wait_for_stage(store, late, Stage.PROCESSING, timeout_s=5)
+        await live.deliver()  # the sidecar's read goes on: nothing new to take
+        assert calls.count(late) == 0
+        await wait_for_stage(store, late, Stage.SUCCEEDED, timeout_s=15)
+    assert calls.count(late) == 1
+    reasons = [(e.stage, e.reason) for e in await store.get_timeline(late)]
+    assert (Stage.PROCESSING, NEVER_CALLED) in reasons, reasons
+
+
+@asynccontextmanager
+async def sidecar_through_proxy(
+    settings: Settings, agent: Transport, reply_to: str, *, grace_s: float = 5.0
+) -> AsyncIterator[tuple[PartitionProxy, Client]]:
+    """A dispatcher and a reaper at the default call timeout (a PROCESSING message is asked
+    after 5 s + 5 s after it was written), and a sidecar of instance ``f-1`` reaching Redis
+    through a :class:`PartitionProxy`, with ``grace_s`` as its processing grace; a first
+    message has run through them. Yields the proxy and a producer's client."""
+    default_timeouts = msgspec.structs.replace(settings, sync_call_timeout_s=5.0)
+    assert settings.redis_url is not None
+    async with partition_proxy(urlsplit(settings.redis_url).port or 6379) as proxy:
+        through = msgspec.structs.replace(
+            default_timeouts, redis_url=proxy.url, processing_grace_s=grace_s
+        )
         async with (
             connected(default_timeouts) as broker_conn,
             connected(through) as sidecar_conn,
@@ -108,27 +186,8 @@ async def test_a_take_whose_answer_is_lost_runs_its_message(
         ):
             client = Client(broker_conn)
             warm = await client.submit(Envelope(capability="text.echo", reply_to=reply_to))
-            await wait_for_stage(store, warm, Stage.SUCCEEDED)
-            # the take script's answer (it holds the envelope, with the id) is lost
-            lost = new_message_id()
-            proxy.lose_answer_with(lost.encode())
-            # a deadline within the reaper's lateness (5 s + 5 s): it looks at 9 s, and parks
-            # the message at 10 s unless its sidecar has run it by then
-            await client.submit(
-                Envelope(id=lost, capability="text.echo", reply_to=reply_to, timeout_s=9.0)
-            )
-            with anyio.fail_after(5):
-                await proxy.cut.wait()
-            await wait_for_stage(store, lost, Stage.PROCESSING, timeout_s=5)
-            assert calls.count(lost) == 0
-            record = await store.get_record(lost)
-            assert record is not None and record.take_call
-            # the read gives up (block + 5 s), and the message is found again
-            await wait_for_stage(store, lost, Stage.SUCCEEDED, timeout_s=30)
-    assert calls.count(lost) == 1
-    reasons = [(e.stage, e.reason) for e in await store.get_timeline(lost)]
-    assert (Stage.PROCESSING, NEVER_CALLED) in reasons, reasons
-    assert Stage.NEEDS_CONFIRMATION not in [stage for stage, _ in reasons]
+            await wait_for_stage(MessageStore(broker_conn), warm, Stage.SUCCEEDED)
+            yield proxy, client
 
 
 async def wait_for_stage(

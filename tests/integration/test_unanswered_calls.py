@@ -137,6 +137,7 @@ async def test_a_move_fenced_on_a_field_is_made_only_where_the_field_holds_the_v
         assert not missing.ok and missing.stage is None
 
 
+@pytest.mark.one_server  # take_next, the one-wake-up take: a single server's
 async def test_a_redis_that_cannot_be_reached_leaves_no_unanswered_call(
     conn: Connection,
 ) -> None:

@@ -39,3 +39,28 @@ def test_a_message_called_again_is_never_uncalled_again_whatever_its_token() -> 
     assert not holdings.never_called(token, TAKEN)
     assert holdings.never_called(token, other)
     assert holdings.never_called(token, Taken("1-0", "m", 2))  # a later attempt is its own
+
+
+def test_the_pending_list_is_read_again_after_an_error() -> None:
+    holdings = Holdings()
+    assert not holdings.look_again(lateness_s=10, every_s=0)  # nothing went wrong
+    holdings.recheck_pending = True
+    assert holdings.look_again(lateness_s=10, every_s=0)
+    assert not holdings.look_again(lateness_s=10, every_s=0)  # once per error
+
+
+def test_the_pending_list_is_read_again_while_a_lost_answers_writes_may_land() -> None:
+    holdings = Holdings()
+    holdings.unanswered_call(holdings.call_token())
+    assert holdings.look_again(lateness_s=10, every_s=0)  # while the reaper waits: again
+    assert holdings.look_again(lateness_s=10, every_s=0)
+    assert not holdings.look_again(lateness_s=0, every_s=0)  # past it: only after errors
+
+
+def test_a_lost_answers_looks_are_spaced_and_an_error_is_looked_at_at_once() -> None:
+    holdings = Holdings()
+    holdings.unanswered_call(holdings.call_token())
+    assert holdings.look_again(lateness_s=10, every_s=3600)
+    assert not holdings.look_again(lateness_s=10, every_s=3600)  # the next: an hour on
+    holdings.recheck_pending = True
+    assert holdings.look_again(lateness_s=10, every_s=3600)
