@@ -16,6 +16,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -70,7 +71,28 @@ def state_dir() -> Path:
     return Path(base) / "agent-reach"
 
 
+_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10_000  # below it: the ports well-known services listen on
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on, chosen below the kernel's ephemeral range where
+    there is room: a server stopped and started again on it (a restart keeps its address)
+    cannot find it taken meanwhile by the local end of some outgoing connection — its own
+    clients' reconnects, say — which the kernel takes from that range."""
+    try:
+        ephemeral_from = int(_PORT_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_from = 0
+    rng = random.SystemRandom()
+    for _ in range(50 if ephemeral_from > _LOWEST_PORT + 1000 else 0):
+        port = rng.randrange(_LOWEST_PORT, ephemeral_from)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -12,10 +13,26 @@ from broker.embedded import (
     RedisServer,
     embedded_redis,
     find_redis_server,
+    free_port,
     ping,
     running_embedded_url,
 )
 from broker.errors import EmbeddedRedisError
+
+
+def test_a_free_port_is_one_no_outgoing_connection_takes_meanwhile() -> None:
+    """Below the kernel's ephemeral range, where a server's restart finds its port again:
+    an outgoing connection's local end is taken from that range, never from below it."""
+    ephemeral_from, _ = (
+        int(p) for p in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    )
+    ports = {free_port() for _ in range(20)}
+    if ephemeral_from > 11_000:  # room below it (Linux's default range starts at 32768)
+        assert all(10_000 <= p < ephemeral_from for p in ports)
+    assert len(ports) > 1  # chosen at random, not the same one each time
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # and nothing holds it
 
 
 def test_a_redis_server_binary_is_found() -> None:
