@@ -29,11 +29,11 @@ from broker.records import MessageRecord
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
-from broker.usage import Charge, charge, stored_usage, usage_in_result
+from broker.usage import Charge, charge, charged, stored_usage, usage_in_result
 
 from .asgi import serve_app
 from .callbacks import Answer, CallbackTokens, callback_app
-from .finisher import Finisher, charged
+from .finisher import Finisher
 from .holdings import Finished, Holdings, Taken
 from .outcome import Failed, Succeeded
 from .vitals import Vitals

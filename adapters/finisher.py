@@ -33,7 +33,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
-import msgspec
 
 from broker.connection import Connection
 from broker.delivery import producer_commands
@@ -45,10 +44,11 @@ from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
-from broker.usage import Charge, reported
+from broker.usage import Charge, charged
 
-from .holdings import Finished, Holdings, Taken
-from .one_trip import OneTrip, release_of, time_ended
+from .dropping import drop_unusable
+from .holdings import Finished, Holdings, Taken, release_of
+from .one_trip import OneTrip, time_ended
 
 log = logging.getLogger("agent_reach.sidecar")
 T = TypeVar("T")
@@ -79,21 +79,6 @@ class Wakeup:
     async def wait(self) -> None:
         await self._event.wait()
         self._event = anyio.Event()
-
-
-def charged(options: dict[str, Any], attempt: int) -> dict[str, Any]:
-    """A move's options with what its charge puts on the record: the agent that ran it (for
-    feedback after its card is gone) and, when usage was reported, the usage
-    (``usage:<attempt>``) and its words on the timeline."""
-    bill: Charge | None = options.get("charge")
-    if bill is None:
-        return options
-    fields = {**(options.get("fields") or {}), "agent": bill.agent}
-    if (usage := reported(bill)) is None:
-        return {**options, "fields": fields}
-    fields[f"usage:{attempt}"] = msgspec.json.encode(usage)
-    reason = "; ".join(filter(None, (options.get("reason"), usage.describe())))
-    return {**options, "fields": fields, "reason": reason}
 
 
 class Finisher:
@@ -357,7 +342,8 @@ class Finisher:
     async def record_now(self) -> None:
         """Record every queued outcome (one round trip); its replies and credit follow — in
         the same round trip for a round of one outcome on one server (:data:`ONE_TRIP_MAX`,
-        :mod:`adapters.one_trip`), else in the releasing stage."""
+        :mod:`adapters.one_trip`), else in the releasing stage (:mod:`adapters.dropping`:
+        where Redis cannot move the record, dead-lettered and released instead)."""
         async with self._record_lock:
             batch, self._queued = self._queued, []
             if not batch:
@@ -371,7 +357,7 @@ class Finisher:
                 else:
                     # awaited first: the releasing stage swaps the list while this is out
                     recorded = await self._record(batch)
-                    self._unreleased.append((batch, recorded))
+                    self._unreleased.append(recorded)
                     self._recorded_ready.set()
             except Exception:
                 # anything that stopped the round trip: the batch is recorded again next time
@@ -414,12 +400,22 @@ class Finisher:
         for listener in self.on_let_go:
             listener(item.taken)
 
-    async def _record(self, batch: list[Finished]) -> set[int]:
-        """Write the outcomes; the ids of the items whose outcome is on the record."""
+    async def _record(self, batch: list[Finished]) -> tuple[list[Finished], set[int]]:
+        """Write the outcomes. Returns the items to tell and release, and the ids of those
+        whose outcome is on the record; one whose record Redis could not move is let go of
+        here, dead-lettered and released (:func:`~adapters.dropping.drop_unusable`)."""
         settles = [item for item in batch if item.settle is not None]
-        done = await self.store.move_many([item.settle for item in settles if item.settle])
-        time_ended(list(zip(settles, done, strict=True)))
-        return {id(item) for item, m in zip(settles, done, strict=True) if self._recorded(item, m)}
+        answers = await self.store.try_moves([item.settle for item in settles if item.settle])
+        dropped = await drop_unusable(
+            self.conn, self.instance_id, [item.taken for item in settles], answers
+        )
+        done = [(item, a) for item, a in zip(settles, answers, strict=True) if isinstance(a, Moved)]
+        time_ended(done)
+        for item in batch:
+            if item.taken.entry_id in dropped:
+                self._let_go(item)
+        kept = [item for item in batch if item.taken.entry_id not in dropped]
+        return kept, {id(item) for item, m in done if self._recorded(item, m)}
 
     async def _tell(self, batch: list[Finished], recorded: set[int]) -> None:
         replying = [

@@ -29,7 +29,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from broker.connection import Connection
+from broker.credits import release_command
 from broker.entries import Assignment
+from broker.keyspace import SIDECAR_GROUP
 from broker.results import Command
 from broker.store import Move
 
@@ -137,3 +140,9 @@ class Holdings:
     def _forget(self, taken: Taken) -> None:
         if self.by_message.get(taken.message_id) == taken:
             del self.by_message[taken.message_id]
+
+
+def release_of(conn: Connection, instance_id: str, batch: list[Finished]) -> Command:
+    """``lua/release.lua`` for these entries: their credits back, their entries acked."""
+    pairs = [(f"{i.taken.message_id}:{i.taken.attempt}", i.taken.entry_id) for i in batch]
+    return release_command(conn, instance_id, SIDECAR_GROUP, pairs)

@@ -17,7 +17,7 @@ dead-lettered and acknowledged.
 from __future__ import annotations
 
 import logging
-from collections.abc import Container, Sequence
+from collections.abc import Container
 from functools import partial
 from typing import Any
 
@@ -26,23 +26,19 @@ import anyio
 from broker import failpoints
 from broker.config import Settings, processing_lateness_s
 from broker.connection import Connection
-from broker.deadletters import Letter
-from broker.delivery import dead_letter_commands
-from broker.entries import fields_as_bytes, parse_assignment
+from broker.entries import parse_assignment
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
 from broker.records import Moved
-from broker.results import Command
 from broker.scripts import ScriptName, script_source
 from broker.stages import Stage
 from broker.store import MessageStore, Move, Took, take_command, take_stamped, took
-from broker.streams import GroupReader, StreamEntry, field_bytes, fields_of
-from broker.timekeeping import now_ms
+from broker.streams import GroupReader, StreamEntry, fields_of
 
 from .callback_desk import CallbackDesk
+from .dropping import drop_entries, drop_unusable
 from .finisher import Finisher
-from .holdings import Finished, Holdings, Taken
-from .one_trip import release_of
+from .holdings import Holdings, Taken
 from .runner import Runner
 from .workpool import WorkPool
 from .write_ahead import processing_move
@@ -244,7 +240,7 @@ class SidecarIntake:
         moved = [t for t in taken if t.entry_id in read.moves]
         pairs = [read.moves[t.entry_id] for t in moved]
         await self._start(pool, moved, [r for r, _ in pairs], [p for _, p in pairs])
-        await self._drop_malformed(refused)
+        await drop_entries(self.conn, self.instance_id, refused)
         rest = [t for t in taken if t.entry_id not in read.moves]
         if rest:
             await self._start(pool, *await self._receive_and_process(rest))
@@ -266,7 +262,7 @@ class SidecarIntake:
         if not entries:
             return []
         taken, refused = self._sorted(_parsed(entries))
-        await self._drop_malformed(refused)
+        await drop_entries(self.conn, self.instance_id, refused)
         return taken
 
     async def _start(
@@ -340,13 +336,13 @@ class SidecarIntake:
         self, taken: list[Taken]
     ) -> tuple[list[Taken], list[Moved], list[Moved]]:
         """Both moves of each, and what was taken with them; an entry whose record Redis
-        could not move is dead-lettered and left out (:meth:`_drop_unusable`)."""
+        could not move is dead-lettered and left out (:func:`~adapters.dropping.drop_unusable`)."""
         token = self.holdings.call_token()
         try:
             answers = await self.store.receive_and_process(
                 [self._moves(t, token=token) for t in taken]
             )
-            await self._drop_unusable(taken, answers)
+            await drop_unusable(self.conn, self.instance_id, taken, answers)
         except BaseException:
             self.holdings.unanswered_call(token)  # the moves may be made; no call was
             raise
@@ -362,7 +358,7 @@ class SidecarIntake:
         token = self.holdings.call_token()
         moves = [self._moves(t, token=token) for t in taken]
         answers = await self.store.try_moves([receive for receive, _ in moves])
-        await self._drop_unusable(taken, answers)
+        await drop_unusable(self.conn, self.instance_id, taken, answers)
         received = [
             (t, process, a)
             for t, (_, process), a in zip(taken, moves, answers, strict=True)
@@ -372,7 +368,7 @@ class SidecarIntake:
         fresh = [(t, process) for t, process, a in received if a.ok and a.value]
         try:
             processed = await self.store.try_moves([p for _, p in fresh]) if fresh else []
-            await self._drop_unusable([t for t, _ in fresh], processed)
+            await drop_unusable(self.conn, self.instance_id, [t for t, _ in fresh], processed)
         except BaseException:
             self.holdings.unanswered_call(token)  # the moves may be made; no call was
             raise
@@ -384,55 +380,3 @@ class SidecarIntake:
             if isinstance(p, Moved):  # else dead-lettered: its PROCESSING move failed
                 out.append((t, r, p))
         return [t for t, _, _ in out], [r for _, r, _ in out], [p for _, _, p in out]
-
-    async def _drop_unusable(self, taken: list[Taken], answers: Sequence[object]) -> None:
-        """The entries whose record Redis could not move (an error for that entry alone: its
-        record a key of another type, or fields no version wrote), dead-lettered with the
-        error and acknowledged, and its credit returned: one such entry, which anyone
-        allowed to write records can make, does not hold up the others for ever. A refusal to
-        this user concerns them all: it is raised."""
-        for answer in answers:
-            if isinstance(answer, RedisReplyError) and answer.permission_refused:
-                raise answer
-        failed = [
-            (t, a) for t, a in zip(taken, answers, strict=True) if isinstance(a, RedisReplyError)
-        ]
-        unusable = [
-            (t.entry_id, {"id": t.message_id.encode(), "attempt": b"%d" % t.attempt}, str(a))
-            for t, a in failed
-        ]
-        await self._drop_malformed(unusable, "unusable_record", [t for t, _ in failed])
-
-    async def _drop_malformed(
-        self,
-        malformed: list[tuple[str, dict[str, bytes], str]],
-        kind: str = "malformed_entry",
-        assigned: list[Taken] | None = None,
-    ) -> None:
-        """Entries that are not assignments (someone else wrote to this stream), or
-        (``kind``) that are but cannot be taken: each is dead-lettered with its bytes and
-        why, and acknowledged. Nothing runs. No credit was taken for an entry that is no
-        assignment (only ``lua/assign.lua`` takes credits); an ``assigned`` one's credit is
-        returned with the acknowledgement (where there is none, nothing is freed)."""
-        if not malformed:
-            return
-        letters = [
-            command
-            for entry_id, fields, why in malformed
-            for command in dead_letter_commands(
-                self.store.conn,
-                Letter(
-                    id="",
-                    reason=f"{kind}: {why}",
-                    raw=fields_as_bytes((field_bytes(k), v) for k, v in fields.items()),
-                    source=f"{self.queue} {entry_id}",
-                    ts_ms=now_ms(),
-                ),
-            )
-        ]
-        ack: Command = ("XACK", self.queue, SIDECAR_GROUP, *(e for e, _, _ in malformed))
-        if assigned is not None:
-            finished = [Finished(t, []) for t in assigned]
-            ack = release_of(self.store.conn, self.instance_id, finished)
-        await self.store.conn.run_all([*letters, ack])
-        log.warning("dropped %d entries from %s (%s)", len(malformed), self.queue, kind)

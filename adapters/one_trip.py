@@ -2,8 +2,9 @@
 finisher sends only rounds of one outcome this way, ``ONE_TRIP_MAX``): the outcomes' moves and
 ``lua/finish.lua`` in one pipeline, which tells the producers of the
 outcomes on the record and returns the credits. What it cannot release is answered here: a
-reply Redis refused is dead-lettered and then its entry released; a move that failed is handed
-back to be recorded again."""
+reply Redis refused is dead-lettered and then its entry released; an outcome whose record
+Redis could not move is dead-lettered and released too (:mod:`adapters.dropping`); another
+move that failed is handed back to be recorded again."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from collections.abc import Sequence
 
 from broker import process_metrics
 from broker.connection import Connection
-from broker.credits import release_command
 from broker.errors import RedisReplyError, RedisUnavailable, raised
 from broker.event_log import emit
 from broker.finishing import Ending, finish_answer, finish_commands, fits
@@ -20,20 +20,14 @@ from broker.keyspace import SIDECAR_GROUP
 from broker.process_metrics import since_ms
 from broker.record_codec import moved
 from broker.records import Moved
-from broker.results import Command
 from broker.stages import TERMINAL
 from broker.store import MessageStore, parked_events
 from broker.timekeeping import now_ms
 
-from .holdings import Finished
+from . import dropping
+from .holdings import Finished, release_of
 
 log = logging.getLogger("agent_reach.sidecar")
-
-
-def release_of(conn: Connection, instance_id: str, batch: list[Finished]) -> Command:
-    """``lua/release.lua`` for these entries: their credits back, their entries acked."""
-    pairs = [(f"{i.taken.message_id}:{i.taken.attempt}", i.taken.entry_id) for i in batch]
-    return release_command(conn, instance_id, SIDECAR_GROUP, pairs)
 
 
 def time_ended(made: list[tuple[Finished, Moved]]) -> None:
@@ -67,6 +61,10 @@ class OneTrip:
         )
         replies = await self.conn.call_many(commands)
         settles = [item for item in batch if item.settle is not None]
+        # a record Redis could not move (the script holds its entry): dead-lettered, released
+        dropped = await dropping.drop_unusable(
+            self.conn, self.instance_id, [item.taken for item in settles], replies[:-1]
+        )
         made = [
             (item, moved(reply))
             for item, reply in zip(settles, replies[:-1], strict=True)
@@ -77,8 +75,9 @@ class OneTrip:
         moves = [item.settle for item, _ in made if item.settle is not None]
         await emit(self.conn, parked_events(self.conn, moves, [m for _, m in made]))
         answer = finish_answer(raised(replies[-1]))
+        kept = {k for k, item in enumerate(batch) if item.taken.entry_id not in dropped}
         problem: Exception | None = None
-        if answer.unmoved:
+        if answer.unmoved & kept:
             failed = next((r for r in replies[:-1] if isinstance(r, Exception)), None)
             problem = failed or RedisReplyError(f"ERR {len(answer.unmoved)} moves not made")
             log.warning("outcomes not recorded, to be written again: %s", problem)
@@ -90,7 +89,7 @@ class OneTrip:
         refused = [(batch[k], c, e) for k, (c, e) in answer.refused.items() if k not in later]
         if refused:
             await self._dead_letter(refused)
-        again = sorted(answer.unmoved | answer.unreached | later)
+        again = sorted((answer.unmoved | answer.unreached | later) & kept)
         return [batch[k] for k in again], problem
 
     async def _dead_letter(self, refused: Sequence[tuple[Finished, int, Exception]]) -> None:

@@ -289,3 +289,18 @@ def spending(raw: Mapping[bytes, bytes]) -> dict[str, float]:
                 tenant = name[len(prefix) :].decode(errors="replace")
                 out[tenant] = out.get(tenant, 0.0) + amount
     return out
+
+
+def charged(options: dict[str, Any], attempt: int) -> dict[str, Any]:
+    """A move's options with what its charge puts on the record: the agent that ran it (for
+    feedback after its card is gone) and, when usage was reported, the usage
+    (``usage:<attempt>``) and its words on the timeline."""
+    bill: Charge | None = options.get("charge")
+    if bill is None:
+        return options
+    fields = {**(options.get("fields") or {}), "agent": bill.agent}
+    if (usage := reported(bill)) is None:
+        return {**options, "fields": fields}
+    fields[f"usage:{attempt}"] = msgspec.json.encode(usage)
+    reason = "; ".join(filter(None, (options.get("reason"), usage.describe())))
+    return {**options, "fields": fields, "reason": reason}

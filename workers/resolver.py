@@ -31,7 +31,6 @@ from typing import Any
 import anyio
 
 from adapters.callback_desk import callback_charge, callback_outcome
-from adapters.finisher import charged
 from adapters.status import StatusClient
 from adapters.write_ahead import TAKE_CALL
 from broker.broadcast import decode_children
@@ -46,7 +45,7 @@ from broker.retry import retry_delay_ms
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
-from broker.usage import Charge
+from broker.usage import Charge, charged
 from broker.wire import ReplyEntry
 
 from .instances import Instances

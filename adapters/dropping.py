@@ -1,0 +1,89 @@
+"""Entries a sidecar cannot take or finish: each is dead-lettered with its bytes and why,
+acknowledged, and its credit returned where it holds one. Nothing runs, or nothing more.
+
+Two kinds come here. An entry that is no assignment (someone else wrote to the stream: a
+*malformed entry*) holds no credit, since only ``lua/assign.lua`` takes credits. An
+assignment whose record Redis cannot move (an *unusable record*: a key of another type, or
+fields no version wrote, which anyone allowed to write records can make) holds one; it is
+dropped when it is taken, or when its outcome cannot be written, so that one such record
+never holds up the others — the intake's batch, or the finisher's round — for ever.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from broker.connection import Connection
+from broker.deadletters import Letter
+from broker.delivery import dead_letter_commands
+from broker.entries import fields_as_bytes
+from broker.errors import RedisReplyError
+from broker.keyspace import SIDECAR_GROUP
+from broker.results import Command
+from broker.streams import field_bytes
+from broker.timekeeping import now_ms
+
+from .holdings import Finished, Taken, release_of
+
+log = logging.getLogger("agent_reach.sidecar")
+
+MalformedEntry = tuple[str, dict[str, bytes], str]  # entry id, its fields, why
+
+
+def unusable(taken: Sequence[Taken], answers: Sequence[object]) -> list[tuple[Taken, str]]:
+    """The entries whose record Redis could not move: an error reply for that entry alone,
+    with the error. A refusal to this user concerns them all: it is raised."""
+    for answer in answers:
+        if isinstance(answer, RedisReplyError) and answer.permission_refused:
+            raise answer
+    return [
+        (t, str(a)) for t, a in zip(taken, answers, strict=True) if isinstance(a, RedisReplyError)
+    ]
+
+
+async def drop_unusable(
+    conn: Connection, instance_id: str, taken: Sequence[Taken], answers: Sequence[object]
+) -> set[str]:
+    """Drop the entries :func:`unusable` finds among ``taken``; returns their entry ids."""
+    failed = unusable(taken, answers)
+    entries = [
+        (t.entry_id, {"id": t.message_id.encode(), "attempt": b"%d" % t.attempt}, why)
+        for t, why in failed
+    ]
+    await drop_entries(conn, instance_id, entries, "unusable_record", [t for t, _ in failed])
+    return {t.entry_id for t, _ in failed}
+
+
+async def drop_entries(
+    conn: Connection,
+    instance_id: str,
+    entries: list[MalformedEntry],
+    kind: str = "malformed_entry",
+    assigned: list[Taken] | None = None,
+) -> None:
+    """Dead-letter each entry with its bytes and why (``kind``), and acknowledge it; an
+    ``assigned`` one's credit is returned with the acknowledgement (where there is none,
+    nothing is freed)."""
+    if not entries:
+        return
+    queue = conn.keys.queue(instance_id)
+    letters = [
+        command
+        for entry_id, fields, why in entries
+        for command in dead_letter_commands(
+            conn,
+            Letter(
+                id="",
+                reason=f"{kind}: {why}",
+                raw=fields_as_bytes((field_bytes(k), v) for k, v in fields.items()),
+                source=f"{queue} {entry_id}",
+                ts_ms=now_ms(),
+            ),
+        )
+    ]
+    ack: Command = ("XACK", queue, SIDECAR_GROUP, *(e for e, _, _ in entries))
+    if assigned is not None:
+        ack = release_of(conn, instance_id, [Finished(t, []) for t in assigned])
+    await conn.run_all([*letters, ack])
+    log.warning("dropped %d entries from %s (%s)", len(entries), queue, kind)

@@ -1,0 +1,88 @@
+"""An outcome whose record was spoiled while its call ran (a key of another type, which anyone
+allowed to write records can make): the finisher dead-letters it and returns its credit, and
+every other outcome is recorded, told and released — where one such record used to be
+written again for ever, with every outcome queued behind it (adapters/dropping.py)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from adapters.outcome import Succeeded
+from broker.client import Client
+from broker.connection import Connection
+from broker.envelope import Envelope
+from broker.keyspace import SIDECAR_GROUP
+from broker.stages import Stage
+from broker.store import MessageStore
+from tests.support.harness import (
+    collect_replies,
+    dead_letters,
+    eventually,
+    running_dispatcher,
+    running_sidecar,
+)
+
+
+class GatedAgent:
+    """A transport whose calls all wait for one gate; ``arrived`` is set once ``expected``
+    calls wait there."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.calls: list[str] = []
+        self.arrived = anyio.Event()
+        self.gate = anyio.Event()
+
+    async def deliver(self, envelope: Envelope, attempt: int) -> Succeeded:
+        self.calls.append(envelope.message_id)
+        if len(self.calls) == self.expected:
+            self.arrived.set()
+        await self.gate.wait()
+        return Succeeded(b"{}")
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
+@pytest.mark.parametrize("ending_together", [1, 3])
+async def test_an_outcome_whose_record_was_spoiled_meanwhile_is_dead_lettered(
+    conn: Connection, ending_together: int
+) -> None:
+    """``ending_together`` calls end at once, one of them on a spoiled record: a round of one
+    outcome (recorded, told and released in one round trip) or of several (three). Then one
+    more message runs through the same sidecar."""
+    agent = GatedAgent(ending_together)
+    reply_to = conn.keys.reply("spoiled")
+    queue, inflight = conn.keys.queue("a-1"), conn.keys.inflight("a-1")
+    store = MessageStore(conn)
+    async with (
+        running_sidecar(conn, "a-1", ("text.echo",), transport=agent),
+        running_dispatcher(conn),
+    ):
+        client = Client(conn)
+        echo = Envelope(capability="text.echo", reply_to=reply_to)
+        sent = await client.submit_many([echo] * ending_together)  # each given its own id
+        with anyio.fail_after(10):
+            await agent.arrived.wait()
+        spoiled, *sound = sent
+        await conn.call("DEL", conn.keys.record(spoiled))
+        await conn.call("SET", conn.keys.record(spoiled), "x")
+        agent.gate.set()  # every call ends in the same turn of the sidecar's loop
+
+        async def settled() -> bool:
+            credits = int(await conn.call("SCARD", inflight))
+            return credits == 0 and (await conn.call("XPENDING", queue, SIDECAR_GROUP))[0] == 0
+
+        await eventually(settled, timeout_s=10)  # before anything else ends on this sidecar
+        after = await client.submit(echo)
+        told = await collect_replies(conn, reply_to, len(sound) + 1, timeout_s=20)
+        await eventually(settled, timeout_s=10)
+    assert set(told) == {*sound, after}
+    assert all(told[m].stage is Stage.SUCCEEDED for m in told)
+    assert await store.stages([*sound, after]) == [Stage.SUCCEEDED] * (len(sound) + 1)
+    (letter,) = [x for x in await dead_letters(conn) if spoiled.encode() in x["raw"]]
+    reason = letter["reason"].decode()
+    assert reason.startswith("unusable_record: ") and "WRONGTYPE" in reason
+    assert sorted(agent.calls) == sorted([*sent, after])
