@@ -118,6 +118,7 @@ def record_from_hash(message_id: str, raw: Mapping[bytes, bytes]) -> MessageReco
         agent_task=text(get("agent_task")),
         usage=raw.get(f"usage:{attempt}".encode()),
         take_call=text(get("take_call")),
+        taken_over=text(get("taken_over")),
     )
 
 

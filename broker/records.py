@@ -104,6 +104,12 @@ class TimelineEntry(msgspec.Struct, frozen=True):
     reason: str
 
 
+def taken_over_mark(attempt: int, instance: str) -> str:
+    """The record field ``taken_over`` once the reaper has acknowledged the entry of this
+    attempt on this instance for its dead sidecar: nobody else will return its credit."""
+    return f"{attempt}@{instance}"
+
+
 class MessageRecord(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     stage: Stage
@@ -130,6 +136,15 @@ class MessageRecord(msgspec.Struct, frozen=True, kw_only=True):
     # the token of the sidecar's round trip that last wrote PROCESSING before a call
     # (adapters/holdings.py); "" on records older than it
     take_call: str = ""
+    # "<attempt>@<instance>": the reaper acknowledged that attempt's entry for a dead
+    # sidecar (workers/takeover.py), so the credit is the reaper's to return, also once the
+    # instance lives again (workers/resolver.py, Resolver.release)
+    taken_over: str = ""
+
+    @property
+    def credit_taken_over(self) -> bool:
+        """Whether the reaper holds this attempt's credit (:func:`taken_over_mark`)."""
+        return self.taken_over == taken_over_mark(self.attempt, self.instance)
 
     @property
     def reply_to(self) -> str:

@@ -420,10 +420,14 @@ class Resolver:
         )
 
     async def release(self, record: MessageRecord) -> None:
-        """Return the credit the abandoned attempt held on a dead instance. A live sidecar
+        """Return the credit the abandoned attempt held on a dead instance, or whose entry
+        the reaper acknowledged for its dead sidecar (``credit_taken_over``: the instance
+        may live again since, its sidecar restarted without the entry). A live sidecar
         returns its own when it reads (and drops) or finishes the entry: taken back here, the
         instance could be handed more than its limit while its call still runs."""
-        if record.instance and self.instances.down(record.instance, now_ms()):
+        if not record.instance:
+            return
+        if record.credit_taken_over or self.instances.down(record.instance, now_ms()):
             await self.conn.call(
                 "SREM", self.conn.keys.inflight(record.instance), f"{record.id}:{record.attempt}"
             )

@@ -21,7 +21,7 @@ from broker.errors import RedisReplyError, RedisUnavailable
 from broker.event_log import emit, event_command
 from broker.idle_claims import Claimed, IdleClaim
 from broker.keyspace import SIDECAR_GROUP
-from broker.records import MessageRecord
+from broker.records import MessageRecord, taken_over_mark
 from broker.stages import AT_THE_DOOR, HOLDS_CREDIT, IN_FLIGHT, TERMINAL
 from broker.store import MessageStore
 from broker.streams import parse_entries
@@ -92,8 +92,18 @@ class Takeover:
         await emit(self.conn, commands)
 
     async def _resolve_now(
-        self, ids: list[str], instance_id: str, now: int, members: set[str] | None = None
+        self,
+        ids: list[str],
+        instance_id: str,
+        now: int,
+        members: set[str] | None = None,
+        acknowledging: dict[str, int] | None = None,
     ) -> int:
+        """Resolve the messages ``ids`` of dead ``instance_id`` (above). ``acknowledging``:
+        the attempts whose entries are acknowledged next; a record still holding such an
+        attempt's credit is marked first (``taken_over``): its credit is the reaper's to
+        return, even if the sidecar comes back under the same instance id before the
+        message ends (its pending list will no longer name it)."""
         if not ids:
             return 0
         commands: list[tuple[Any, ...]] = []
@@ -103,6 +113,11 @@ class Takeover:
                 commands.append(("SREM", self.conn.keys.inflight(instance_id), *leaked))
             if record is None or record.instance != instance_id:
                 continue
+            if (acknowledging or {}).get(message_id) == record.attempt and (
+                record.stage in IN_FLIGHT  # AT_THE_DOOR: judged below, while it is down
+            ):
+                mark = taken_over_mark(record.attempt, instance_id)
+                commands.append(("HSET", self.conn.keys.record(message_id), "taken_over", mark))
             if record.stage in AT_THE_DOOR:
                 verdict = await self.judge(message_id, record, now)
                 self.handled[verdict.action] = self.handled.get(verdict.action, 0) + 1
@@ -150,14 +165,14 @@ class Takeover:
     ) -> int:
         if not claimed.ids:
             return 0
-        ids: set[str] = set()
+        attempts: dict[str, int] = {}
         for entry_id, fields in parse_entries(claimed.entries):  # without deleted entries
             assignment = parse_assignment(entry_id, fields)
             if isinstance(assignment, str):
                 log.warning("%s: entry %s holds no assignment: %s", queue, entry_id, assignment)
             else:
-                ids.add(assignment.message_id)
-        await self._resolve_now(sorted(ids), instance_id, now)
+                attempts[assignment.message_id] = assignment.attempt
+        await self._resolve_now(sorted(attempts), instance_id, now, acknowledging=attempts)
         await self.conn.call("XACK", queue, SIDECAR_GROUP, *claimed.ids)
         return len(claimed.ids)
 

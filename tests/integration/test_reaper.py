@@ -558,6 +558,51 @@ async def test_a_dead_instance_s_work_is_taken_over_at_once_and_its_pending_entr
     assert took < 15  # at DOWN (1 s of silence), not at the 60 s delivery timeout
 
 
+async def test_a_credit_the_reaper_took_over_is_returned_after_its_sidecar_came_back(
+    fast: Connection,
+) -> None:
+    """The ghost read its entry, made it PROCESSING and died; the reaper claims and
+    acknowledges the entry and asks the agent, which is still running it. The sidecar comes
+    back under the same instance id — its pending list no longer names the message — and
+    then the agent says done: the reaper ends it, and returns its credit although the
+    instance is alive, where it used to keep it for good (an instance one credit short)."""
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    state = {"answer": "running"}
+
+    async def answer(message_id: str) -> Response:
+        return JSONResponse({"state": state["answer"], "result": {"ok": True}})
+
+    queue = conn.keys.queue("ghost-1")
+    async with status_agent(answer) as status_url, http_agent("g") as agent:
+        await register_ghost(conn, "ghost-1", status_url=status_url)
+        async with running_dispatcher(conn):
+            message_id = await routed_to_ghost(conn, client, reply_to)
+
+            async def assigned() -> bool:
+                return int(await conn.call("XLEN", queue)) == 1
+
+            await eventually(assigned)
+            await conn.call("XREADGROUP", "GROUP", SIDECAR_GROUP, "ghost-1", "STREAMS", queue, ">")
+            await ghost_takes(conn, message_id, "ghost-1", Stage.PROCESSING)
+
+            async def taken_over() -> bool:
+                pending = int((await conn.call("XPENDING", queue, SIDECAR_GROUP))[0])
+                record = await MessageStore(conn).get_record(message_id)
+                return pending == 0 and record is not None and record.extensions >= 1
+
+            await eventually(taken_over, timeout_s=15)
+            async with running_sidecar(
+                conn, "ghost-1", ("text.echo",), url=agent.url, status_url=status_url
+            ):
+                state["answer"] = "done"
+                (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
+                await credit_returned(conn, "ghost-1", message_id)
+    assert result.stage is Stage.SUCCEEDED
+    assert agent.log.calls[message_id] == 0  # the ghost's call: never made again
+
+
 async def test_ingress_a_dead_dispatcher_read_is_claimed_by_another(fast: Connection) -> None:
     quick_claim = msgspec.structs.replace(fast.settings, claim_idle_s=0.5)
     assert quick_claim.redis_url is not None
