@@ -1,6 +1,34 @@
 -- move_record.lua: prepended to the scripts that move a record (transition.lua,
 -- claim_assign.lua; broker/scripts.py). `KEYS` and `ARGV` are transition.lua's, passed in:
 -- the caller's own, or the part of them a fused script gives it.
+local function count_level(counters, stage, ARGV)
+  -- a level, not a count: e.g. the messages now waiting for an operator
+  if (stage == ARGV[12]) ~= (ARGV[4] == ARGV[12]) then
+    redis.call('HINCRBY', counters, 'level\t' .. ARGV[12], ARGV[4] == ARGV[12] and 1 or -1)
+  end
+end
+
+local function charge_move(KEYS, ARGV, n)
+  local day, month = KEYS[#KEYS - 1], KEYS[#KEYS]
+  local combo, tenant = ARGV[15 + n], ARGV[18 + n]
+  if redis.call('HEXISTS', day, combo .. '\trequests') == 0
+     and redis.call('HLEN', day) >= tonumber(ARGV[16 + n]) then
+    combo = '~other\t~other\t~other'
+    if ARGV[20 + n] ~= '1' then
+      tenant = '~other'
+    end
+  end
+  for i = 22 + n, 20 + n + 2 * tonumber(ARGV[21 + n]), 2 do
+    redis.call('HINCRBYFLOAT', day, combo .. '\t' .. ARGV[i], ARGV[i + 1])
+  end
+  if tonumber(ARGV[19 + n]) > 0 then
+    redis.call('HINCRBYFLOAT', day, 'spend\t' .. tenant, ARGV[19 + n])
+    redis.call('HINCRBYFLOAT', month, 'spend\t' .. tenant, ARGV[19 + n])
+  end
+  redis.call('EXPIRE', day, ARGV[17 + n])
+  redis.call('EXPIRE', month, ARGV[17 + n])
+end
+
 local function move_record(KEYS, ARGV)
   local rec = KEYS[1]
   local n = tonumber(ARGV[14])
@@ -35,32 +63,17 @@ local function move_record(KEYS, ARGV)
                                   {{ARGV[7], ARGV[4], new_instance, new_attempt, ARGV[8]}})
   redis.call('HSET', rec, 'stage', ARGV[4], 'attempt', new_attempt, 'instance', new_instance,
              'updated_ms', ARGV[7], 'timeline', timeline, unpack(ARGV, fields_at))
-  -- a level, not a count: e.g. the messages now waiting for an operator
-  if counters and (stage == ARGV[12]) ~= (ARGV[4] == ARGV[12]) then
-    redis.call('HINCRBY', counters, 'level\t' .. ARGV[12], ARGV[4] == ARGV[12] and 1 or -1)
+  -- The move is made. Counting and charging it follow, neither able to fail it (as
+  -- count.lua's counts): a counters or usage key someone spoiled costs that count or that
+  -- charge, never the answer that the move was made, nor the record's expiry below.
+  if counters then
+    pcall(count_level, counters, stage, ARGV)
   end
   for i = 15, 14 + n do
     count_in(counters, ARGV[13], ARGV[i])
   end
   if charged then
-    local day, month = KEYS[#KEYS - 1], KEYS[#KEYS]
-    local combo, tenant = ARGV[15 + n], ARGV[18 + n]
-    if redis.call('HEXISTS', day, combo .. '\trequests') == 0
-       and redis.call('HLEN', day) >= tonumber(ARGV[16 + n]) then
-      combo = '~other\t~other\t~other'
-      if ARGV[20 + n] ~= '1' then
-        tenant = '~other'
-      end
-    end
-    for i = 22 + n, 20 + n + 2 * tonumber(ARGV[21 + n]), 2 do
-      redis.call('HINCRBYFLOAT', day, combo .. '\t' .. ARGV[i], ARGV[i + 1])
-    end
-    if tonumber(ARGV[19 + n]) > 0 then
-      redis.call('HINCRBYFLOAT', day, 'spend\t' .. tenant, ARGV[19 + n])
-      redis.call('HINCRBYFLOAT', month, 'spend\t' .. tenant, ARGV[19 + n])
-    end
-    redis.call('EXPIRE', day, ARGV[17 + n])
-    redis.call('EXPIRE', month, ARGV[17 + n])
+    pcall(charge_move, KEYS, ARGV, n)
   end
   if ARGV[10] == '' then
     -- out of a terminal stage again (an operator's replay): keep it until it ends anew

@@ -1,9 +1,13 @@
 """An outcome whose record was spoiled while its call ran (a key of another type, which anyone
 allowed to write records can make): the finisher dead-letters it and returns its credit, and
 every other outcome is recorded, told and released — where one such record used to be
-written again for ever, with every outcome queued behind it (adapters/dropping.py)."""
+written again for ever, with every outcome queued behind it (adapters/dropping.py). A spoiled
+counter is no spoiled record: the move is made all the same (lua/move_record.lua)."""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 import pytest
@@ -45,6 +49,25 @@ class GatedAgent:
         pass
 
 
+@asynccontextmanager
+async def calls_at_the_gate(
+    conn: Connection, reply_to: str, count: int
+) -> AsyncIterator[tuple[GatedAgent, Client, list[str]]]:
+    """Sidecar a-1 (a :class:`GatedAgent`) and a dispatcher; ``count`` messages sent, their
+    calls all waiting at the gate. Yields the agent, the producer's client and the ids."""
+    agent = GatedAgent(count)
+    async with (
+        running_sidecar(conn, "a-1", ("text.echo",), transport=agent),
+        running_dispatcher(conn),
+    ):
+        client = Client(conn)
+        echo = Envelope(capability="text.echo", reply_to=reply_to)
+        sent = await client.submit_many([echo] * count)  # each given its own id
+        with anyio.fail_after(10):
+            await agent.arrived.wait()
+        yield agent, client, sent
+
+
 @pytest.mark.anyio  # parametrized: the marker must be there before collection ends
 @pytest.mark.parametrize("ending_together", [1, 3])
 async def test_an_outcome_whose_record_was_spoiled_meanwhile_is_dead_lettered(
@@ -53,19 +76,10 @@ async def test_an_outcome_whose_record_was_spoiled_meanwhile_is_dead_lettered(
     """``ending_together`` calls end at once, one of them on a spoiled record: a round of one
     outcome (recorded, told and released in one round trip) or of several (three). Then one
     more message runs through the same sidecar."""
-    agent = GatedAgent(ending_together)
     reply_to = conn.keys.reply("spoiled")
     queue, inflight = conn.keys.queue("a-1"), conn.keys.inflight("a-1")
     store = MessageStore(conn)
-    async with (
-        running_sidecar(conn, "a-1", ("text.echo",), transport=agent),
-        running_dispatcher(conn),
-    ):
-        client = Client(conn)
-        echo = Envelope(capability="text.echo", reply_to=reply_to)
-        sent = await client.submit_many([echo] * ending_together)  # each given its own id
-        with anyio.fail_after(10):
-            await agent.arrived.wait()
+    async with calls_at_the_gate(conn, reply_to, ending_together) as (agent, client, sent):
         spoiled, *sound = sent
         await conn.call("DEL", conn.keys.record(spoiled))
         await conn.call("SET", conn.keys.record(spoiled), "x")
@@ -76,7 +90,7 @@ async def test_an_outcome_whose_record_was_spoiled_meanwhile_is_dead_lettered(
             return credits == 0 and (await conn.call("XPENDING", queue, SIDECAR_GROUP))[0] == 0
 
         await eventually(settled, timeout_s=10)  # before anything else ends on this sidecar
-        after = await client.submit(echo)
+        after = await client.submit(Envelope(capability="text.echo", reply_to=reply_to))
         told = await collect_replies(conn, reply_to, len(sound) + 1, timeout_s=20)
         await eventually(settled, timeout_s=10)
     assert set(told) == {*sound, after}
@@ -86,3 +100,24 @@ async def test_an_outcome_whose_record_was_spoiled_meanwhile_is_dead_lettered(
     reason = letter["reason"].decode()
     assert reason.startswith("unusable_record: ") and "WRONGTYPE" in reason
     assert sorted(agent.calls) == sorted([*sent, after])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("ending_together", [1, 3])
+async def test_a_spoiled_counter_costs_its_count_not_the_outcomes(
+    conn: Connection, ending_together: int
+) -> None:
+    """A counters field that is no number (every sidecar's Redis user may write the
+    counters): the terminal moves that count into it are made, answered as made, the
+    records get their expiry, and every producer is told — where the move's script failed
+    after it had written the record, and the finisher took the record for spoiled."""
+    await conn.call("HSET", conn.keys.counters, "finished\ttext.echo\tSUCCEEDED", "x")
+    reply_to = conn.keys.reply("counted")
+    store = MessageStore(conn)
+    async with calls_at_the_gate(conn, reply_to, ending_together) as (agent, _, sent):
+        agent.gate.set()
+        told = await collect_replies(conn, reply_to, ending_together, timeout_s=20)
+    assert set(told) == set(sent)
+    assert await store.stages(sent) == [Stage.SUCCEEDED] * ending_together
+    assert all([int(await conn.call("TTL", conn.keys.record(m))) > 0 for m in sent])
+    assert not [x for x in await dead_letters(conn) if b"unusable_record" in x["reason"]]
