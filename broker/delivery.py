@@ -90,6 +90,19 @@ class Delivery:
         ]
         await self.after_delivery([entry.id] * 2, commands, await self.conn.call_many(commands))
 
+    async def tell_deadline_passed(self, message_id: str, reply_to: str, attempt: int) -> None:
+        """Once (the record's ``deadline_told``): the producer learns that the message's
+        deadline passed while the agent may still work on it."""
+        if await self.conn.call("HSETNX", self.conn.keys.record(message_id), "deadline_told", 1):
+            notice = ReplyEntry(
+                id=message_id,
+                stage=Stage.PROCESSING,
+                attempt=attempt,
+                notice="deadline_passed",
+                error="the deadline passed while the agent may still be working on it",
+            )
+            await self.send_reply(reply_to, notice)
+
     async def dead_letter_message(self, message_id: str, reason: str) -> None:
         """Dead-letter a record: its envelope, the final reason, and the chain of reasons on
         its timeline (JSON ``[[stage, instance, attempt, reason], ...]``)."""

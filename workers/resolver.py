@@ -84,12 +84,9 @@ class Resolver:
         self.callback_timeout_ms = int(conn.settings.callback_timeout_s * 1000)
 
     async def resolve(self, message_id: str, record: MessageRecord | None, now: int) -> Verdict:
-        if record is not None and record.stage in TERMINAL and record.reply_pending:
-            # ended by a reaper that stopped before telling the producer (or dead-lettering)
-            await self.finish_telling(record)
-        elif record is not None and record.stage is Stage.EXPIRED:
-            await self.waiting.reply_expired(record, record.error or "waited_past_deadline")
         if record is None or record.stage in TERMINAL:
+            if record is not None:
+                await self._ended(record)
             return Verdict("forgotten", None)
         match record.stage:
             case Stage.WAITING:
@@ -106,6 +103,17 @@ class Resolver:
                 await self._children_told(record)
                 return Verdict("fanned out", now + self.delivery_timeout_ms)
         return Verdict("parked", now + PARKED_RECHECK_MS)  # NEEDS_CONFIRMATION
+
+    async def _ended(self, record: MessageRecord) -> None:
+        """What an ended message may still need: its producer told, by a reaper that stopped
+        before it (or its dead letter written); its credit returned, where the reaper had
+        taken it over and the message was ended by a sidecar that never held its entry."""
+        if record.reply_pending:
+            await self.finish_telling(record)
+        elif record.stage is Stage.EXPIRED:
+            await self.waiting.reply_expired(record, record.error or "waited_past_deadline")
+        if record.credit_taken_over:
+            await self.release(record)
 
     # -- the agent was never asked ---------------------------------------------------------
 
@@ -187,7 +195,9 @@ class Resolver:
         down = self.instances.down(record.instance, now)
         late = now - record.updated_ms >= timeout_ms
         if now >= record.deadline_ms and record.reply_to:
-            await self._tell_deadline_passed(record)
+            await self.store.delivery.tell_deadline_passed(
+                record.id, record.reply_to, record.attempt
+            )
         if not (down or late):
             return Verdict("in time", record.updated_ms + timeout_ms)
         view = self.instances.view(record.instance)
@@ -430,19 +440,4 @@ class Resolver:
         if record.credit_taken_over or self.instances.down(record.instance, now_ms()):
             await self.conn.call(
                 "SREM", self.conn.keys.inflight(record.instance), f"{record.id}:{record.attempt}"
-            )
-
-    async def _tell_deadline_passed(self, record: MessageRecord) -> None:
-        """Once: the producer learns its deadline passed while the agent may still work."""
-        key = self.conn.keys.record(record.id)
-        if await self.conn.call("HSETNX", key, "deadline_told", 1):
-            await self.store.delivery.send_reply(
-                record.reply_to,
-                ReplyEntry(
-                    id=record.id,
-                    stage=Stage.PROCESSING,
-                    attempt=record.attempt,
-                    notice="deadline_passed",
-                    error="the deadline passed while the agent may still be working on it",
-                ),
             )

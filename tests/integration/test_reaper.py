@@ -32,7 +32,7 @@ from broker.registry import Registry
 from broker.stages import Stage
 from broker.store import MessageStore, Move
 from broker.timekeeping import now_ms
-from tests.support.agents import http_agent
+from tests.support.agents import RunningAgent, http_agent
 from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
 from workers.reaper import Reaper
 
@@ -558,22 +558,14 @@ async def test_a_dead_instance_s_work_is_taken_over_at_once_and_its_pending_entr
     assert took < 15  # at DOWN (1 s of silence), not at the 60 s delivery timeout
 
 
-async def test_a_credit_the_reaper_took_over_is_returned_after_its_sidecar_came_back(
-    fast: Connection,
-) -> None:
-    """The ghost read its entry, made it PROCESSING and died; the reaper claims and
-    acknowledges the entry and asks the agent, which is still running it. The sidecar comes
-    back under the same instance id — its pending list no longer names the message — and
-    then the agent says done: the reaper ends it, and returns its credit although the
-    instance is alive, where it used to keep it for good (an instance one credit short)."""
-    conn = fast
-    client = Client(conn)
-    reply_to = client.new_reply_stream()
-    state = {"answer": "running"}
-
-    async def answer(message_id: str) -> Response:
-        return JSONResponse({"state": state["answer"], "result": {"ok": True}})
-
+@asynccontextmanager
+async def ghost_back(
+    conn: Connection, client: Client, reply_to: str, answer: StatusAnswer
+) -> AsyncIterator[tuple[str, RunningAgent]]:
+    """A message the ghost read, made PROCESSING and died with; the reaper claims and
+    acknowledges its entry and asks the agent (``answer``: its status, which says running
+    first). Then the sidecar comes back under the same instance id, beside a dispatcher and
+    a reaper. Yields the message's id and the agent behind the sidecar."""
     queue = conn.keys.queue("ghost-1")
     async with status_agent(answer) as status_url, http_agent("g") as agent:
         await register_ghost(conn, "ghost-1", status_url=status_url)
@@ -593,14 +585,64 @@ async def test_a_credit_the_reaper_took_over_is_returned_after_its_sidecar_came_
                 return pending == 0 and record is not None and record.extensions >= 1
 
             await eventually(taken_over, timeout_s=15)
-            async with running_sidecar(
-                conn, "ghost-1", ("text.echo",), url=agent.url, status_url=status_url
-            ):
-                state["answer"] = "done"
-                (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=20)).values()
-                await credit_returned(conn, "ghost-1", message_id)
+        async with (
+            running_dispatcher(conn),
+            running_sidecar(conn, "ghost-1", ("text.echo",), url=agent.url, status_url=status_url),
+        ):
+            yield message_id, agent
+
+
+async def test_a_credit_the_reaper_took_over_is_returned_after_its_sidecar_came_back(
+    fast: Connection,
+) -> None:
+    """The ghost read its entry, made it PROCESSING and died; the reaper claims and
+    acknowledges the entry and asks the agent, which is still running it. The sidecar comes
+    back under the same instance id — its pending list no longer names the message — and
+    then the agent says done: the reaper ends it, and returns its credit although the
+    instance is alive, where it used to keep it for good (an instance one credit short)."""
+    client = Client(fast)
+    reply_to = client.new_reply_stream()
+    state = {"answer": "running"}
+
+    async def answer(message_id: str) -> Response:
+        return JSONResponse({"state": state["answer"], "result": {"ok": True}})
+
+    async with ghost_back(fast, client, reply_to, answer) as (message_id, agent):
+        state["answer"] = "done"
+        (result,) = (await collect_replies(fast, reply_to, 1, timeout_s=20)).values()
+        await credit_returned(fast, "ghost-1", message_id)
     assert result.stage is Stage.SUCCEEDED
     assert agent.log.calls[message_id] == 0  # the ghost's call: never made again
+
+
+async def test_a_credit_the_reaper_took_over_is_returned_when_a_callback_ends_the_message(
+    fast: Connection,
+) -> None:
+    """As above, but the restarted sidecar's callback desk ends the message (an async
+    agent's callback, for an entry it does not hold): the reaper, at its next look, finds it
+    ended and returns the credit it had taken over."""
+    client = Client(fast)
+    store = MessageStore(fast)
+
+    async def answer(message_id: str) -> Response:
+        return JSONResponse({"state": "running"})
+
+    async with ghost_back(fast, client, client.new_reply_stream(), answer) as (message_id, _):
+        # what the callback desk writes for a callback whose entry no one holds
+        for stage, source in (
+            (Stage.CALLBACK_RECEIVED, Stage.PROCESSING),
+            (Stage.SUCCEEDED, Stage.CALLBACK_RECEIVED),
+        ):
+            move = Move(
+                message_id,
+                stage,
+                only_from=source,
+                expect_attempt=1,
+                expect_instance="ghost-1",
+                reason="the agent's callback",
+            )
+            assert (await store.apply(move)).ok
+        await credit_returned(fast, "ghost-1", message_id)
 
 
 async def test_ingress_a_dead_dispatcher_read_is_claimed_by_another(fast: Connection) -> None:
