@@ -16,9 +16,10 @@ process knows no tokens: after a restart such a record is judged as before.
 
 Late writes. A round trip given up on may still reach Redis after the sidecar has read its
 pending list again (a partition that held its bytes): what it took then sits in that list,
-PROCESSING with an unanswered token, and no read brings it back. So after a round trip went
-unanswered the pending list is read again every read silence for as long as the reaper
-leaves such a record to its sidecar (:meth:`Holdings.look_again`).
+PROCESSING with an unanswered token, and no read brings it back (a plain read that lands
+late leaves its entries there too). So after a round trip went unanswered, or a read failed,
+the pending list is read again every read silence for as long as the reaper leaves such a
+record to its sidecar (:meth:`Holdings.look_again`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,14 @@ class Holdings:
         self.unanswered_at = time.monotonic()
         while len(self.unanswered) > MAX_UNANSWERED:  # the oldest: judged as after a restart
             self.unanswered.popitem(last=False)
+
+    def read_failed(self) -> None:
+        """A read (or a take) failed. It may have reached Redis, or may still (a partition
+        that holds its bytes), and taken entries this sidecar never heard of — a plain read
+        writes no token, but leaves them pending all the same: the pending list is read
+        again at once, and for a while (:meth:`look_again`)."""
+        self.recheck_pending = True
+        self.unanswered_at = time.monotonic()
 
     def look_again(self, lateness_s: float, every_s: float) -> bool:
         """Whether to read the pending list again now: after an error (``recheck_pending``),

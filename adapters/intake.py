@@ -135,7 +135,7 @@ class SidecarIntake:
                     await self.take(pool, await self.read(reader), fresh=True)
             except (RedisUnavailable, RedisReplyError) as exc:
                 log.warning("read failed, retrying in %.1fs: %s", backoff, exc)
-                self.holdings.recheck_pending = True
+                self.holdings.read_failed()
                 with anyio.move_on_after(backoff):
                     await stopping.wait()  # a stop is heard at once, Redis away or not
                 backoff = min(backoff * 2, 5.0)

@@ -64,3 +64,11 @@ def test_a_lost_answers_looks_are_spaced_and_an_error_is_looked_at_at_once() -> 
     assert not holdings.look_again(lateness_s=10, every_s=3600)  # the next: an hour on
     holdings.recheck_pending = True
     assert holdings.look_again(lateness_s=10, every_s=3600)
+
+
+def test_a_failed_read_is_looked_for_at_once_and_for_a_while() -> None:
+    holdings = Holdings()
+    holdings.read_failed()  # a plain read writes no token, and may land late all the same
+    assert holdings.look_again(lateness_s=10, every_s=0)
+    assert holdings.look_again(lateness_s=10, every_s=0)
+    assert not holdings.look_again(lateness_s=0, every_s=0)
