@@ -85,5 +85,8 @@ async def drop_entries(
     ack: Command = ("XACK", queue, SIDECAR_GROUP, *(e for e, _, _ in entries))
     if assigned is not None:
         ack = release_of(conn, instance_id, [Finished(t, []) for t in assigned])
-    await conn.run_all([*letters, ack])
+    # the letters first, on their own: one refused (Redis out of memory, say) raises, and
+    # the entries stay pending, held — never acknowledged with nothing left to show for them
+    await conn.run_all(letters)
+    await conn.run_all([ack])
     log.warning("dropped %d entries from %s (%s)", len(entries), queue, kind)

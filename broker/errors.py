@@ -29,6 +29,7 @@ Code elsewhere tells replies apart by ``.code``, never by their text.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -83,19 +84,46 @@ class RedisUnavailable(ReachError):
 
 class RedisReplyError(ReachError):
     """Raised when Redis answers a command with an error reply. ``code`` is the reply's first
-    word (``NOGROUP``, ``BUSYGROUP``, ``NOSCRIPT``, ``WRONGTYPE``, ``NOPERM``, ``ERR``, …),
+    word (``NOGROUP``, ``BUSYGROUP``, ``NOSCRIPT``, ``WRONGTYPE``, ``NOPERM``, ``ERR``, …; for
+    an error met inside a script, its own: :func:`script_error_code`),
     ``message`` the whole reply, as Redis wrote it; retrying the same command will not help."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.code = message.split(" ", 1)[0]
+        self.code = message.split(" ", 1)[0] if code is None else code
 
     @property
     def permission_refused(self) -> bool:
         """Whether Redis refused a command to this user: ``NOPERM``, or, for a command a
         script runs, the ``ERR`` each version answers with instead."""
         return self.code == "NOPERM" or any(words in self.message for words in _REFUSED_IN_SCRIPT)
+
+
+_WRAPPED = "ERR Error running script"  # Redis 6.2, an error a script did not catch
+_WHERE_IN_SCRIPT = re.compile(r"@user_script: ?\d+: ")
+
+
+def script_error_code(message: str) -> str:
+    """The code of an error reply: its first word, or for one Redis 6.2 wrapped as met
+    inside a script, the code of what the script met where it has one (``OOM``,
+    ``WRONGTYPE``; a Lua error has none and stays ``ERR``)."""
+    own = message.split(" ", 1)[0]
+    inner = script_error_text(message).split(" ", 1)[0]
+    return inner if own == "ERR" and inner.isalpha() and inner.isupper() else own
+
+
+def script_error_text(message: str) -> str:
+    """An error met inside a script, as Redis 7 answers it: its own code first. Redis 6.2
+    wraps one the script did not catch (``ERR Error running script (call to f_…):
+    @user_script:1: @user_script: 1: -OOM …``) and prefixes one ``redis.pcall`` caught with
+    where it happened (``@user_script: 12: -OOM …``): read by its ``ERR`` alone, a script
+    refused for memory, or on a replica, would look like a command's own error."""
+    if message.startswith(_WRAPPED) and "): " in message:
+        message = message.split("): ", 1)[1]
+    while (where := _WHERE_IN_SCRIPT.match(message)) is not None:
+        message = message[where.end() :]
+    return message.removeprefix("-").strip()
 
 
 # what Redis says, in an ERR, of a command it refuses to the user running a script: 6.2 and

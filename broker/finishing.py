@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .connection import Connection
-from .errors import RedisReplyError, RedisUnavailable
+from .errors import RedisReplyError, RedisUnavailable, script_error_text
 from .notifications import credit_announcement
 from .resp import Command, error_reply
 from .scripts import ScriptName
@@ -121,9 +121,6 @@ def finish_answer(reply: list[Any]) -> FinishAnswer:
 
 
 def refusal_text(value: Any) -> str:
-    """An error a script's ``redis.pcall`` met, as Redis would answer it to a client: Redis 6.2
-    prefixes it with where in the script it happened (``@user_script: 12: -OOM …``)."""
+    """An error a script's ``redis.pcall`` met, as Redis would answer it to a client."""
     text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-    if text.startswith("@user_script:"):
-        text = text.split(": ", 2)[-1]
-    return text.removeprefix("-").strip()
+    return script_error_text(text)

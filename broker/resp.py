@@ -49,7 +49,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import hiredis
 
-from .errors import ConfigError, RedisReplyError, RedisUnavailable
+from .errors import ConfigError, RedisReplyError, RedisUnavailable, script_error_code
 
 Command = tuple[Any, ...]
 _READ_CHUNK = 1 << 16
@@ -74,8 +74,9 @@ TLS_PARAMETERS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"
 
 
 def error_reply(message: str) -> RedisReplyError | RedisUnavailable:
-    """The error an error reply stands for (hiredis calls this for each one it parses)."""
-    error = RedisReplyError(message)
+    """The error an error reply stands for (hiredis calls this for each one it parses); one
+    met inside a script by its own code (:func:`~broker.errors.script_error_code`)."""
+    error = RedisReplyError(message, code=script_error_code(message))
     if error.code in TRANSIENT:  # the code exactly: BUSYGROUP is no BUSY
         return RedisUnavailable(f"{_UNAVAILABLE}{message}", code=error.code)
     return error
