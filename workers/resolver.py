@@ -108,12 +108,12 @@ class Resolver:
         """What an ended message may still need: its producer told, by a reaper that stopped
         before it (or its dead letter written); its credit returned, where the reaper had
         taken it over and the message was ended by a sidecar that never held its entry."""
+        if record.credit_taken_over:  # first: the telling may fail, and is tried again
+            await self.release(record)
         if record.reply_pending:
             await self.finish_telling(record)
         elif record.stage is Stage.EXPIRED:
             await self.waiting.reply_expired(record, record.error or "waited_past_deadline")
-        if record.credit_taken_over:
-            await self.release(record)
 
     # -- the agent was never asked ---------------------------------------------------------
 

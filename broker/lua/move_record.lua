@@ -8,8 +8,8 @@ local function count_level(counters, stage, ARGV)
   end
 end
 
-local function charge_move(KEYS, ARGV, n)
-  local day, month = KEYS[#KEYS - 1], KEYS[#KEYS]
+local function usage_labels(day, ARGV, n)
+  -- past the day's cap of combinations a new one is charged under "~other"
   local combo, tenant = ARGV[15 + n], ARGV[18 + n]
   if redis.call('HEXISTS', day, combo .. '\trequests') == 0
      and redis.call('HLEN', day) >= tonumber(ARGV[16 + n]) then
@@ -18,15 +18,37 @@ local function charge_move(KEYS, ARGV, n)
       tenant = '~other'
     end
   end
-  for i = 22 + n, 20 + n + 2 * tonumber(ARGV[21 + n]), 2 do
-    redis.call('HINCRBYFLOAT', day, combo .. '\t' .. ARGV[i], ARGV[i + 1])
+  return combo, tenant
+end
+
+local function charge_move(KEYS, ARGV, n)
+  -- Each write on its own, the spend (what budgets are enforced on) first: a usage key
+  -- someone spoiled loses what goes to it, not the rest, and says so in Redis's log.
+  local day, month = KEYS[#KEYS - 1], KEYS[#KEYS]
+  local lost = {}
+  local function write(...)
+    local done, err = pcall(redis.call, ...)
+    if not done then
+      lost[#lost + 1] = type(err) == 'table' and err.err or tostring(err)
+    end
+  end
+  local labelled, combo, tenant = pcall(usage_labels, day, ARGV, n)
+  if not labelled then  -- the day's hash does not read: the month's is charged as given
+    combo, tenant = ARGV[15 + n], ARGV[18 + n]
   end
   if tonumber(ARGV[19 + n]) > 0 then
-    redis.call('HINCRBYFLOAT', day, 'spend\t' .. tenant, ARGV[19 + n])
-    redis.call('HINCRBYFLOAT', month, 'spend\t' .. tenant, ARGV[19 + n])
+    write('HINCRBYFLOAT', day, 'spend\t' .. tenant, ARGV[19 + n])
+    write('HINCRBYFLOAT', month, 'spend\t' .. tenant, ARGV[19 + n])
   end
-  redis.call('EXPIRE', day, ARGV[17 + n])
-  redis.call('EXPIRE', month, ARGV[17 + n])
+  for i = 22 + n, 20 + n + 2 * tonumber(ARGV[21 + n]), 2 do
+    write('HINCRBYFLOAT', day, combo .. '\t' .. ARGV[i], ARGV[i + 1])
+  end
+  write('EXPIRE', day, ARGV[17 + n])
+  write('EXPIRE', month, ARGV[17 + n])
+  if #lost > 0 then
+    redis.log(redis.LOG_WARNING, 'agent-reach: usage of ' .. KEYS[1] .. ' not all charged: '
+              .. table.concat(lost, '; '))
+  end
 end
 
 local function move_record(KEYS, ARGV)
@@ -73,7 +95,7 @@ local function move_record(KEYS, ARGV)
     count_in(counters, ARGV[13], ARGV[i])
   end
   if charged then
-    pcall(charge_move, KEYS, ARGV, n)
+    charge_move(KEYS, ARGV, n)
   end
   if ARGV[10] == '' then
     -- out of a terminal stage again (an operator's replay): keep it until it ends anew

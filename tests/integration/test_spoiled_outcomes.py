@@ -18,7 +18,10 @@ from broker.connection import Connection
 from broker.envelope import Envelope
 from broker.keyspace import SIDECAR_GROUP
 from broker.stages import Stage
-from broker.store import MessageStore
+from broker.store import MessageStore, Move, usage_keys
+from broker.timekeeping import now_ms
+from broker.usage import Charge
+from broker.usage_reader import tenant_spending
 from tests.support.harness import (
     collect_replies,
     dead_letters,
@@ -26,6 +29,7 @@ from tests.support.harness import (
     running_dispatcher,
     running_sidecar,
 )
+from tests.support.repair import record_in
 
 
 class GatedAgent:
@@ -121,3 +125,38 @@ async def test_a_spoiled_counter_costs_its_count_not_the_outcomes(
     assert await store.stages(sent) == [Stage.SUCCEEDED] * ending_together
     assert all([int(await conn.call("TTL", conn.keys.record(m))) > 0 for m in sent])
     assert not [x for x in await dead_letters(conn) if b"unusable_record" in x["reason"]]
+
+
+SPOILED_USAGE = {  # what someone spoiled -> what is still charged (today's spend, the month's)
+    "nothing": (5.0, 5.0),
+    "the month's hash": (5.0, None),
+    "the day's hash": (None, 5.0),
+    "a figure of the day": (5.0, 5.0),
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("spoiled", SPOILED_USAGE)
+async def test_a_spoiled_usage_key_loses_its_own_charge_not_the_move_nor_the_others(
+    conn: Connection, spoiled: str
+) -> None:
+    """A move that charges an attempt's usage: a usage hash of another type, or a figure in
+    it that is no number, loses the charges that go to that hash alone. The spend (what
+    budgets are enforced on) goes to the day and to the month each on its own; the move is
+    made and answered as made."""
+    store = MessageStore(conn)
+    message_id = await record_in(conn, Stage.PROCESSING, instance="a-1")
+    ms = now_ms()
+    day, month = usage_keys(conn, ms, conn.keys.record(message_id))
+    if spoiled == "the month's hash":
+        await conn.call("SET", month, "x")
+    elif spoiled == "the day's hash":
+        await conn.call("SET", day, "x")
+    elif spoiled == "a figure of the day":
+        await conn.call("HSET", day, "agent\ttext.echo\tacme\trequests", "x")
+    bill = Charge("agent", "text.echo", "acme", ms, {"requests": 1, "cost": 5.0})
+    move = Move(message_id, Stage.SUCCEEDED, expect_attempt=1, expect_instance="a-1", charge=bill)
+    moved = await store.apply(move)
+    today, this_month = await tenant_spending(conn, ms)
+    assert moved.ok and moved.stage is Stage.SUCCEEDED
+    assert (today.get("acme"), this_month.get("acme")) == SPOILED_USAGE[spoiled]
