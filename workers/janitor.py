@@ -13,7 +13,10 @@ reaper works from those. What falls out of them would stay in Redis for ever:
   credit and no entry its sidecar read and never finished — are removed: card, work stream,
   in-flight set, callback key (``lua/forget_instance.lua``, atomic on the instance's slot)
   and its ``P:agents`` entry. Sidecars started without ``--instance-id`` get a fresh id each
-  time, so without this every restart would leave a stream behind.
+  time, so without this every restart would leave a stream behind;
+- a credit held for an attempt that no longer holds it, whose entry no sidecar holds either
+  (a process stopped between its move and its return), is returned
+  (:mod:`workers.credit_audit`).
 
 A pass over the key space starts every ``orphan_sweep_s`` (0: never); several reapers may
 sweep at once, which only repeats idempotent work.
@@ -32,6 +35,8 @@ from broker.scripts import ScriptName
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore
 
+from .credit_audit import return_orphaned_credits
+
 log = logging.getLogger("agent_reach.janitor")
 
 PAGE = 1000
@@ -49,6 +54,7 @@ class Janitor:
         self._next_pass_ms = 0
         self.reindexed = 0  # records put back in P:due, over this janitor's life
         self.forgotten = 0  # instances forgotten
+        self.credits_returned = 0  # credits no attempt and no entry held (credit_audit)
 
     async def step(self, now: int) -> None:
         """One page of the current pass (starting a pass when one is due)."""
@@ -76,6 +82,8 @@ class Janitor:
         await self._reindex(_tagged(keys, self.keys.record("")), now)
         await self._expire_old_timelines(_tagged(keys, self.keys.timeline("")))
         await self._forget(_tagged(keys, self.keys.queue("")), now)
+        instances = _tagged(keys, self.keys.inflight(""))
+        self.credits_returned += await return_orphaned_credits(self.conn, self.store, instances)
 
     async def _silent_registered(self, now: int) -> list[str]:
         silent = await self.conn.call(

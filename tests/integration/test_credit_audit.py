@@ -1,0 +1,69 @@
+"""The janitor returns a live instance's credits that no attempt and no entry hold any more
+(workers/credit_audit.py) — and only those."""
+
+from __future__ import annotations
+
+import msgspec
+
+from broker.config import Settings
+from broker.connection import Connection, open_connection
+from broker.keyspace import SIDECAR_GROUP
+from broker.records import InstanceCard
+from broker.registry import Registry
+from broker.stages import Stage
+from broker.store import MessageStore
+from broker.timekeeping import now_ms
+from tests.support.harness import eventually
+from tests.support.repair import record_in
+from workers.janitor import Janitor
+
+
+async def assigned(conn: Connection, message_id: str, *, read: bool, acknowledged: bool) -> None:
+    """``message_id``'s attempt 1 on live-1: its credit, its entry — read by the sidecar
+    (pending) or not, then acknowledged or not."""
+    queue = conn.keys.queue("live-1")
+    await conn.call("SADD", conn.keys.inflight("live-1"), f"{message_id}:1")
+    entry = await conn.call("XADD", queue, "*", "id", message_id, "attempt", "1")
+    if read:
+        await conn.call("XREADGROUP", "GROUP", SIDECAR_GROUP, "live-1", "STREAMS", queue, ">")
+    if acknowledged:
+        await conn.call("XACK", queue, SIDECAR_GROUP, entry)
+
+
+async def test_a_credit_nobody_will_return_is_returned_on_a_live_instance(
+    settings: Settings,
+) -> None:
+    swept = msgspec.structs.replace(settings, orphan_sweep_s=0.2)
+    assert swept.redis_url is not None
+    async with open_connection(swept, swept.redis_url) as conn:
+        card = InstanceCard(
+            agent_id="live",
+            instance_id="live-1",
+            capabilities=("text.echo",),
+            endpoint="",
+            max_inflight=8,
+        )
+        await Registry(conn).register(card, credits=8)  # alive: it has just beaten
+        queue = conn.keys.queue("live-1")
+        await conn.call("XGROUP", "CREATE", queue, SIDECAR_GROUP, "0", "MKSTREAM")
+        # ended, its entry acknowledged: the process that was to return the credit stopped
+        ended = await record_in(conn, Stage.SUCCEEDED, instance="live-1")
+        await assigned(conn, ended, read=True, acknowledged=True)
+        # ended, but its entry still pending: its sidecar is finishing it, and returns it
+        finishing = await record_in(conn, Stage.SUCCEEDED, instance="live-1")
+        await assigned(conn, finishing, read=True, acknowledged=False)
+        # running: the record holds the credit
+        running = await record_in(conn, Stage.PROCESSING, instance="live-1")
+        await assigned(conn, running, read=True, acknowledged=False)
+        # not yet read, its record gone: stale, and no sidecar holds it
+        await assigned(conn, "gone-record", read=False, acknowledged=False)
+        janitor = Janitor(conn, MessageStore(conn))
+
+        async def swept_all() -> bool:
+            await janitor.step(now_ms())
+            return janitor.credits_returned >= 2
+
+        await eventually(swept_all, timeout_s=30)
+        held = await conn.call("SMEMBERS", conn.keys.inflight("live-1"))
+    assert sorted(m.decode() for m in held) == sorted([f"{finishing}:1", f"{running}:1"])
+    assert janitor.credits_returned == 2
