@@ -18,7 +18,7 @@ from broker.connection import Connection
 from broker.deadletters import Letter
 from broker.delivery import dead_letter_commands
 from broker.entries import fields_as_bytes
-from broker.errors import RedisReplyError
+from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
 from broker.results import Command
 from broker.streams import field_bytes
@@ -85,8 +85,13 @@ async def drop_entries(
     ack: Command = ("XACK", queue, SIDECAR_GROUP, *(e for e, _, _ in entries))
     if assigned is not None:
         ack = release_of(conn, instance_id, [Finished(t, []) for t in assigned])
-    # the letters first, on their own: one refused (Redis out of memory, say) raises, and
-    # the entries stay pending, held — never acknowledged with nothing left to show for them
-    await conn.run_all(letters)
+    # the letters first: one Redis cannot write now (out of memory, say) holds the entries
+    # pending, to be dropped again, rather than acknowledged with nothing to show for them;
+    # one refused for good (a spoiled count, a poisoned stream) is said, and the entries go
+    for reply in await conn.call_many(letters):
+        if isinstance(reply, RedisUnavailable):
+            raise reply
+        if isinstance(reply, Exception):
+            log.error("a dead letter of %s (%s) was not all written: %s", queue, kind, reply)
     await conn.run_all([ack])
     log.warning("dropped %d entries from %s (%s)", len(entries), queue, kind)

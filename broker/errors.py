@@ -101,7 +101,7 @@ class RedisReplyError(ReachError):
 
 
 _WRAPPED = "ERR Error running script"  # Redis 6.2, an error a script did not catch
-_WHERE_IN_SCRIPT = re.compile(r"@user_script: ?\d+: ")
+_WHERE_IN_SCRIPT = re.compile(r"(?:@user_script: ?\d+|=\[C\]: -1): ")
 
 
 def script_error_code(message: str) -> str:
@@ -109,15 +109,18 @@ def script_error_code(message: str) -> str:
     inside a script, the code of what the script met where it has one (``OOM``,
     ``WRONGTYPE``; a Lua error has none and stays ``ERR``)."""
     own = message.split(" ", 1)[0]
+    if own != "ERR" and _WHERE_IN_SCRIPT.match(message) is None:
+        return own
     inner = script_error_text(message).split(" ", 1)[0]
-    return inner if own == "ERR" and inner.isalpha() and inner.isupper() else own
+    return inner if inner.isalpha() and inner.isupper() else own
 
 
 def script_error_text(message: str) -> str:
     """An error met inside a script, as Redis 7 answers it: its own code first. Redis 6.2
     wraps one the script did not catch (``ERR Error running script (call to f_…):
     @user_script:1: @user_script: 1: -OOM …``) and prefixes one ``redis.pcall`` caught with
-    where it happened (``@user_script: 12: -OOM …``): read by its ``ERR`` alone, a script
+    where it happened (``@user_script: 12: -OOM …``; from ``pcall(redis.call, …)``:
+    ``=[C]: -1: -OOM …``): read by its ``ERR`` alone, a script
     refused for memory, or on a replica, would look like a command's own error."""
     if message.startswith(_WRAPPED) and "): " in message:
         message = message.split("): ", 1)[1]

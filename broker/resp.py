@@ -58,7 +58,17 @@ _DEFAULT_PORT = 6379
 # Error replies that mean "Redis cannot serve now" (loading its AOF, over maxmemory, a
 # script running, a replica or a cluster in failover): retry later, like a lost connection.
 TRANSIENT = frozenset(
-    {"LOADING", "BUSY", "OOM", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN"}
+    {
+        "LOADING",
+        "BUSY",
+        "OOM",
+        "READONLY",
+        "MASTERDOWN",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+        "MISCONF",  # writes refused while the snapshot cannot be saved
+        "NOREPLICAS",  # writes refused while too few replicas are connected
+    }
 )
 _UNAVAILABLE = "redis unavailable: "
 # A deadline this close is due: uvloop's timers fire on whole milliseconds, early too, and

@@ -33,8 +33,9 @@ local function charge_move(KEYS, ARGV, n)
     end
   end
   local labelled, combo, tenant = pcall(usage_labels, day, ARGV, n)
-  if not labelled then  -- the day's hash does not read: the month's is charged as given
-    combo, tenant = ARGV[15 + n], ARGV[18 + n]
+  if not labelled then  -- the day's hash does not read: as past its cap (a budget's tenant
+    combo = '~other\t~other\t~other'  -- keeps its name, so its month is still enforced)
+    tenant = ARGV[20 + n] == '1' and ARGV[18 + n] or '~other'
   end
   if tonumber(ARGV[19 + n]) > 0 then
     write('HINCRBYFLOAT', day, 'spend\t' .. tenant, ARGV[19 + n])

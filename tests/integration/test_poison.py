@@ -16,6 +16,7 @@ from broker.connection import Connection, open_connection
 from broker.due_clock import due_command
 from broker.envelope import Envelope, complete, encode_envelope
 from broker.errors import RedisReplyError
+from broker.metric_fields import field
 from broker.records import MessageRecord
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore
@@ -473,6 +474,24 @@ async def test_an_unusable_record_in_the_pending_list_is_dead_lettered_at_start(
     reason = letter["reason"].decode()
     assert reason.startswith("unusable_record: ") and "WRONGTYPE" in reason
     assert b"not-a-hash" in letter["raw"]
+
+
+async def test_a_malformed_entry_whose_dead_letter_count_is_spoiled_still_goes(
+    conn: Connection,
+) -> None:
+    """The dead letters' counter made no number (any sidecar's Redis user may write the
+    counters): the entry is dead-lettered once and acknowledged, its count lost and said in
+    the log, and the sidecar reads on — where the refused count held the entry pending, and
+    wrote its letter again at every look, and no new work was read."""
+    spoiled = field("dead_letters", "malformed_entry")
+
+    async def write() -> None:
+        await conn.call("HSET", conn.keys.counters, spoiled, "x")
+        await conn.call("XADD", conn.keys.queue("a-1"), "*", "junk", "1")
+
+    assert await served_after(conn, write) == (Stage.SUCCEEDED, 1)
+    letters = [x for x in await dead_letters(conn) if b"malformed_entry" in x["reason"]]
+    assert len(letters) == 1
 
 
 async def served_after(conn: Connection, write: Callable[[], Awaitable[None]]) -> tuple[Stage, int]:

@@ -10,12 +10,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
+import msgspec
 import pytest
 
 from adapters.outcome import Succeeded
 from broker.client import Client
-from broker.connection import Connection
+from broker.config import Settings
+from broker.connection import Connection, open_connection
 from broker.envelope import Envelope
+from broker.governance import TenantBudget
 from broker.keyspace import SIDECAR_GROUP
 from broker.stages import Stage
 from broker.store import MessageStore, Move, usage_keys
@@ -138,25 +141,38 @@ SPOILED_USAGE = {  # what someone spoiled -> what is still charged (today's spen
 @pytest.mark.anyio
 @pytest.mark.parametrize("spoiled", SPOILED_USAGE)
 async def test_a_spoiled_usage_key_loses_its_own_charge_not_the_move_nor_the_others(
-    conn: Connection, spoiled: str
+    settings: Settings, spoiled: str
 ) -> None:
-    """A move that charges an attempt's usage: a usage hash of another type, or a figure in
-    it that is no number, loses the charges that go to that hash alone. The spend (what
-    budgets are enforced on) goes to the day and to the month each on its own; the move is
-    made and answered as made."""
-    store = MessageStore(conn)
-    message_id = await record_in(conn, Stage.PROCESSING, instance="a-1")
-    ms = now_ms()
-    day, month = usage_keys(conn, ms, conn.keys.record(message_id))
-    if spoiled == "the month's hash":
-        await conn.call("SET", month, "x")
-    elif spoiled == "the day's hash":
-        await conn.call("SET", day, "x")
-    elif spoiled == "a figure of the day":
-        await conn.call("HSET", day, "agent\ttext.echo\tacme\trequests", "x")
-    bill = Charge("agent", "text.echo", "acme", ms, {"requests": 1, "cost": 5.0})
-    move = Move(message_id, Stage.SUCCEEDED, expect_attempt=1, expect_instance="a-1", charge=bill)
-    moved = await store.apply(move)
-    today, this_month = await tenant_spending(conn, ms)
-    assert moved.ok and moved.stage is Stage.SUCCEEDED
-    assert (today.get("acme"), this_month.get("acme")) == SPOILED_USAGE[spoiled]
+    """A move that charges an attempt's usage (tenant ``acme`` has a budget): a usage hash
+    of another type, or a figure in it that is no number, loses the charges that go to that
+    hash alone. The spend (what budgets are enforced on) goes to the day and to the month
+    each on its own; the move is made and answered as made. With the day's hash unreadable,
+    a tenant without a budget is charged as past the day's cap (``~other``): the month's
+    hash does not grow a field per tenant."""
+    budgeted = msgspec.structs.replace(settings, budgets={"acme": TenantBudget(monthly=100.0)})
+    assert budgeted.redis_url is not None
+    async with open_connection(budgeted, budgeted.redis_url) as conn:
+        store = MessageStore(conn)
+        ms = now_ms()
+        spent = []
+        for tenant in ("acme", "unbudgeted"):
+            message_id = await record_in(conn, Stage.PROCESSING, instance="a-1")
+            day, month = usage_keys(conn, ms, conn.keys.record(message_id))
+            if spoiled == "the month's hash":
+                await conn.call("SET", month, "x")
+            elif spoiled == "the day's hash":
+                await conn.call("SET", day, "x")
+            elif spoiled == "a figure of the day":
+                await conn.call("HSET", day, f"agent\ttext.echo\t{tenant}\trequests", "x")
+            bill = Charge("agent", "text.echo", tenant, ms, {"requests": 1, "cost": 5.0})
+            move = Move(
+                message_id, Stage.SUCCEEDED, expect_attempt=1, expect_instance="a-1", charge=bill
+            )
+            moved = await store.apply(move)
+            assert moved.ok and moved.stage is Stage.SUCCEEDED
+            today, this_month = await tenant_spending(conn, ms)
+            spent.append((today.get(tenant), this_month.get(tenant)))
+            await conn.call("DEL", day, month)
+    assert spent[0] == SPOILED_USAGE[spoiled]
+    if spoiled == "the day's hash":
+        assert spent[1] == (None, None)  # under ~other
