@@ -120,8 +120,8 @@ def script_error_text(message: str) -> str:
     wraps one the script did not catch (``ERR Error running script (call to f_…):
     @user_script:1: @user_script: 1: -OOM …``) and prefixes one ``redis.pcall`` caught with
     where it happened (``@user_script: 12: -OOM …``; from ``pcall(redis.call, …)``:
-    ``=[C]: -1: -OOM …``): read by its ``ERR`` alone, a script
-    refused for memory, or on a replica, would look like a command's own error."""
+    ``=[C]: -1: -OOM …``): read by its ``ERR`` alone, a script refused for memory, or on a
+    replica, would look like a command's own error."""
     if message.startswith(_WRAPPED) and "): " in message:
         message = message.split("): ", 1)[1]
     while (where := _WHERE_IN_SCRIPT.match(message)) is not None:
