@@ -19,46 +19,62 @@ import logging
 
 from broker.connection import Connection
 from broker.entries import parse_assignment
-from broker.errors import RedisReplyError
+from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
 from broker.store import MessageStore
-from broker.streams import parse_entries
+from broker.streams import fields_of, raw_entries
 
-from .takeover import stale_credits
+from .takeover import credits_by_message, stale_credits
 
 log = logging.getLogger("agent_reach.janitor")
 
-PENDING_READ = 10_000  # an instance's pending entries read at most (its credits are fewer)
+PENDING_READ = 10_000  # an instance's pending entries read at most; more: nothing returned
 
 
-async def orphaned_credits(conn: Connection, store: MessageStore, instance_id: str) -> list[str]:
-    """The credits of ``instance_id`` that no attempt and no pending entry holds."""
+async def orphaned_credits(conn: Connection, store: MessageStore, instance_id: str) -> list[bytes]:
+    """The credits of ``instance_id`` that no attempt and no pending entry holds, as stored.
+    Where the pending list cannot be read whole, none: a credit is kept when in doubt."""
     raw = await conn.call("SMEMBERS", conn.keys.inflight(instance_id))
-    members = {m.decode(errors="replace") for m in raw}
-    ids = sorted({m.rpartition(":")[0] for m in members})
+    stored = {m.decode(errors="replace"): m for m in raw}
+    by_id = credits_by_message(set(stored))
+    ids = sorted(by_id)
     records = await store.get_records(ids) if ids else []
     stale = {
         member
         for message_id, record in zip(ids, records, strict=True)
-        for member in stale_credits(message_id, record, instance_id, members)
+        for member in stale_credits(message_id, record, instance_id, by_id[message_id])
     }
     if not stale:
         return []
-    return sorted(stale - await _pending_members(conn, instance_id))
+    pending = await _pending_members(conn, instance_id)
+    if pending is None:
+        return []
+    return sorted(stored[m] for m in stale - pending)
 
 
-async def _pending_members(conn: Connection, instance_id: str) -> set[str]:
-    """The credits the pending entries of the instance's stream name (``<id>:<attempt>``)."""
+async def _pending_members(conn: Connection, instance_id: str) -> set[str] | None:
+    """The credits the pending entries of the instance's stream name (``<id>:<attempt>``);
+    ``None`` where that cannot be told for every pending entry (more than
+    :data:`PENDING_READ`, or one whose body is gone: deleted or trimmed while pending)."""
     queue = conn.keys.queue(instance_id)
     try:
         pending = await conn.call("XPENDING", queue, SIDECAR_GROUP, "-", "+", PENDING_READ)
-    except RedisReplyError:  # no stream, or no group: no sidecar has read anything
-        return set()
+    except RedisReplyError as exc:
+        if exc.code == "NOGROUP":  # no stream, or no group: no sidecar has read anything
+            return set()
+        raise
+    if len(pending) >= PENDING_READ:
+        return None
     ranges = [("XRANGE", queue, p[0], p[0]) for p in pending]
     held: set[str] = set()
     for reply in await conn.call_many(ranges) if ranges else []:
-        for entry_id, fields in parse_entries(reply):
-            assignment = parse_assignment(entry_id, fields)
+        if isinstance(reply, Exception):
+            raise reply
+        entries = raw_entries(reply)
+        if not entries:
+            return None
+        for entry_id, flat in entries:
+            assignment = parse_assignment(entry_id, fields_of(flat))
             if not isinstance(assignment, str):
                 held.add(f"{assignment.message_id}:{assignment.attempt}")
     return held
@@ -67,17 +83,23 @@ async def _pending_members(conn: Connection, instance_id: str) -> set[str]:
 async def return_orphaned_credits(
     conn: Connection, store: MessageStore, instance_ids: list[str]
 ) -> int:
-    """Return the orphaned credits of each instance; how many were returned."""
+    """Return the orphaned credits of each instance; how many were returned. An instance
+    whose credits cannot be judged (an unreadable record, a refused read) keeps them."""
     returned = 0
     for instance_id in instance_ids:
-        orphaned = await orphaned_credits(conn, store, instance_id)
+        try:
+            orphaned = await orphaned_credits(conn, store, instance_id)
+            if orphaned:
+                returned += int(await conn.call("SREM", conn.keys.inflight(instance_id), *orphaned))
+        except RedisUnavailable:
+            raise
+        except Exception:  # one instance's defect stays its own
+            log.exception("credits of %r: not audited", instance_id)
+            continue
         if orphaned:
-            await conn.call("SREM", conn.keys.inflight(instance_id), *orphaned)
-            returned += len(orphaned)
             log.warning(
-                "returned %d credits of %s that no attempt and no entry held: %s",
-                len(orphaned),
+                "returned credits of %r that no attempt and no entry held: %r",
                 instance_id,
-                ", ".join(orphaned[:10]),
+                orphaned[:10],
             )
     return returned

@@ -107,8 +107,9 @@ class Takeover:
         if not ids:
             return 0
         commands: list[tuple[Any, ...]] = []
+        by_id = credits_by_message(members or set())
         for message_id, record in zip(ids, await self.store.get_records(ids), strict=True):
-            leaked = stale_credits(message_id, record, instance_id, members or set())
+            leaked = stale_credits(message_id, record, instance_id, by_id.get(message_id, set()))
             if leaked:
                 commands.append(("SREM", self.conn.keys.inflight(instance_id), *leaked))
             if record is None or record.instance != instance_id:
@@ -175,6 +176,15 @@ class Takeover:
         await self._resolve_now(sorted(attempts), instance_id, now, acknowledging=attempts)
         await self.conn.call("XACK", queue, SIDECAR_GROUP, *claimed.ids)
         return len(claimed.ids)
+
+
+def credits_by_message(members: set[str]) -> dict[str, set[str]]:
+    """An instance's credits (``<id>:<attempt>``) by message id: one pass over them, where
+    asking :func:`stale_credits` of all of them for each message took the square."""
+    by_id: dict[str, set[str]] = {}
+    for member in members:
+        by_id.setdefault(member.rpartition(":")[0], set()).add(member)
+    return by_id
 
 
 def stale_credits(

@@ -67,3 +67,37 @@ async def test_a_credit_nobody_will_return_is_returned_on_a_live_instance(
         held = await conn.call("SMEMBERS", conn.keys.inflight("live-1"))
     assert sorted(m.decode() for m in held) == sorted([f"{finishing}:1", f"{running}:1"])
     assert janitor.credits_returned == 2
+
+
+async def test_a_credit_is_kept_where_its_pending_entry_cannot_be_read(
+    settings: Settings,
+) -> None:
+    """A stale credit whose entry is pending but deleted (anyone who may write the stream
+    can trim it): the audit cannot tell whose it is, and keeps every stale credit of that
+    instance. A credit stored in bytes that are no UTF-8, nobody's, is returned as stored."""
+    swept = msgspec.structs.replace(settings, orphan_sweep_s=0.2)
+    assert swept.redis_url is not None
+    async with open_connection(swept, swept.redis_url) as conn:
+        queue = conn.keys.queue("live-1")
+        await conn.call("XGROUP", "CREATE", queue, SIDECAR_GROUP, "0", "MKSTREAM")
+        ended = await record_in(conn, Stage.SUCCEEDED, instance="live-1")
+        await assigned(conn, ended, read=True, acknowledged=False)
+        await conn.call("XTRIM", queue, "MAXLEN", 0)  # pending still, its body gone
+        await conn.call("SADD", conn.keys.inflight("live-1"), b"\xff\xfe:1")
+        janitor = Janitor(conn, MessageStore(conn))
+        for _ in range(3):  # whole passes
+            janitor._next_pass_ms = 0
+            janitor._pass = None
+            await janitor.step(now_ms())
+        kept = await conn.call("SMEMBERS", conn.keys.inflight("live-1"))
+        await conn.call("XGROUP", "DESTROY", queue, SIDECAR_GROUP)
+        await conn.call("XGROUP", "CREATE", queue, SIDECAR_GROUP, "0")  # nothing pending now
+
+        async def returned() -> bool:
+            janitor._next_pass_ms = 0
+            await janitor.step(now_ms())
+            return int(await conn.call("SCARD", conn.keys.inflight("live-1"))) == 0
+
+        await eventually(returned, timeout_s=30)
+    assert sorted(kept) == sorted([f"{ended}:1".encode(), b"\xff\xfe:1"])
+    assert janitor.credits_returned == 2
