@@ -51,6 +51,19 @@ def release_command(
     return conn.script_command(ScriptName.RELEASE, keys, args)
 
 
+def return_command(
+    conn: Connection, instance_id: str, members: Sequence[str | bytes]
+) -> tuple[Any, ...]:
+    """Return credits (``<id>:<attempt>``, as stored) that no sidecar will return, and
+    announce it as a release does: the reaper's and the janitor's way to give one back."""
+    channel, sharded = credit_announcement(conn, instance_id)
+    return conn.script_command(
+        ScriptName.RETURN_CREDITS,
+        (conn.keys.inflight(instance_id),),
+        (channel, instance_id, sharded, *members),
+    )
+
+
 class Credits:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn

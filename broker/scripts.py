@@ -18,6 +18,7 @@ class ScriptName(StrEnum):
     TAKE = "take"
     CLAIM_ASSIGN = "claim_assign"
     RELEASE = "release"
+    RETURN_CREDITS = "return_credits"
     FINISH = "finish"
     HEARTBEAT = "heartbeat"
     BACKLOG = "backlog"
@@ -74,7 +75,10 @@ PRELUDES: tuple[tuple[str, frozenset[ScriptName]], ...] = (
             }
         ),
     ),
-    ("free_credits", frozenset({ScriptName.RELEASE, ScriptName.FINISH})),
+    (
+        "free_credits",
+        frozenset({ScriptName.RELEASE, ScriptName.FINISH, ScriptName.RETURN_CREDITS}),
+    ),
     (
         "assign_credit",
         frozenset({ScriptName.ASSIGN, ScriptName.ACCEPT_ASSIGN, ScriptName.CLAIM_ASSIGN}),

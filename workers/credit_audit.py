@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 
 from broker.connection import Connection
+from broker.credits import return_command
 from broker.entries import parse_assignment
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.keyspace import SIDECAR_GROUP
@@ -90,7 +91,7 @@ async def return_orphaned_credits(
         try:
             orphaned = await orphaned_credits(conn, store, instance_id)
             if orphaned:
-                returned += int(await conn.call("SREM", conn.keys.inflight(instance_id), *orphaned))
+                returned += int(await conn.call(*return_command(conn, instance_id, orphaned)))
         except RedisUnavailable:
             raise
         except Exception:  # one instance's defect stays its own

@@ -36,6 +36,7 @@ from adapters.write_ahead import TAKE_CALL
 from broker.broadcast import decode_children
 from broker.config import processing_lateness_s
 from broker.connection import Connection
+from broker.credits import return_command
 from broker.deadletters import Letter
 from broker.envelope import Envelope, load_envelope
 from broker.metric_fields import retry
@@ -438,6 +439,5 @@ class Resolver:
         if not record.instance:
             return
         if record.credit_taken_over or self.instances.down(record.instance, now_ms()):
-            await self.conn.call(
-                "SREM", self.conn.keys.inflight(record.instance), f"{record.id}:{record.attempt}"
-            )
+            member = f"{record.id}:{record.attempt}"
+            await self.conn.call(*return_command(self.conn, record.instance, [member]))

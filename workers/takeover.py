@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from broker.connection import Connection
+from broker.credits import return_command
 from broker.due_clock import due_at_most_command, due_command
 from broker.entries import parse_assignment
 from broker.errors import RedisReplyError, RedisUnavailable
@@ -107,11 +108,10 @@ class Takeover:
         if not ids:
             return 0
         commands: list[tuple[Any, ...]] = []
+        leaked: list[str] = []  # returned in one call, announced once
         by_id = credits_by_message(members or set())
         for message_id, record in zip(ids, await self.store.get_records(ids), strict=True):
-            leaked = stale_credits(message_id, record, instance_id, by_id.get(message_id, set()))
-            if leaked:
-                commands.append(("SREM", self.conn.keys.inflight(instance_id), *leaked))
+            leaked += stale_credits(message_id, record, instance_id, by_id.get(message_id, set()))
             if record is None or record.instance != instance_id:
                 continue
             if (acknowledging or {}).get(message_id) == record.attempt and (
@@ -132,6 +132,8 @@ class Takeover:
                 # before the reply left: send it (at least once; it carries the id)
                 await self.resolver.release(record)
                 await self._retell(record)
+        if leaked:
+            commands.append(return_command(self.conn, instance_id, sorted(leaked)))
         await self.store.conn.run_all(commands)
         return len(ids)
 

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import anyio
 import msgspec
 
 from broker.config import Settings
 from broker.connection import Connection, open_connection
+from broker.credits import return_command
 from broker.keyspace import SIDECAR_GROUP
+from broker.notifications import MISSED, Notifications, credit_announcement
 from broker.records import InstanceCard
 from broker.registry import Registry
 from broker.stages import Stage
@@ -28,6 +31,19 @@ async def assigned(conn: Connection, message_id: str, *, read: bool, acknowledge
         await conn.call("XREADGROUP", "GROUP", SIDECAR_GROUP, "live-1", "STREAMS", queue, ">")
     if acknowledged:
         await conn.call("XACK", queue, SIDECAR_GROUP, entry)
+
+
+async def listening(conn: Connection, notes: Notifications, instance_id: str) -> None:
+    """Until ``notes`` hears the instance's credit channel: a probe at a time."""
+    channel, sharded = credit_announcement(conn, instance_id)
+    probe = f"{instance_id} probe".encode()
+    with anyio.fail_after(10):
+        while True:
+            await conn.call("SPUBLISH" if sharded == "1" else "PUBLISH", channel, probe)
+            hint = await notes.next(timeout_s=0.2)
+            if hint is not None and hint[1] == probe:
+                return
+            assert hint is None or hint[1] == MISSED or hint[1].endswith(b" probe"), hint
 
 
 async def test_a_credit_nobody_will_return_is_returned_on_a_live_instance(
@@ -63,7 +79,19 @@ async def test_a_credit_nobody_will_return_is_returned_on_a_live_instance(
             await janitor.step(now_ms())
             return janitor.credits_returned >= 2
 
-        await eventually(swept_all, timeout_s=30)
+        notes = Notifications(conn)
+        notes.follow(["live-1"])
+        async with anyio.create_task_group() as tg:
+            await tg.start(notes.run)
+            await listening(conn, notes, "live-1")
+            await eventually(swept_all, timeout_s=30)
+            # a dispatcher waiting for live-1's credits hears of them: two now in use
+            heard: list[bytes] = []
+            while b"live-1 2" not in heard:
+                hint = await notes.next(timeout_s=10)
+                assert hint is not None, f"not announced; heard {heard}"
+                heard.append(hint[1])
+            tg.cancel_scope.cancel()
         held = await conn.call("SMEMBERS", conn.keys.inflight("live-1"))
     assert sorted(m.decode() for m in held) == sorted([f"{finishing}:1", f"{running}:1"])
     assert janitor.credits_returned == 2
@@ -101,3 +129,28 @@ async def test_a_credit_is_kept_where_its_pending_entry_cannot_be_read(
         await eventually(returned, timeout_s=30)
     assert sorted(kept) == sorted([f"{ended}:1".encode(), b"\xff\xfe:1"])
     assert janitor.credits_returned == 2
+
+
+async def test_returning_credits_announces_what_was_returned_and_nothing_else(
+    settings: Settings,
+) -> None:
+    """``return_command``, the reaper's and the janitor's way to give a credit back: a
+    dispatcher hears the credits now in use, as from a sidecar's release; a return that
+    found nothing to return says nothing."""
+    assert settings.redis_url is not None
+    async with open_connection(settings, settings.redis_url) as conn:
+        await conn.call("SADD", conn.keys.inflight("live-1"), "a:1", "b:1")
+        notes = Notifications(conn)
+        notes.follow(["live-1"])
+        async with anyio.create_task_group() as tg:
+            await tg.start(notes.run)
+            await listening(conn, notes, "live-1")
+            returned = await conn.call(*return_command(conn, "live-1", ["a:1", "c:1"]))
+            first = await notes.next(timeout_s=10)
+            again = await conn.call(*return_command(conn, "live-1", ["a:1", b"\xff:1"]))
+            await listening(conn, notes, "live-1")  # nothing heard before the probe
+            tg.cancel_scope.cancel()
+        held = await conn.call("SMEMBERS", conn.keys.inflight("live-1"))
+    assert (returned, again) == (1, 0)
+    assert first is not None and first[1] == b"live-1 1"
+    assert held == [b"b:1"]
