@@ -139,8 +139,11 @@ class Sidecar:
         self.lifecycle.beat_soon()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        await ensure_group(self.conn, self.conn.keys.queue(self.instance_id), SIDECAR_GROUP)
+        # the card first: a janitor that finds the stream finds a fresh card beside it (a
+        # stream with no card is an instance gone for good). Work assigned meanwhile waits in
+        # the stream, which the group, made at 0, reads whole.
         await self.lifecycle.register()
+        await ensure_group(self.conn, self.conn.keys.queue(self.instance_id), SIDECAR_GROUP)
         try:
             silence_s = read_silence_s(self.conn.settings)
             async with (

@@ -27,6 +27,7 @@ class ScriptName(StrEnum):
     CHILD_DONE = "child_done"
     NOTE = "note"
     FORGET_INSTANCE = "forget_instance"
+    UNLIST_GONE = "unlist_gone"
     GCRA = "gcra"
     CARD_SET = "card_set"
 

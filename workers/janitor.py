@@ -136,8 +136,12 @@ class Janitor:
             await self.store.conn.run_all(fixes)
 
     async def _forget(self, instance_ids: list[str], now: int) -> None:
+        await self._unlist(await self._remove_keys(instance_ids, now), now)
+
+    async def _remove_keys(self, instance_ids: list[str], now: int) -> list[str]:
+        """The keys of each instance gone for good removed; the instances so forgotten."""
         if not instance_ids:
-            return
+            return []
         commands: list[tuple[Any, ...]] = [
             self.conn.script_command(
                 ScriptName.FORGET_INSTANCE,
@@ -152,13 +156,20 @@ class Janitor:
             for i in instance_ids
         ]
         replies = await self.conn.call_many(commands)
-        gone = [i for i, reply in zip(instance_ids, replies, strict=True) if reply == 1]
+        return [i for i, reply in zip(instance_ids, replies, strict=True) if reply == 1]
+
+    async def _unlist(self, forgotten: list[str], now: int) -> None:
+        """Take the forgotten instances off ``P:agents``, save one listed again meanwhile (a
+        sidecar registered under the same id since its keys were removed)."""
+        if not forgotten:
+            return
+        reply = await self.conn.evalsha(
+            ScriptName.UNLIST_GONE, (self.keys.agents,), (now - self.gone_after_ms, *forgotten)
+        )
+        gone = [i.decode(errors="replace") for i in reply]
         if gone:
-            # A sidecar coming back under the same id now re-adds itself with its next beat.
-            forgotten = [
-                event_command(self.conn, "instance.gone", i, reason="forgotten") for i in gone
-            ]
-            await self.conn.run_all([("ZREM", self.keys.agents, *gone), *forgotten])
+            told = [event_command(self.conn, "instance.gone", i, reason="forgotten") for i in gone]
+            await self.conn.run_all(told)
             self.forgotten += len(gone)
             log.info("forgot %d instances gone for good: %s", len(gone), ", ".join(gone[:10]))
 

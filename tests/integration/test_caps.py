@@ -202,6 +202,32 @@ async def test_instances_gone_for_good_are_forgotten_and_live_work_is_kept(
     assert sorted(registered) == [b"fresh-1", b"gone-2"]
 
 
+async def test_an_instance_registered_again_while_it_was_forgotten_stays_listed(
+    settings: Settings,
+) -> None:
+    """The janitor removes a gone instance's keys (its slot), then takes it off the list
+    (another slot on a cluster). A sidecar that registers under the same id between the two
+    steps keeps its place on the list: a beat never adds one, and a live instance off the
+    list is never routed to."""
+    swept = tuned(settings, instance_gone_after_s=60.0, orphan_sweep_s=0.2)
+    assert swept.redis_url is not None
+    async with open_connection(swept, swept.redis_url) as conn:
+        await _register_silent(conn, "back-1", silent_ms=120_000)
+        await _register_silent(conn, "gone-1", silent_ms=120_000)
+        janitor = Janitor(conn, MessageStore(conn))
+        now = now_ms()
+        removed = await janitor._remove_keys(["back-1", "gone-1"], now)
+        await _register_silent(conn, "back-1", silent_ms=0)  # its sidecar starts again
+        await janitor._unlist(removed, now)
+        listed = await conn.call("ZRANGE", conn.keys.agents, 0, -1)
+        card = int(await conn.call("EXISTS", conn.keys.card("back-1")))
+        events = await conn.call("XRANGE", conn.fleet.events, "-", "+")
+    assert sorted(removed) == ["back-1", "gone-1"]
+    assert listed == [b"back-1"] and card == 1
+    gone = [flat[flat.index(b"subject") + 1] for _, flat in events if b"instance.gone" in flat]
+    assert gone == [b"gone-1"] and janitor.forgotten == 1
+
+
 async def test_a_live_record_the_due_index_lost_is_found_and_resolved(
     settings: Settings,
 ) -> None:
