@@ -37,6 +37,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
 import httpx
 
 from broker.envelope import Envelope
@@ -58,7 +59,7 @@ from .a2a_wire import (
     task_view,
 )
 from .callbacks import CallbackTokens
-from .http import NOT_SENT, AgentAnswer, agent_limits, read_limited
+from .http import NOT_SENT, AgentAnswer, agent_limits, exchange, read_limited
 from .outcome import Accepted, Ambiguous, Failed, NotReached, Outcome
 from .transport import reach_headers
 
@@ -74,11 +75,9 @@ async def fetch_card(url: str, *, timeout_s: float = 10.0) -> AgentCardView:
     """The card at ``url`` (the agent's base URL, or the card's own URL)."""
     card_url = url if url.endswith(".json") else url.rstrip("/") + CARD_PATH
     try:
-        async with (
-            httpx.AsyncClient(timeout=timeout_s) as client,
-            client.stream("GET", card_url) as response,
-        ):
-            body = await read_limited(response, CARD_LIMIT_BYTES)
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            request = client.build_request("GET", card_url)
+            response, body = await exchange(client, request, CARD_LIMIT_BYTES)
     except httpx.HTTPError as exc:
         raise CardError(f"cannot read the agent card at {card_url}: {exc!r}") from exc
     if response.status_code != 200:
@@ -172,17 +171,22 @@ class A2ATransport:
         body = rpc(self.dialect.stream, params, uuid.uuid4().hex)
         reading = StreamReading()
         note = self._noter(message_id)
-        try:
-            async with self._client.stream("POST", url, content=body, headers=sent) as response:
-                if not response.headers.get("content-type", "").startswith("text/event-stream"):
-                    raw = await read_limited(response, self.max_result_bytes) or b""
-                    return self._answered(AgentAnswer(response.status_code, response.headers, raw))
-                await consume(response, reading, note, self.timeout_s)
-        except NOT_SENT as exc:
-            return NotReached(f"agent unreachable at {url}: {type(exc).__name__}: {exc}")
-        except httpx.HTTPError as exc:
-            if not reading.task_id:
-                return Ambiguous(f"no answer from {url}: {type(exc).__name__}: {exc}")
+        # the whole call within its time: httpx bounds each read, and an agent trickling its
+        # headers or a plain answer a byte at a time would hold the call for good
+        with anyio.move_on_after(self.timeout_s) as deadline:
+            try:
+                async with self._client.stream("POST", url, content=body, headers=sent) as answer:
+                    if not answer.headers.get("content-type", "").startswith("text/event-stream"):
+                        raw = await read_limited(answer, self.max_result_bytes) or b""
+                        return self._answered(AgentAnswer(answer.status_code, answer.headers, raw))
+                    await consume(answer, reading, note, self.timeout_s)
+            except NOT_SENT as exc:
+                return NotReached(f"agent unreachable at {url}: {type(exc).__name__}: {exc}")
+            except httpx.HTTPError as exc:
+                if not reading.task_id:
+                    return Ambiguous(f"no answer from {url}: {type(exc).__name__}: {exc}")
+        if deadline.cancelled_caught and not reading.task_id:
+            return Ambiguous(f"no answer from {url} within {self.timeout_s:g} s")
         settled = stream_outcome(reading)
         if not isinstance(settled, str):
             return settled

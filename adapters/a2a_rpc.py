@@ -25,7 +25,7 @@ from .a2a_wire import (
     rpc_answer,
     task_view,
 )
-from .http import NOT_SENT, AgentAnswer, read_limited, refusal
+from .http import NOT_SENT, AgentAnswer, exchange, refusal
 from .outcome import Ambiguous, Failed, NotReached, Outcome, Status
 
 STATUS_SCHEME = "a2a:"  # an A2A agent's status URL: a2a:<protocol version>:<JSON-RPC URL>
@@ -51,11 +51,7 @@ async def json_rpc(
     except Exception as exc:  # before anything was sent
         return Failed(f"cannot build the request to {url}: {exc!r}", fault=False)
     try:
-        response = await client.send(request, stream=True)
-        try:
-            raw = await read_limited(response, max_bytes)
-        finally:
-            await response.aclose()
+        response, raw = await exchange(client, request, max_bytes)
     except NOT_SENT as exc:
         return NotReached(f"agent unreachable at {url}: {type(exc).__name__}: {exc}")
     except httpx.HTTPError as exc:

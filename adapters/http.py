@@ -13,8 +13,10 @@ from __future__ import annotations
 import datetime
 import email.utils
 import math
+import zlib
 from dataclasses import dataclass
 
+import anyio
 import httpx
 import msgspec
 
@@ -63,11 +65,7 @@ class HttpTransport:
             reason = f"cannot build the request to {self.url}: {type(exc).__name__}: {exc}"
             return Failed(reason, fault=False)
         try:
-            response = await self._client.send(request, stream=True)
-            try:
-                body = await read_limited(response, self.max_result_bytes)
-            finally:
-                await response.aclose()
+            response, body = await exchange(self._client, request, self.max_result_bytes)
         except NOT_SENT as exc:
             return NotReached(f"agent unreachable at {self.url}: {type(exc).__name__}: {exc}")
         except httpx.HTTPError as exc:
@@ -187,19 +185,80 @@ class AgentAnswer:
         return self.body[:200].decode(errors="replace")
 
 
+async def exchange(
+    client: httpx.AsyncClient, request: httpx.Request, max_bytes: int
+) -> tuple[httpx.Response, bytes | None]:
+    """Send ``request`` and read its answer (:func:`read_limited`), the whole exchange within
+    the client's read timeout. httpx's timeouts bound each connect, write and read, not the
+    call: an agent that sends a byte every few seconds would hold the call, and its credit,
+    for good. Past the deadline, :class:`httpx.ReadTimeout` (an answer that did not come:
+    ambiguous, as any read timeout)."""
+    within_s = client.timeout.read or DEFAULT_EXCHANGE_S
+    with anyio.move_on_after(within_s):
+        response = await client.send(request, stream=True)
+        try:
+            return response, await read_limited(response, max_bytes)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
+    raise httpx.ReadTimeout(f"no whole answer within {within_s:g} s", request=request)
+
+
+DEFAULT_EXCHANGE_S = 30.0  # for a client made without a read timeout
+
+
 async def read_limited(response: httpx.Response, max_bytes: int) -> bytes | None:
     """The body of a streamed response, or ``None`` as soon as it passes ``max_bytes``
-    (declared or read: decoded bytes count, so a compressed bomb is cut off too)."""
+    (declared or read: inflated bytes count, so a compressed bomb is cut off too)."""
     declared = response.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and len(declared) < 20:
         if int(declared) > max_bytes:
             return None
     body = bytearray()
-    async for chunk in response.aiter_bytes():
+    encoding = response.headers.get("content-encoding", "").strip().lower()
+    if encoding in _Inflate.ENCODINGS:
+        inflate = _Inflate(encoding)
+        async for chunk in response.aiter_raw():
+            inflated = inflate.feed(chunk, max_bytes - len(body))
+            if inflated is None:
+                return None
+            body += inflated
+        return bytes(body)
+    async for chunk in response.aiter_bytes():  # identity (or what httpx alone can undo)
         body += chunk
         if len(body) > max_bytes:
             return None
     return bytes(body)
+
+
+class _Inflate:
+    """A gzip or deflate body undone a bounded piece at a time. httpx inflates each chunk it
+    reads whole: 64 KiB of zeros on the wire came out as 64 MiB before a size check saw
+    them (a 200 MB bomb peaked at 140 MiB for a 1 MiB limit)."""
+
+    ENCODINGS = frozenset({"gzip", "x-gzip", "deflate"})
+
+    def __init__(self, encoding: str) -> None:
+        self._gzip = encoding != "deflate"
+        self._inflater = zlib.decompressobj(zlib.MAX_WBITS | 16 if self._gzip else zlib.MAX_WBITS)
+        self._first = True
+
+    def feed(self, data: bytes, room: int) -> bytes | None:
+        """What ``data`` inflates to; ``None`` once that is more than ``room`` bytes."""
+        try:
+            out = self._inflater.decompress(data, room + 1)
+        except zlib.error as exc:
+            if self._gzip or not self._first:
+                kind = "gzip" if self._gzip else "deflate"
+                raise httpx.DecodingError(f"answer not {kind}") from exc
+            # "deflate" sent raw, without its zlib wrapper (as httpx reads it too)
+            self._inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+            try:
+                out = self._inflater.decompress(data, room + 1)
+            except zlib.error:
+                raise httpx.DecodingError("answer not deflate") from exc
+        self._first = False
+        return None if len(out) > room else out
 
 
 def refusal(answer: AgentAnswer, who: str = "agent") -> Outcome | None:

@@ -13,7 +13,7 @@ import httpx
 import msgspec
 
 from .a2a_rpc import STATUS_SCHEME, a2a_status
-from .http import DEFAULT_MAX_RESULT_BYTES, read_limited
+from .http import DEFAULT_MAX_RESULT_BYTES, exchange
 from .outcome import Status
 
 _decoder = msgspec.json.Decoder(Status)
@@ -37,8 +37,8 @@ class StatusClient:
         url = f"{status_url.rstrip('/')}/{message_id}"
         headers = {"X-Reach-Message-Id": message_id}
         try:
-            async with self._client.stream("GET", url, headers=headers) as response:
-                body = await read_limited(response, self.max_answer_bytes)
+            request = self._client.build_request("GET", url, headers=headers)
+            response, body = await exchange(self._client, request, self.max_answer_bytes)
         except Exception as exc:  # any failure to ask is "unknown", never a crash
             return Status("unknown", why=f"status query failed: {type(exc).__name__}")
         if response.status_code == 404:

@@ -1,0 +1,124 @@
+"""Answers an agent (or whatever listens at its URL) may send that no well-behaved server
+would: each call still ends within its time, and within its memory."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import tracemalloc
+import zlib
+
+import anyio
+import msgspec
+
+from adapters.http import HttpTransport
+from adapters.outcome import Ambiguous, Failed, Succeeded
+from adapters.status import StatusClient
+from broker.envelope import Envelope, complete
+from tests.support.raw_http import raw_http
+
+TIMEOUT_S = 0.5
+WATCH_S = 10.0  # far past the call's time: only a call that never ends reaches it
+
+
+def envelope() -> Envelope:
+    return complete(Envelope(capability="text.echo", payload=msgspec.Raw(b"1")))
+
+
+async def body_a_byte_at_a_time(request: bytes, writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+    writer.write(b"Content-Length: 100000\r\n\r\n")
+    while True:  # every read sees a byte well within its timeout
+        writer.write(b" ")
+        await writer.drain()
+        await asyncio.sleep(TIMEOUT_S / 5)
+
+
+async def headers_a_byte_at_a_time(request: bytes, writer: asyncio.StreamWriter) -> None:
+    while True:
+        writer.write(b"X")
+        await writer.drain()
+        await asyncio.sleep(TIMEOUT_S / 5)
+
+
+async def test_an_answer_trickled_a_byte_at_a_time_ends_the_call_at_its_time() -> None:
+    """httpx bounds each read, not the call: an agent that kept a byte coming held the call,
+    and its credit, for good. Headers or body, the call ends ambiguous at its time."""
+    outcomes = []
+    for trickle in (body_a_byte_at_a_time, headers_a_byte_at_a_time):
+        async with raw_http(trickle) as (url, requests):
+            transport = HttpTransport(url, timeout_s=TIMEOUT_S, max_connections=1)
+            with anyio.fail_after(WATCH_S):
+                outcomes.append(await transport.deliver(envelope(), 1))
+            await transport.aclose()
+        assert len(requests) == 1
+    for outcome in outcomes:
+        assert isinstance(outcome, Ambiguous), outcome
+        assert f"no whole answer within {TIMEOUT_S:g} s" in outcome.reason
+
+
+async def test_a_status_endpoint_that_trickles_is_unknown_at_its_time() -> None:
+    async with raw_http(body_a_byte_at_a_time) as (url, _):
+        client = StatusClient(timeout_s=TIMEOUT_S)
+        with anyio.fail_after(WATCH_S):
+            status = await client.query(f"{url}status", "m1")
+        await client.aclose()
+    assert status.state == "unknown" and "ReadTimeout" in status.why
+
+
+def encoded(body: bytes, encoding: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: "
+        + encoding
+        + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
+
+
+async def test_a_compressed_bomb_is_cut_off_at_the_limit_not_inflated_whole() -> None:
+    """200 MB of zeros in 200 KB of gzip: httpx inflated each 64 KiB read whole (the answer
+    peaked at 140 MiB for a 1 MiB limit). Inflated a bounded piece at a time, the call
+    holds little more than the limit."""
+    bomb = gzip.compress(b"0" * (200 * 1024 * 1024), compresslevel=9)
+
+    async def answer(request: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(encoded(bomb, b"gzip"))
+        await writer.drain()
+
+    async with raw_http(answer) as (url, _):
+        transport = HttpTransport(url, timeout_s=10, max_connections=1)
+        tracemalloc.start()
+        try:
+            outcome = await transport.deliver(envelope(), 1)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        await transport.aclose()
+    assert isinstance(outcome, Failed) and "over the 1048576-byte limit" in outcome.reason
+    assert peak < 8 * 2**20, f"{peak / 2**20:.1f} MiB held for a 1 MiB limit"
+
+
+async def test_compressed_answers_within_the_limit_are_read_as_before() -> None:
+    """gzip, deflate as RFC 9110 says (zlib), and deflate as some servers send it (raw); an
+    answer that is not what it says it is, ambiguous (it came, and could not be read)."""
+    result = b'{"answer": "' + b"x" * 5000 + b'"}'
+    raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    bodies = [
+        encoded(gzip.compress(result), b"gzip"),
+        encoded(zlib.compress(result), b"deflate"),
+        encoded(raw.compress(result) + raw.flush(), b"Deflate"),
+        encoded(b"not gzip at all", b"gzip"),
+    ]
+    outcomes = []
+    for body in bodies:
+
+        async def answer(request: bytes, writer: asyncio.StreamWriter, body: bytes = body) -> None:
+            writer.write(body)
+            await writer.drain()
+
+        async with raw_http(answer) as (url, _):
+            transport = HttpTransport(url, timeout_s=10, max_connections=1)
+            outcomes.append(await transport.deliver(envelope(), 1))
+            await transport.aclose()
+    assert outcomes[:3] == [Succeeded(result)] * 3
+    assert isinstance(outcomes[3], Ambiguous) and "answer not gzip" in outcomes[3].reason
