@@ -61,7 +61,7 @@ def answer_in(fields: Mapping[str, bytes]) -> Result | None:
     holds none (whoever may write the stream may have written anything): never raises."""
     entry = parse_reply_entry(fields)
     if isinstance(entry, str):
-        log.warning("unreadable reply entry %r: %s", dict(fields), entry)
+        log.warning("unreadable reply entry %.300r: %s", dict(fields), entry)
         return None
     return result_of(entry) if entry.is_outcome else None
 
@@ -158,7 +158,7 @@ class ReplyInbox:
         request that timed out, a repeated reply) is dropped."""
         entry = parse_reply_entry(fields)
         if isinstance(entry, str):
-            log.warning("unreadable reply entry %r: %s", dict(fields), entry)
+            log.warning("unreadable reply entry %.300r: %s", dict(fields), entry)
             return
         waiter = self._waiters.get(entry.id)
         if waiter is None or waiter.done.is_set():

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from broker.deadletters import Letter, letter_fields, parse_letter
 from broker.record_codec import timeline_entry
 from broker.records import TimelineEntry
+from broker.replies import answer_in
 from broker.stages import Stage
 from broker.streams import field_name
 from broker.wire import (
@@ -210,6 +211,9 @@ def test_an_unreadable_reply_says_why() -> None:
     assert str(parse_reply_entry(deep)).startswith("field 'result' is not JSON")
     broken = {"id": b"m", "stage": b"SUCCEEDED", "result": b'{"x": '}
     assert str(parse_reply_entry(broken)).startswith("field 'result' is not JSON")
+    huge = {"id": b"m", "stage": b"SUCCEEDED", "result": b"[" + b"9" * 5000 + b"]"}
+    assert str(parse_reply_entry(huge)).startswith("field 'result' is not JSON")
+    assert answer_in(huge) is None  # never raises
 
 
 @given(
