@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 from broker.connection import Connection
 from broker.deadletters import Letter
-from broker.delivery import dead_letter_commands
+from broker.delivery import dead_letter_commands, write_letters
 from broker.entries import fields_as_bytes
-from broker.errors import RedisReplyError, RedisUnavailable
+from broker.errors import RedisReplyError
 from broker.keyspace import SIDECAR_GROUP
 from broker.results import Command
 from broker.streams import field_bytes
@@ -88,10 +88,6 @@ async def drop_entries(
     # the letters first: one Redis cannot write now (out of memory, say) holds the entries
     # pending, to be dropped again, rather than acknowledged with nothing to show for them;
     # one refused for good (a spoiled count, a poisoned stream) is said, and the entries go
-    for reply in await conn.call_many(letters):
-        if isinstance(reply, RedisUnavailable):
-            raise reply
-        if isinstance(reply, Exception):
-            log.error("a dead letter of %s (%s) was not all written: %s", queue, kind, reply)
+    await write_letters(conn, letters, f"{kind} of {queue}")
     await conn.run_all([ack])
     log.warning("dropped %d entries from %s (%s)", len(entries), queue, kind)

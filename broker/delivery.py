@@ -3,6 +3,7 @@ outcomes — and the dead letters that take what cannot be told."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
@@ -21,6 +22,8 @@ from .scripts import ScriptName
 from .stages import Stage
 from .timekeeping import now_ms
 from .wire import ReplyEntry, reply_fields
+
+log = logging.getLogger("agent_reach.delivery")
 
 EVENT_REASON_BYTES = 512  # of a dead letter's reason, in its event
 
@@ -45,6 +48,20 @@ def dead_letter_commands(conn: Connection, letter: Letter) -> list[Command]:
             )
         )
     return commands + count_commands(conn, field("dead_letters", kind))
+
+
+async def write_letters(conn: Connection, commands: list[Command], what: str) -> None:
+    """Send :func:`dead_letter_commands` (of one letter or several). A Redis that cannot
+    write now (:class:`RedisUnavailable`: out of memory, a failover) raises: the caller keeps
+    what the letter is for, to write it again. A refusal for good — a counter someone made no
+    number, a stream whose ids someone ran to the last (any writer of ``P:dlq`` or
+    ``P:events`` can) — is logged, and the caller goes on: a letter that can never be written
+    must not hold the work it is about, nor the work behind it."""
+    for reply in await conn.call_many(commands):
+        if isinstance(reply, RedisUnavailable):
+            raise reply
+        if isinstance(reply, Exception):
+            log.error("a dead letter (%.200s) was not all written: %s", what, reply)
 
 
 def count_commands(conn: Connection, *fields: str) -> list[Command]:
@@ -128,7 +145,7 @@ class Delivery:
         )
 
     async def dead_letter(self, letter: Letter) -> None:
-        await self.conn.run_all(dead_letter_commands(self.conn, letter))
+        await write_letters(self.conn, dead_letter_commands(self.conn, letter), letter.reason)
 
     async def deliver(
         self,

@@ -51,6 +51,23 @@ async def emit(conn: Connection, commands: Sequence[Command]) -> None:
             log.error("event not recorded (%s): %s", reply, " ".join(map(str, command[6:])))
 
 
+async def run_with_events(
+    conn: Connection, commands: Sequence[Command], events: Sequence[Command]
+) -> list[Any]:
+    """``commands`` and the events that report them, in one round trip: the first error
+    reply among ``commands`` is raised, an event refused is logged as :func:`emit` does (an
+    events stream whose ids someone ran to the last must not stop a sidecar registering)."""
+    replies: list[Any] = await conn.call_many([*commands, *events])
+    done, told = replies[: len(commands)], replies[len(commands) :]
+    for reply in done:
+        if isinstance(reply, Exception):
+            raise reply
+    for command, reply in zip(events, told, strict=True):
+        if isinstance(reply, Exception):
+            log.error("event not recorded (%s): %s", reply, " ".join(map(str, command[6:])))
+    return done
+
+
 async def recent_events(
     conn: Connection, count: int, types: Sequence[str] = ()
 ) -> tuple[list[Event], str]:

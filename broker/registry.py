@@ -11,7 +11,7 @@ import msgspec
 
 from .connection import Connection
 from .envelope import MESSAGE_ID_PATTERN
-from .event_log import emit, event_command
+from .event_log import emit, event_command, run_with_events
 from .events import heartbeat_events
 from .keyspace import SIDECAR_GROUP
 from .record_codec import pairs
@@ -168,13 +168,14 @@ class Registry:
             endpoint=card.endpoint,
             max_inflight=card.max_inflight,
         )
-        await self._all(
+        await run_with_events(
+            self.conn,
             [
                 ("HSET", self.keys.card(inst), *flat),
                 ("ZADD", self.keys.agents, hb, inst),
                 ("PUBLISH", self.keys.registry_channel, inst),
-                registered,
-            ]
+            ],
+            [registered],
         )
 
     async def heartbeat(
@@ -234,14 +235,17 @@ class Registry:
     async def deregister(self, instance_id: str) -> None:
         """Remove the card, after a drain (a sidecar always drains before it deregisters):
         ``instance.drained``, then ``instance.gone``."""
-        await self._all(
+        await run_with_events(
+            self.conn,
             [
                 ("ZREM", self.keys.agents, instance_id),
                 ("DEL", self.keys.card(instance_id)),
                 ("PUBLISH", self.keys.registry_channel, instance_id),
+            ],
+            [
                 event_command(self.conn, "instance.drained", instance_id),
                 event_command(self.conn, "instance.gone", instance_id, reason="deregistered"),
-            ]
+            ],
         )
 
     async def snapshot(self) -> list[InstanceView]:

@@ -29,7 +29,7 @@ from typing import Any
 
 from broker.connection import Connection
 from broker.errors import RedisUnavailable
-from broker.event_log import event_command
+from broker.event_log import emit, event_command
 from broker.keyspace import SIDECAR_GROUP, due_for
 from broker.scripts import ScriptName
 from broker.stages import TERMINAL, Stage
@@ -169,7 +169,7 @@ class Janitor:
         gone = [i.decode(errors="replace") for i in reply]
         if gone:
             told = [event_command(self.conn, "instance.gone", i, reason="forgotten") for i in gone]
-            await self.conn.run_all(told)
+            await emit(self.conn, told)
             self.forgotten += len(gone)
             log.info("forgot %d instances gone for good: %s", len(gone), ", ".join(gone[:10]))
 

@@ -231,3 +231,35 @@ async def test_a_producer_is_told_when_its_entry_carries_a_stray_field(conn: Con
         results = await collect_replies(conn, reply_to, 1)
     assert results["stray-1"].stage is Stage.REJECTED
     assert "fields besides `envelope`: 'trace'" in (results["stray-1"].error or "")
+
+
+async def test_dead_letters_and_events_redis_refuses_for_good_do_not_stop_the_ingress(
+    conn: Connection,
+) -> None:
+    """Whoever may write ``P:dlq`` or ``P:events`` (a sidecar's user may) can give them an
+    entry with the last possible id: every later ``XADD *`` there is refused. A rejection
+    raised that refusal, its entry was handled again, and refused again, for good: no entry
+    behind it was read. Now the rejection's record and answer stand, the refusal is logged,
+    and the entries behind it run."""
+    last_id = "18446744073709551615-18446744073709551615"
+    await conn.call("XADD", conn.keys.dlq, last_id, "x", "y")
+    await conn.call("XADD", conn.fleet.events, last_id, "x", "y")
+    reply_to = conn.keys.reply("behind")
+    bad = msgspec.json.encode({"capability": "NOT A CAPABILITY", "reply_to": reply_to})
+    good = msgspec.json.encode({"capability": "text.echo", "reply_to": reply_to})
+    await conn.call("XADD", conn.keys.ingress, "*", "envelope", bad)
+    await conn.call("XADD", conn.keys.ingress, "*", "envelope", b"not json")
+    await conn.call("XADD", conn.keys.ingress, "*", "envelope", good)
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        results = await collect_replies(conn, reply_to, 2)
+
+        async def none_pending() -> bool:
+            return (await conn.call("XPENDING", conn.keys.ingress, "dispatch"))[0] == 0
+
+        await eventually(none_pending)
+    assert sorted(r.stage for r in results.values()) == [Stage.REJECTED, Stage.SUCCEEDED]
+    assert agent.log.total == 1
