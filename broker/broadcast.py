@@ -18,11 +18,15 @@ Pure: no I/O; time is an argument.
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 
 from .envelope import Envelope
 from .routing import RegistryIndex, RouteRequest, RoutingPolicy
 from .routing import _selector_miss as selector_miss  # the funnel's own rule, one definition
+
+log = logging.getLogger("agent_reach.broadcast")
 
 MAX_PARENT_ID = 120  # + "." + up to 7 digits = 128, the message-id limit
 
@@ -106,7 +110,13 @@ def encode_children(children: Children) -> bytes:
 
 
 def decode_children(raw: bytes) -> Children:
-    return _children.decode(raw)
+    """The fan-out a parent record keeps; none where the field is not one (whoever may write
+    records may write anything there): logged, and the parent is left to its deadline."""
+    try:
+        return _children.decode(raw)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        log.warning("a broadcast's children unreadable, taken as none: %s", exc)
+        return []
 
 
 def no_members_reason(why: str) -> str:

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection, open_connection
+from broker.events import event_fields
 from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.harness import collect_replies, eventually, running_dispatcher
@@ -237,3 +238,28 @@ async def test_dlq_shows_where_an_undeliverable_webhook_went(settings: Settings)
     assert (letter["url"], letter["attempts"]) == (url, 2) and letter["error"]
     code, out = await cli(settings, "dlq")
     assert f"webhook {url} after 2 attempts: " in out
+
+
+async def test_what_anyone_may_write_is_shown_not_a_traceback(
+    conn: Connection, settings: Settings
+) -> None:
+    """A dead letter and an event whose time no calendar holds, a record whose result is no
+    JSON, a broadcast's children that are no list: whoever may write those keys (a sidecar's
+    user may) wrote them. The operator's commands show them as they are."""
+    await conn.call("XADD", conn.keys.dlq, "*", "id", "far", "reason", "r", "ts", "9" * 15)
+    far_event = event_fields("instance.gone", "s", int("9" * 15))
+    await conn.call("XADD", conn.fleet.events, "*", *[x for kv in far_event.items() for x in kv])
+    spoiled = await record_in(conn, Stage.SUCCEEDED)
+    await conn.call("HSET", conn.keys.record(spoiled), "result", b"not json")
+    await conn.call("HSET", conn.keys.record(spoiled), "children", b"{garbage")
+    shown = [
+        await cli(settings, "dlq"),
+        await cli(settings, "events"),
+        await cli(settings, "trace", spoiled),
+        await cli(settings, "trace", spoiled, "--json"),
+    ]
+    assert [code for code, _ in shown] == [0, 0, 0, 0], shown
+    assert "@999999999999999" in shown[0][1] and "far" in shown[0][1]
+    assert "@999999999999999" in shown[1][1]
+    document = json.loads(shown[3][1].splitlines()[0])  # a warning may follow, on stderr
+    assert document["result"] == {"unreadable": "not json"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from functools import wraps
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -111,3 +112,14 @@ class FiniteRange(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a number", param, ctx)
         return number
+
+
+def utc_text(ms: int, fmt: str | None = "%Y-%m-%d %H:%M:%S") -> str:
+    """A time in ms since the epoch as UTC text (``fmt`` ``None``: ISO 8601 to the ms); one
+    no calendar holds (anyone who may write a dead letter or an event writes its time) as
+    the number itself, not a traceback."""
+    try:
+        when = datetime.fromtimestamp(ms / 1000, tz=UTC)
+    except (OverflowError, OSError, ValueError):
+        return f"@{ms}"
+    return when.isoformat(timespec="milliseconds") if fmt is None else when.strftime(fmt)

@@ -4,7 +4,6 @@ them as webhooks."""
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
 
 import anyio
 import click
@@ -19,7 +18,7 @@ from broker.subscription_store import SubscriptionStore
 from broker.subscriptions import STATIC_PREFIX, Subscription, subscription_problem
 
 from ..runtime import connected, stop_on_signals
-from .common import redis_options, run
+from .common import redis_options, run, utc_text
 
 TYPE = click.Choice(EVENT_TYPES)
 RETRY_FIRST_S, RETRY_MAX_S = 0.2, 2.0  # --follow's pauses while Redis is away
@@ -29,7 +28,7 @@ def event_line(event: Event, *, as_json: bool) -> str:
     """One event as a line: the webhook's JSON body, or time, type, subject and detail."""
     if as_json:
         return event_body(event).decode()
-    stamp = datetime.fromtimestamp(event.ts / 1000, UTC).isoformat(timespec="milliseconds")
+    stamp = utc_text(event.ts, None)
     detail = detail_text(bytes(event.detail))
     return f"{stamp}  {event.type:<26} {printable(event.subject)}  {detail}".rstrip()
 

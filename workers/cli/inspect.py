@@ -80,6 +80,15 @@ def toml_value(value: Any) -> str:
     return json.dumps(value)
 
 
+def readable_json(raw: bytes) -> Any:
+    """``raw`` decoded, or, where it is no JSON a reader can build (whoever may write a
+    record may write anything there), ``{"unreadable": <its text>}``."""
+    try:
+        return msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return {"unreadable": raw[:1000].decode(errors="replace")}
+
+
 def trace_document(found: Trace) -> dict[str, Any]:
     record = found.record
     return {
@@ -89,7 +98,7 @@ def trace_document(found: Trace) -> dict[str, Any]:
         "instance": record.instance,
         "capability": record.capability,
         "error": record.error,
-        "result": msgspec.json.decode(record.result) if record.result else None,
+        "result": readable_json(record.result) if record.result else None,
         "route_reason": record.route_reason,
         "route_from": route_steps(record.route_from) if record.route_from else None,
         "stages": [msgspec.to_builtins(e) for e in found.timeline],

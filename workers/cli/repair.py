@@ -11,7 +11,6 @@ import os
 import socket
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -27,7 +26,7 @@ from broker.stages import TERMINAL, Stage
 
 from ..runtime import connected
 from ..task_cancel import cancel_agent_task
-from .common import redis_options, run
+from .common import redis_options, run, utc_text
 
 T = TypeVar("T")
 
@@ -300,7 +299,7 @@ def dlq(settings: Settings, as_json: bool, count: int) -> None:
     shown = len(found.letters)
     click.echo(f"{found.total} dead letter(s)" + (f", the newest {shown}:" if shown else ""))
     for letter in found.letters:
-        when = datetime.fromtimestamp(letter.ts_ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+        when = utc_text(letter.ts_ms)
         click.echo(f"{when}  {letter.id:<26} {letter.stage or '-':<10} {letter.reason}")
         if letter.url is not None:
             tries = f" after {letter.attempts} attempts" if letter.attempts else ""

@@ -111,7 +111,7 @@ def shown(raw: bytes | None) -> str | None:
         return None
     try:
         text = json.dumps(msgspec.json.decode(raw[:SHOWN_BYTES]), indent=2)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         text = raw[:SHOWN_BYTES].decode("utf-8", "replace")
     return text if len(raw) <= SHOWN_BYTES else text + f"\n… ({len(raw)} bytes in all)"
 
