@@ -57,9 +57,9 @@ async def json_rpc(
     except httpx.HTTPError as exc:
         return Ambiguous(f"no answer from {url}: {type(exc).__name__}: {exc}")
     status = response.status_code
-    if raw is None:
+    if raw is None and 200 <= status < 300:
         return Failed(f"agent answered {status} with a body over {max_bytes} bytes")
-    answer = AgentAnswer(status, response.headers, raw)
+    answer = AgentAnswer(status, response.headers, raw or b"")  # a refusal: by its status
     return http_outcome(rest_answer(answer) if dialect.rest else answer)
 
 

@@ -70,11 +70,19 @@ class HttpTransport:
             return NotReached(f"agent unreachable at {self.url}: {type(exc).__name__}: {exc}")
         except httpx.HTTPError as exc:
             return Ambiguous(f"no answer from {self.url}: {type(exc).__name__}: {exc}")
+        status = response.status_code
+        if body is None and (not 200 <= status < 300 or self.outcome_without_body(status)):
+            # what the status says holds whatever the body: a 429 is back-pressure, a 202
+            # taken work, however much text came with it
+            return self.outcome(AgentAnswer(status, response.headers, b""))
         if body is None:
-            status = response.status_code
             why = f"agent answered {status} with a body over the {self.max_result_bytes}-byte limit"
-            return Failed(why, fault=status >= 500 or status < 400)
-        return self.outcome(AgentAnswer(response.status_code, response.headers, body))
+            return Failed(why)
+        return self.outcome(AgentAnswer(status, response.headers, body))
+
+    def outcome_without_body(self, status: int) -> bool:
+        """Whether a 2xx ``status`` says all there is to say without its body."""
+        return False
 
     def outcome(self, answer: AgentAnswer) -> Outcome:
         return _from_answer(answer)
@@ -116,6 +124,9 @@ class HttpAsyncTransport(HttpTransport):
         if answer.status == 202:  # whatever the body: "Accepted" as text is common
             return Accepted(_task_id(answer.body))
         return _from_answer(answer)
+
+    def outcome_without_body(self, status: int) -> bool:
+        return status == 202  # taken: the agent calls back, whatever it wrote beside it
 
 
 def _task_id(body: bytes) -> str:

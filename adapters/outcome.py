@@ -14,6 +14,7 @@ from typing import Literal
 
 import msgspec
 
+from broker.jsondepth import MAX_JSON_DEPTH, depth_problem
 from broker.usage import Usage
 
 
@@ -75,3 +76,18 @@ class Status(msgspec.Struct, frozen=True):
     @property
     def result_json(self) -> bytes:
         return bytes(self.result)
+
+
+def held_to_depth(outcome: Outcome) -> Outcome:
+    """A result nested deeper than :data:`~broker.jsondepth.MAX_JSON_DEPTH` is the agent's
+    failure, with the reason, as a callback's is: stored, it would fail each reader whose
+    stack is deeper than the sidecar's (a trace, the console, a client) where it decoded."""
+    if not isinstance(outcome, Succeeded):
+        return outcome
+    result = outcome.result
+    if result.count(b"[") + result.count(b"{") <= MAX_JSON_DEPTH:  # cannot nest deeper
+        return outcome
+    problem = depth_problem(result)
+    if problem is None:
+        return outcome
+    return Failed(f"the agent's result: {problem}", usage=outcome.usage)

@@ -42,6 +42,7 @@ from .outcome import (
     NotReached,
     Outcome,
     Succeeded,
+    held_to_depth,
 )
 from .status import StatusClient
 from .transport import Transport
@@ -335,7 +336,7 @@ class Runner:
         """The transport's outcome; a transport that raises instead of answering is a
         failure with its reason — never an error that leaves the entry to be run again."""
         try:
-            return await self.transport.deliver(envelope, taken.attempt)
+            return held_to_depth(await self.transport.deliver(envelope, taken.attempt))
         except Exception as exc:
             log.exception("message %s: the transport raised", taken.message_id)
             return Failed(f"the sidecar's transport raised {type(exc).__name__}: {exc}", False)

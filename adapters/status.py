@@ -12,6 +12,8 @@ from __future__ import annotations
 import httpx
 import msgspec
 
+from broker.jsondepth import depth_problem
+
 from .a2a_rpc import STATUS_SCHEME, a2a_status
 from .http import DEFAULT_MAX_RESULT_BYTES, exchange
 from .outcome import Status
@@ -27,7 +29,14 @@ class StatusClient:
         self.max_answer_bytes = max_answer_bytes
 
     async def query(self, status_url: str, message_id: str, task_id: str = "") -> Status:
-        """What the agent says of ``message_id`` (an A2A agent: of its task ``task_id``)."""
+        """What the agent says of ``message_id`` (an A2A agent: of its task ``task_id``); a
+        result nested too deeply is not taken, as a call's is not (:func:`held_to_depth`)."""
+        status = await self._asked(status_url, message_id, task_id)
+        if (problem := depth_problem(status.result_json)) is not None:
+            return Status("unknown", why=f"status endpoint answer: {problem}")
+        return status
+
+    async def _asked(self, status_url: str, message_id: str, task_id: str) -> Status:
         if not status_url:
             return Status("unknown", why="the agent has no status endpoint")
         if status_url.startswith(STATUS_SCHEME):

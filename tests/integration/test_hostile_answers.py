@@ -11,11 +11,16 @@ import zlib
 import anyio
 import msgspec
 
-from adapters.http import HttpTransport
-from adapters.outcome import Ambiguous, Failed, Succeeded
+from adapters.callbacks import CallbackTokens
+from adapters.http import HttpAsyncTransport, HttpTransport
+from adapters.outcome import Accepted, Ambiguous, Backoff, Failed, Succeeded
 from adapters.status import StatusClient
+from broker.client import Client
+from broker.connection import Connection
 from broker.envelope import Envelope, complete
-from tests.support.raw_http import raw_http
+from broker.stages import Stage
+from tests.support.harness import running_dispatcher, running_sidecar
+from tests.support.raw_http import Answer, raw_http
 
 TIMEOUT_S = 0.5
 WATCH_S = 10.0  # far past the call's time: only a call that never ends reaches it
@@ -122,3 +127,56 @@ async def test_compressed_answers_within_the_limit_are_read_as_before() -> None:
             await transport.aclose()
     assert outcomes[:3] == [Succeeded(result)] * 3
     assert isinstance(outcomes[3], Ambiguous) and "answer not gzip" in outcomes[3].reason
+
+
+def plain(status: bytes, body: bytes, extra: bytes = b"") -> Answer:
+    async def answer(request: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n" + extra)
+        writer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+
+    return answer
+
+
+async def test_what_a_status_says_holds_however_long_its_body() -> None:
+    """A 202 is taken work and a 429 back-pressure, with a body over the limit too (it was
+    a final failure: the callback that followed found the message FAILED)."""
+    big = b"x" * (1024 * 1024 + 10)
+    async with raw_http(plain(b"202 Accepted", big)) as (url, _):
+        taking = HttpAsyncTransport(url, timeout_s=10, max_connections=1)
+        taking.bind_callbacks("http://127.0.0.1:9", CallbackTokens(b"k" * 32))
+        taken = await taking.deliver(envelope(), 1)
+        await taking.aclose()
+    async with raw_http(plain(b"429 Too Many Requests", big, b"Retry-After: 2\r\n")) as (url, _):
+        busy = HttpTransport(url, timeout_s=10, max_connections=1)
+        refused = await busy.deliver(envelope(), 1)
+        await busy.aclose()
+    async with raw_http(plain(b"200 OK", big)) as (url, _):
+        answering = HttpTransport(url, timeout_s=10, max_connections=1)
+        answered = await answering.deliver(envelope(), 1)
+        await answering.aclose()
+    assert taken == Accepted("")
+    assert isinstance(refused, Backoff) and refused.retry_after_s == 2.0
+    assert isinstance(answered, Failed) and "over the 1048576-byte limit" in answered.reason
+
+
+async def test_a_result_nested_past_the_limit_is_the_agents_failure(conn: Connection) -> None:
+    """As a callback's result is held to 64 levels, so is a call's (and what a status
+    endpoint says of one): 900 levels decode in the sidecar, and fail a reader whose stack
+    is deeper where it decodes them (a trace, the console, a client)."""
+    deep = b"[" * 900 + b"]" * 900
+    async with (
+        raw_http(plain(b"200 OK", deep)) as (url, _),
+        running_sidecar(conn, "deep-1", ("text.echo",), url=url),
+        running_dispatcher(conn),
+        Client(conn) as client,
+    ):
+        result = await client.request("text.echo", 1, timeout=20)
+    said = b'{"state": "done", "result": ' + deep + b"}"
+    async with raw_http(plain(b"200 OK", said)) as (url, _):
+        asking = StatusClient(timeout_s=5)
+        status = await asking.query(f"{url}status", "m1")
+        await asking.aclose()
+    assert result.stage is Stage.FAILED
+    assert result.error is not None and "JSON nested 900 levels deep" in result.error
+    assert status.state == "unknown" and "nested 900 levels" in status.why
