@@ -132,6 +132,11 @@ class McpSession:
             if (error := error_text(answer)) is not None:
                 return Failed(f"initialize: {error}")
             session = sent.headers.get(SESSION_HEADER)
+            if session is not None and not _visible_ascii(session):
+                # the spec's own rule; any other byte cannot be sent back in a header
+                # (the call was never sent: a retry, on another instance say, is safe)
+                why = f"{session!r}: a session id holds visible ASCII only"
+                return NotReached(f"initialize: the MCP server's session id is unusable: {why}")
             initialized = request("notifications/initialized", None, None)
             await self._post(initialized, {}, session, None)
             self.session_id = session or ""  # "": a stateless server
@@ -185,6 +190,10 @@ class McpSession:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def _visible_ascii(text: str) -> bool:
+    return bool(text) and all("\x21" <= c <= "\x7e" for c in text)
 
 
 def _answer(sent: AgentAnswer | Outcome, request_id: int) -> dict[str, Any] | Outcome:

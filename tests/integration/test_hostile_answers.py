@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import tracemalloc
 import zlib
+from typing import Any
 
 import anyio
 import msgspec
+import pytest
 
 from adapters.callbacks import CallbackTokens
 from adapters.http import HttpAsyncTransport, HttpTransport
-from adapters.outcome import Accepted, Ambiguous, Backoff, Failed, Succeeded
+from adapters.mcp import McpTransport, ServerError, fetch_tools
+from adapters.mcp_wire import Tool
+from adapters.outcome import Accepted, Ambiguous, Backoff, Failed, NotReached, Succeeded
 from adapters.status import StatusClient
 from broker.client import Client
 from broker.connection import Connection
@@ -180,3 +185,41 @@ async def test_a_result_nested_past_the_limit_is_the_agents_failure(conn: Connec
     assert result.stage is Stage.FAILED
     assert result.error is not None and "JSON nested 900 levels deep" in result.error
     assert status.state == "unknown" and "nested 900 levels" in status.why
+
+
+async def mcp_with_an_unusable_session(request: bytes, writer: asyncio.StreamWriter) -> None:
+    """An MCP server that names its session in a byte no client may send back (obs-text:
+    HTTP parsers take it, httpx cannot encode it)."""
+    said = json.loads(request.split(b"\r\n\r\n", 1)[1] or b"null")
+    if "id" not in said:  # a notification
+        writer.write(b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        return
+    if said["method"] == "initialize":
+        version, server = "2025-11-25", {"name": "x", "version": "1"}
+        result: dict[str, Any] = {"protocolVersion": version, "serverInfo": server}
+    elif said["method"] == "tools/list":
+        result = {"tools": [{"name": "echo"}]}
+    else:
+        result = {"structuredContent": {"ok": True}, "content": []}
+    body = json.dumps({"jsonrpc": "2.0", "id": said["id"], "result": result}).encode()
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+    writer.write(b"Mcp-Session-Id: s\xe9ssion\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    await writer.drain()
+
+
+async def test_an_mcp_session_id_no_header_can_carry_is_refused_before_any_call() -> None:
+    """It was kept, and every call then raised from httpx before it was sent, out of the
+    transport: at start a traceback, at run time a final failure of a call never made. Now
+    the session is refused with the reason: the start-up stops with it, and a call is not
+    reached (a retry is safe)."""
+    async with raw_http(mcp_with_an_unusable_session) as (url, requests):
+        with pytest.raises(ServerError, match="session id is unusable"):
+            await fetch_tools(url, timeout_s=5)
+        tools = {"tool.echo": Tool("echo", "", False)}
+        transport = McpTransport(url, tools, timeout_s=5, max_connections=1)
+        asked = Envelope(capability="tool.echo", payload=msgspec.Raw(b"{}"))
+        outcome = await transport.deliver(complete(asked), 1)
+        await transport.aclose()
+    assert isinstance(outcome, NotReached) and "'séssion'" in outcome.reason
+    assert not [r for r in requests if b"tools/call" in r]
