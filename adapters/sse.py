@@ -14,16 +14,15 @@ async def sse_data(response: httpx.Response) -> AsyncGenerator[bytes, None]:
     ``\r``) only — JSON may hold U+2028 unescaped, which a text line splitter would cut at —
     and no line is kept past :data:`MAX_EVENT_BYTES`: an event that long is skipped (what it
     said, the task's own ``GetTask`` says)."""
-    buffer = b""
+    lines = _Lines()
     data: list[bytes] = []
     size, skipping = 0, False
     async for chunk in response.aiter_bytes():
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
-        if len(buffer) > MAX_EVENT_BYTES:
-            buffer, skipping = b"", True
-        for raw in lines:
-            line = raw.rstrip(b"\r")
+        for line in lines.feed(chunk):
+            if line is None:  # over the limit: its event is skipped
+                skipping = True
+                continue
+            line = line.rstrip(b"\r")
             if line.startswith(b"data:"):
                 size += len(line)
                 skipping = skipping or size > MAX_EVENT_BYTES
@@ -35,3 +34,33 @@ async def sse_data(response: httpx.Response) -> AsyncGenerator[bytes, None]:
             if data and not skipping:
                 yield b"\n".join(data)
             data, size, skipping = [], 0, False
+
+
+class _Lines:
+    """Lines out of chunks, each byte looked at once: only a new chunk is searched for its
+    line ends (searching the whole unfinished line again at every chunk made a long line
+    sent in small pieces cost the square of its length). A line past
+    :data:`MAX_EVENT_BYTES` is not kept: it comes out as ``None`` when it ends."""
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+        self._over = False  # the line under way passed the limit: its bytes are dropped
+
+    def feed(self, chunk: bytes) -> list[bytes | None]:
+        lines: list[bytes | None] = []
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            if self._over or len(self._pending) + end - start > MAX_EVENT_BYTES:
+                lines.append(None)
+            else:
+                self._pending += chunk[start:end]
+                lines.append(bytes(self._pending))
+            self._pending.clear()
+            self._over = False
+            start = end + 1
+        if not self._over:
+            self._pending += chunk[start:]
+            if len(self._pending) > MAX_EVENT_BYTES:
+                self._pending.clear()
+                self._over = True
+        return lines

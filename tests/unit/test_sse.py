@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
+import anyio
 import httpx
 import msgspec
+from hypothesis import given
+from hypothesis import strategies as st
 
 from adapters.a2a_stream import StreamReading, read_event
 from adapters.a2a_wire import push_state
@@ -12,9 +17,44 @@ from adapters.sse import MAX_EVENT_BYTES, sse_data
 
 
 async def events_of(body: bytes, chunk: int = 7) -> list[bytes]:
-    parts = [body[i : i + chunk] for i in range(0, len(body), chunk)]
-    response = httpx.Response(200, stream=httpx.ByteStream(b"".join(parts)))
+    """The events of ``body`` read as it arrives ``chunk`` bytes at a time."""
+
+    async def arriving() -> AsyncIterator[bytes]:
+        for i in range(0, len(body), chunk):
+            yield body[i : i + chunk]
+
+    response = httpx.Response(200, content=arriving())
     return [data async for data in sse_data(response)]
+
+
+lines = st.lists(
+    st.one_of(
+        st.just(b""),
+        st.just(b": ping"),
+        st.just(b"event: message"),
+        st.binary(max_size=30).map(lambda b: b"data: " + b.replace(b"\n", b"")),
+    ),
+    max_size=12,
+)
+
+
+@given(lines=lines, ends=st.sampled_from([b"\n", b"\r\n"]), chunk=st.integers(1, 40))
+def test_the_events_are_the_same_however_the_stream_is_cut(
+    lines: list[bytes], ends: bytes, chunk: int
+) -> None:
+    body = b"".join(line + ends for line in lines)
+    whole = anyio.run(events_of, body, len(body) + 1)
+    assert anyio.run(events_of, body, chunk) == whole
+    expected, data = [], []
+    for line in lines:  # the rule, line by line
+        if line.startswith(b"data:"):
+            data.append(line[5:].lstrip(b" ").rstrip(b"\r"))
+        elif not line and data:
+            expected.append(b"\n".join(data))
+            data = []
+        elif not line:
+            data = []
+    assert whole == expected
 
 
 async def test_a_line_separator_inside_json_does_not_cut_an_event() -> None:
@@ -26,7 +66,10 @@ async def test_a_line_separator_inside_json_does_not_cut_an_event() -> None:
 
 async def test_an_event_over_the_limit_is_skipped_and_the_next_one_read() -> None:
     huge = b"data: " + b"x" * (MAX_EVENT_BYTES + 10) + b"\n\n"
-    assert await events_of(huge + b"data: {}\n\n", chunk=65536) == [b"{}"]
+    for chunk in (65536, 1000, len(huge)):  # the line cut anywhere, or read whole
+        assert await events_of(huge + b"data: {}\n\n", chunk=chunk) == [b"{}"]
+    at_the_limit = b"data: " + b"x" * (MAX_EVENT_BYTES - 6)  # the line exactly the limit
+    assert await events_of(at_the_limit + b"\n\n", chunk=4096) == [b"x" * (MAX_EVENT_BYTES - 6)]
 
 
 def test_0_3_events_and_pushes_are_read_as_1_0_ones() -> None:
