@@ -163,7 +163,9 @@ class Sidecar:
                 task_status.started()
                 async with anyio.create_task_group() as work:
                     pool = self.lifecycle.pool = WorkPool(work, self.card.max_inflight)
-                    await self.intake.take(pool, await self.intake.read(reader, pending=True))
+                    # first what this instance's pending list holds (a restart after a
+                    # crash), inside the read loop: a Redis away at start is waited for there
+                    self.intake.holdings.recheck_pending = True
                     await self.intake.consume(reader, pool, self.lifecycle.stopping)
                     await self.lifecycle.drain(pool, work)
                 await self.lifecycle.settle(self.finisher.finish_now)

@@ -368,6 +368,36 @@ async def test_a_pending_entry_whose_processing_went_unanswered_is_called(
     assert calls == [message_id]
 
 
+async def test_a_round_trip_lost_while_the_pending_list_is_taken_at_start_is_waited_out(
+    conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sidecar starting after a crash takes its pending list first; a Redis that fails it
+    then (here: PROCESSING's answer lost) stopped the sidecar with the error. Now that take
+    is the read loop's first, which waits a failure out: the message runs, once."""
+    agent, calls = recording_agent("f")
+    store = MessageStore(conn)
+    queue = conn.keys.queue("f-1")
+    message_id = await routed_to(conn, "f-1")
+    await conn.call("XGROUP", "CREATE", queue, "sidecar", "0", "MKSTREAM")
+    await conn.call("XADD", queue, "*", "id", message_id, "attempt", "1")
+    await conn.call("XREADGROUP", "GROUP", "sidecar", "f-1", "STREAMS", queue, ">")  # the crash
+    real = MessageStore.try_moves
+    lost: list[bool] = []
+
+    async def made_then_lost(self: MessageStore, moves: list[Move]) -> Any:
+        answer = await real(self, moves)
+        if not lost and any(m.target is Stage.PROCESSING for m in moves):
+            lost.append(True)
+            raise RedisUnavailable("redis did not answer within 0.1 s")
+        return answer
+
+    monkeypatch.setattr(MessageStore, "try_moves", made_then_lost)
+    async with running_sidecar(conn, "f-1", ("text.echo",), transport=agent):
+        await succeeds_unparked(store, message_id)
+    assert lost == [True]
+    assert calls == [message_id]
+
+
 async def succeeds_unparked(store: MessageStore, message_id: str) -> None:
     """Until the message has SUCCEEDED; it must not be parked on the way."""
 
