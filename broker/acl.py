@@ -171,8 +171,10 @@ def _flat(root: Grant, selectors: Sequence[Grant]) -> Grant:
 
 def _trim_caveat(stream: str) -> str:
     return (
-        f"XADD accepts MAXLEN and MINID, which trim the stream written to: no ACL rule "
-        f"refuses an option, so this user can trim {stream}."
+        f"XADD accepts MAXLEN and MINID, which trim the stream written to, and an explicit "
+        f"entry id: no ACL rule refuses an option or an id, so this user can trim {stream}, "
+        f"or add the last possible id there, after which Redis refuses every XADD * to it "
+        f"until the stream is made again."
     )
 
 

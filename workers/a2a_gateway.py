@@ -61,6 +61,7 @@ from .a2a_front import (
     task_json,
 )
 from .console.security import Guard, cross_site
+from .gateway_ids import gateway_secret, mint_task_id, minted_here
 from .task_cancel import cancel_agent_task
 
 log = logging.getLogger("agent_reach.a2a_gateway")
@@ -75,8 +76,11 @@ Handler = Callable[[Any, Any], Awaitable[dict[str, Any] | Response]]
 
 
 class Gateway:
-    def __init__(self, conn: Connection, client: Client, *, url: str, api_key: str | None) -> None:
+    def __init__(
+        self, conn: Connection, client: Client, *, url: str, api_key: str | None, secret: bytes
+    ) -> None:
         self.conn = conn
+        self.secret = secret  # its task ids' (workers.gateway_ids)
         self.client = client
         self.store = MessageStore(conn)
         self.url = url
@@ -163,7 +167,11 @@ class Gateway:
             return rpc_result(request_id, {"task": task_json(message_id, Stage.PROCESSING)})
         try:
             result = await self.client.request(
-                asked.capability, asked.payload, timeout=BLOCKING_TIMEOUT_S, **fields
+                asked.capability,
+                asked.payload,
+                timeout=BLOCKING_TIMEOUT_S,
+                id=mint_task_id(self.secret),
+                **fields,
             )
         except RequestTimeout as exc:
             return await self.get_task(request_id, {"id": exc.message_id})
@@ -172,6 +180,7 @@ class Gateway:
 
     async def _submit(self, capability: str, payload: Any, fields: dict[str, Any]) -> str:
         envelope = Envelope(
+            id=mint_task_id(self.secret),
             capability=capability,
             payload=msgspec.Raw(msgspec.json.encode(payload)),
             timeout_s=BLOCKING_TIMEOUT_S,
@@ -194,8 +203,8 @@ class Gateway:
 
     async def _task(self, params: Any) -> dict[str, Any] | None:
         task_id = params.get("id") if isinstance(params, dict) else None
-        if not isinstance(task_id, str) or not task_id:
-            return None
+        if not isinstance(task_id, str) or not minted_here(self.secret, task_id):
+            return None  # not one of the gateway's: a producer's message is not a task here
         record = await self.store.get_record(task_id)
         if record is None:
             return None
@@ -273,7 +282,8 @@ async def gateway_endpoint(
 ) -> AsyncIterator[str]:
     """Serve the gateway for the block's life; yields the URL it announces in its card."""
     async with Client(conn) as client:
-        gateway = Gateway(conn, client, url="", api_key=api_key)
+        secret = await gateway_secret(conn)
+        gateway = Gateway(conn, client, url="", api_key=api_key, secret=secret)
         async with serve_app(gateway.app(), host, port, header_timeout_s=10.0) as url:
             gateway.url = (public_url or url).rstrip("/") + "/"
             yield gateway.url

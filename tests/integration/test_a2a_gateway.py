@@ -28,8 +28,10 @@ from a2a.types import (
     TaskState,
 )
 
+from broker.client import Client
 from broker.config import Settings
 from broker.connection import Connection
+from broker.envelope import Envelope
 from tests.support.agents import Gate, http_agent
 from tests.support.harness import (
     connected,
@@ -162,6 +164,33 @@ async def test_a_streaming_send_streams_stage_changes_to_the_result(conn: Connec
     assert kinds[0] == "task" and "artifact_update" in kinds
     assert states[-1] == TaskState.TASK_STATE_COMPLETED
     assert TaskState.TASK_STATE_WORKING in states
+
+
+async def test_a_message_the_gateway_did_not_submit_is_no_task_of_its(conn: Connection) -> None:
+    """A gateway caller holds the gateway's key, not a Redis user: a producer's own message,
+    found by its id, is neither read nor cancelled through the gateway."""
+    gate = Gate()
+    async with front_door(conn, gate) as (card, http):
+        client = sdk_client(card, http, streaming=False)
+        later = SendMessageConfiguration(return_immediately=True)
+        busy = await only_task(
+            client, SendMessageRequest(message=user_message("text.held", {}), configuration=later)
+        )
+        producers = await Client(conn).submit(Envelope(capability="text.held"))
+        with pytest.raises(Exception, match="not found") as unread:
+            await client.get_task(GetTaskRequest(id=producers))
+        with pytest.raises(Exception, match="not found") as uncancelled:
+            await client.cancel_task(CancelTaskRequest(id=producers))
+        forged = f"{busy.id[:-1]}{'0' if busy.id[-1] != '0' else '1'}"
+        with pytest.raises(Exception, match="not found"):
+            await client.get_task(GetTaskRequest(id=forged))
+        gate.open()
+        own = await completed(client, busy.id)
+        stage = await conn.call("HGET", conn.keys.record(producers), "stage")
+    assert "TaskNotFound" in type(unread.value).__name__
+    assert "TaskNotFound" in type(uncancelled.value).__name__
+    assert own.status.state == TaskState.TASK_STATE_COMPLETED
+    assert stage != b"CANCELLED"
 
 
 async def test_a_request_without_the_api_key_is_refused(conn: Connection) -> None:
