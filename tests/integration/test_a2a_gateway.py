@@ -126,17 +126,19 @@ async def test_a_non_blocking_send_is_working_then_completed_by_get_task(conn: C
     assert get_data_parts(list(task.artifacts[0].parts)) == [{"agent": "echo", "echo": {"n": 2.0}}]
 
 
+async def held_later(client: A2AClient) -> Task:
+    """A send to text.held that returns at once: the task, working or queued."""
+    later = SendMessageConfiguration(return_immediately=True)
+    message = user_message("text.held", {})
+    return await only_task(client, SendMessageRequest(message=message, configuration=later))
+
+
 async def test_cancel_ends_a_queued_message_and_refuses_an_ended_one(conn: Connection) -> None:
     gate = Gate()
     async with front_door(conn, gate) as (card, http):
         client = sdk_client(card, http, streaming=False)
-        later = SendMessageConfiguration(return_immediately=True)
-        busy = await only_task(
-            client, SendMessageRequest(message=user_message("text.held", {}), configuration=later)
-        )
-        queued = await only_task(
-            client, SendMessageRequest(message=user_message("text.held", {}), configuration=later)
-        )
+        busy = await held_later(client)
+        queued = await held_later(client)
         cancelled = await client.cancel_task(CancelTaskRequest(id=queued.id))
         gate.open()
         await completed(client, busy.id)
@@ -172,10 +174,7 @@ async def test_a_message_the_gateway_did_not_submit_is_no_task_of_its(conn: Conn
     gate = Gate()
     async with front_door(conn, gate) as (card, http):
         client = sdk_client(card, http, streaming=False)
-        later = SendMessageConfiguration(return_immediately=True)
-        busy = await only_task(
-            client, SendMessageRequest(message=user_message("text.held", {}), configuration=later)
-        )
+        busy = await held_later(client)
         producers = await Client(conn).submit(Envelope(capability="text.held"))
         with pytest.raises(Exception, match="not found") as unread:
             await client.get_task(GetTaskRequest(id=producers))
