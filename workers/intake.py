@@ -118,7 +118,8 @@ class Intake:
                 self.rejection(i.entry_id, names[i.entry_id], o.reason, o.raw, salvage=o.salvage)
                 for i, o in judged
                 if isinstance(o, Refusal)
-            ]
+            ],
+            named_here=frozenset(e.message_id for e in envelopes),
         )
         return Intaken(envelopes, minted)
 
@@ -229,18 +230,27 @@ class Intake:
 
     # -- refusing ------------------------------------------------------------------------
 
-    async def reject(self, rejections: Sequence[Rejection]) -> None:
+    async def reject(
+        self, rejections: Sequence[Rejection], *, named_here: frozenset[str] = frozenset()
+    ) -> None:
         """Record each as REJECTED (once per id), dead-letter its bytes, tell its producer
         where it left a usable ``reply_to``: a few round trips for the lot. Handled again
         (a restart mid-batch), an entry is told again — at least once; an id that already
-        names another message is left as it is, and the refusal says so."""
+        names another message is left as it is, and the refusal says so. So is an id a valid
+        envelope of the same batch names (``named_here``): that message is accepted after
+        this, and a refusal recorded first under its id would answer its producer."""
         if not rejections:
             return
         max_bytes = self.settings.dlq_entry_max_bytes
-        accepted = await self.store.accept_many(
-            [self._rejected_record(r, max_bytes) for r in rejections]
-        )
-        taken = [r.message_id for r, a in zip(rejections, accepted, strict=True) if not a.created]
+        own = [r for r in rejections if r.message_id not in named_here]
+        records_made = [self._rejected_record(r, max_bytes) for r in own]
+        made = iter(await self.store.accept_many(records_made) if own else [])
+        accepted = [None if r.message_id in named_here else next(made) for r in rejections]
+        taken = [
+            r.message_id
+            for r, a in zip(rejections, accepted, strict=True)
+            if a is not None and not a.created
+        ]
         records = dict(zip(taken, await self.store.get_records(taken), strict=True))
         owners: list[str] = []
         commands: list[Command] = []
@@ -248,7 +258,9 @@ class Intake:
             reason = r.reason
             # the id names another message: what is said about this entry must not read as
             # that message's answer (a notice, not an outcome)
-            foreign = not a.created and not _ours(records.get(r.message_id), r.raw, max_bytes)
+            foreign = a is None or (
+                not a.created and not _ours(records.get(r.message_id), r.raw, max_bytes)
+            )
             if foreign:
                 reason = f"{reason}; id {r.message_id} already names another message"
             lettered = dead_letter_commands(self.store.conn, self._letter(r, reason))

@@ -263,3 +263,32 @@ async def test_dead_letters_and_events_redis_refuses_for_good_do_not_stop_the_in
         await eventually(none_pending)
     assert sorted(r.stage for r in results.values()) == [Stage.REJECTED, Stage.SUCCEEDED]
     assert agent.log.total == 1
+
+
+async def test_a_refused_entry_naming_a_message_of_its_own_batch_does_not_answer_for_it(
+    conn: Connection,
+) -> None:
+    """An invalid entry that names the id (and the reply stream) of a valid one read in the
+    same batch was refused first: its REJECTED record, and an outcome on the valid one's
+    reply stream, came before the valid one was accepted — and that producer was told
+    REJECTED of a message that then ran. Now the refusal is a notice, as for any id that
+    names another message."""
+    reply_to = conn.keys.reply("victim")
+    valid = msgspec.json.encode({"id": "twin-1", "capability": "text.echo", "reply_to": reply_to})
+    twin = msgspec.json.encode({"id": "twin-1", "capability": "NOT A CAP", "reply_to": reply_to})
+    await conn.call("XADD", conn.keys.ingress, "*", "envelope", valid)
+    await conn.call("XADD", conn.keys.ingress, "*", "envelope", twin)
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        results = await collect_replies(conn, reply_to, 1)
+    told = await conn.call("XRANGE", reply_to, "-", "+")
+    letters = await dead_letters(conn)
+    assert [(i, r.stage) for i, r in results.items()] == [("twin-1", Stage.SUCCEEDED)]
+    assert len(told) == 2  # the refusal's notice, and the outcome
+    assert b"notice" in told[0][1] and b"REJECTED" not in told[1][1]
+    [letter] = letters
+    assert b"id twin-1 already names another message" in letter["reason"]
+    assert agent.log.total == 1
