@@ -359,8 +359,17 @@ class MessageStore:
         return accepted(await self.conn.call(*accept_command(self.conn, acceptance)))
 
     async def accept_many(self, acceptances: list[Acceptance]) -> list[Accepted]:
+        return [raised(answer) for answer in await self.try_accept_many(acceptances)]
+
+    async def try_accept_many(
+        self, acceptances: list[Acceptance]
+    ) -> list[Accepted | RedisReplyError]:
+        """As :meth:`accept_many`, an acceptance Redis refused (its record a key of another
+        type, say) with the error in its place; a Redis that cannot serve now raises."""
         replies = await self.conn.call_many([accept_command(self.conn, a) for a in acceptances])
-        return [accepted(raised(r)) for r in replies]
+        return [
+            r if isinstance(r, RedisReplyError) else accepted(r) for r in errors_in_place(replies)
+        ]
 
     async def move(self, message_id: str, target: Stage, **options: Any) -> Moved:
         """Compare-and-set the record's stage to ``target``; see :class:`Move`."""

@@ -134,9 +134,9 @@ class IngressLane:
         try:
             await self.handle_batch(entries, recovering=recovering)
             return
-        except (RedisUnavailable, RedisReplyError):
-            raise
-        except Exception:
+        except Exception as exc:
+            if for_every_entry(exc):
+                raise
             log.exception("a batch of %d ingress entries failed: one at a time", len(entries))
         for entry in entries:
             await self._handle_alone(entry)
@@ -146,9 +146,9 @@ class IngressLane:
             try:
                 await self.handle_batch([entry], recovering=True)
                 return
-            except (RedisUnavailable, RedisReplyError):
-                raise
             except Exception as exc:
+                if for_every_entry(exc):
+                    raise
                 if failures == MAX_ENTRY_FAILURES:
                     await self._set_aside(entry, exc)
                 else:
@@ -186,3 +186,18 @@ class IngressLane:
 
     async def trim(self) -> None:
         await trim_acknowledged(self.conn, self.stream)
+
+
+# Redis refusing this process, not an entry: every entry would fail alike, so none is set
+# aside for it; the lane waits, saying so, until Redis or its user's rules are put right.
+_PROCESS_REFUSED = frozenset({"NOPERM", "NOAUTH", "WRONGPASS", "NOSCRIPT"})
+
+
+def for_every_entry(exc: Exception) -> bool:
+    """Whether a batch's failure is one every entry would meet (Redis away, or refusing this
+    process), not one of its entries' own: a key an entry names that someone made of
+    another type (any writer of records can) failed the batch with WRONGTYPE, again at every
+    try, and the lane read nothing more."""
+    if isinstance(exc, RedisUnavailable):
+        return True
+    return isinstance(exc, RedisReplyError) and exc.code in _PROCESS_REFUSED

@@ -47,10 +47,10 @@ from broker.envelope import (
     salvage_id,
     salvage_reply_to,
 )
-from broker.errors import InvalidEnvelope
+from broker.errors import InvalidEnvelope, RedisReplyError
 from broker.ids import entry_message_id, new_message_id
 from broker.keyspace import DISPATCH_GROUP
-from broker.records import MessageRecord
+from broker.records import Accepted, MessageRecord
 from broker.results import Command
 from broker.stages import Stage
 from broker.store import Acceptance, MessageStore
@@ -244,12 +244,19 @@ class Intake:
         max_bytes = self.settings.dlq_entry_max_bytes
         own = [r for r in rejections if r.message_id not in named_here]
         records_made = [self._rejected_record(r, max_bytes) for r in own]
-        made = iter(await self.store.accept_many(records_made) if own else [])
+        made = iter(await self.store.try_accept_many(records_made) if own else [])
         accepted = [None if r.message_id in named_here else next(made) for r in rejections]
+        # a record Redis refused (its key spoiled: anyone who may write records can) is said
+        # in the refusal, which is told and dead-lettered all the same
+        unwritten = {
+            r.message_id: a
+            for r, a in zip(rejections, accepted, strict=True)
+            if isinstance(a, RedisReplyError)
+        }
         taken = [
             r.message_id
             for r, a in zip(rejections, accepted, strict=True)
-            if a is not None and not a.created
+            if isinstance(a, Accepted) and not a.created
         ]
         records = dict(zip(taken, await self.store.get_records(taken), strict=True))
         owners: list[str] = []
@@ -259,10 +266,14 @@ class Intake:
             # the id names another message: what is said about this entry must not read as
             # that message's answer (a notice, not an outcome)
             foreign = a is None or (
-                not a.created and not _ours(records.get(r.message_id), r.raw, max_bytes)
+                isinstance(a, Accepted)
+                and not a.created
+                and not _ours(records.get(r.message_id), r.raw, max_bytes)
             )
             if foreign:
                 reason = f"{reason}; id {r.message_id} already names another message"
+            elif r.message_id in unwritten:
+                reason = f"{reason}; its record could not be written: {unwritten[r.message_id]}"
             lettered = dead_letter_commands(self.store.conn, self._letter(r, reason))
             commands += lettered
             owners += [r.message_id] * len(lettered)

@@ -292,3 +292,34 @@ async def test_a_refused_entry_naming_a_message_of_its_own_batch_does_not_answer
     [letter] = letters
     assert b"id twin-1 already names another message" in letter["reason"]
     assert agent.log.total == 1
+
+
+async def test_an_entry_whose_record_key_was_spoiled_is_refused_and_the_rest_run(
+    conn: Connection,
+) -> None:
+    """Anyone who may write records (a sidecar's user may) can make the record key of an id
+    a producer will choose a key of another type. Its acceptance failed the whole batch with
+    WRONGTYPE, again at every try: the lane read nothing more. Now the batch goes one entry
+    at a time, that entry is refused with the reason, and the rest run."""
+    reply_to = conn.keys.reply("spoiled")
+    await conn.call("RPUSH", conn.keys.record("order-42"), "x")
+    for message_id in ("order-42", "next-1"):
+        envelope = {"id": message_id, "capability": "text.echo", "reply_to": reply_to}
+        await conn.call("XADD", conn.keys.ingress, "*", "envelope", msgspec.json.encode(envelope))
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        results = await collect_replies(conn, reply_to, 2)
+
+        async def none_pending() -> bool:
+            return (await conn.call("XPENDING", conn.keys.ingress, "dispatch"))[0] == 0
+
+        await eventually(none_pending)
+    [letter] = await dead_letters(conn)
+    assert results["next-1"].stage is Stage.SUCCEEDED
+    refused = results["order-42"]
+    assert refused.stage is Stage.REJECTED and refused.error is not None
+    assert "WRONGTYPE" in refused.error and "its record could not be written" in refused.error
+    assert letter["id"] == b"order-42" and agent.log.total == 1
