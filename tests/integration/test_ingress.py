@@ -10,9 +10,10 @@ import msgspec
 from broker.client import Client
 from broker.connection import Connection
 from broker.embedded import find_redis_server
+from broker.replies import Result
 from broker.stages import Stage
 from broker.store import MessageStore
-from tests.support.agents import http_agent
+from tests.support.agents import RunningAgent, http_agent
 from tests.support.harness import (
     collect_replies,
     dead_letters,
@@ -233,6 +234,26 @@ async def test_a_producer_is_told_when_its_entry_carries_a_stray_field(conn: Con
     assert "fields besides `envelope`: 'trace'" in (results["stray-1"].error or "")
 
 
+async def served(
+    conn: Connection, reply_to: str, count: int
+) -> tuple[dict[str, Result], RunningAgent]:
+    """What is in the ingress served (an echo agent, its sidecar, a dispatcher) until
+    ``count`` outcomes are on ``reply_to`` and no entry is left pending; those and the
+    agent."""
+    async with (
+        http_agent("a") as agent,
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(conn),
+    ):
+        results = await collect_replies(conn, reply_to, count)
+
+        async def none_pending() -> bool:
+            return (await conn.call("XPENDING", conn.keys.ingress, "dispatch"))[0] == 0
+
+        await eventually(none_pending)
+    return results, agent
+
+
 async def test_dead_letters_and_events_redis_refuses_for_good_do_not_stop_the_ingress(
     conn: Connection,
 ) -> None:
@@ -250,17 +271,7 @@ async def test_dead_letters_and_events_redis_refuses_for_good_do_not_stop_the_in
     await conn.call("XADD", conn.keys.ingress, "*", "envelope", bad)
     await conn.call("XADD", conn.keys.ingress, "*", "envelope", b"not json")
     await conn.call("XADD", conn.keys.ingress, "*", "envelope", good)
-    async with (
-        http_agent("a") as agent,
-        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
-        running_dispatcher(conn),
-    ):
-        results = await collect_replies(conn, reply_to, 2)
-
-        async def none_pending() -> bool:
-            return (await conn.call("XPENDING", conn.keys.ingress, "dispatch"))[0] == 0
-
-        await eventually(none_pending)
+    results, agent = await served(conn, reply_to, 2)
     assert sorted(r.stage for r in results.values()) == [Stage.REJECTED, Stage.SUCCEEDED]
     assert agent.log.total == 1
 
@@ -306,17 +317,7 @@ async def test_an_entry_whose_record_key_was_spoiled_is_refused_and_the_rest_run
     for message_id in ("order-42", "next-1"):
         envelope = {"id": message_id, "capability": "text.echo", "reply_to": reply_to}
         await conn.call("XADD", conn.keys.ingress, "*", "envelope", msgspec.json.encode(envelope))
-    async with (
-        http_agent("a") as agent,
-        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
-        running_dispatcher(conn),
-    ):
-        results = await collect_replies(conn, reply_to, 2)
-
-        async def none_pending() -> bool:
-            return (await conn.call("XPENDING", conn.keys.ingress, "dispatch"))[0] == 0
-
-        await eventually(none_pending)
+    results, agent = await served(conn, reply_to, 2)
     [letter] = await dead_letters(conn)
     assert results["next-1"].stage is Stage.SUCCEEDED
     refused = results["order-42"]
