@@ -59,7 +59,7 @@ from .a2a_wire import (
     task_view,
 )
 from .callbacks import CallbackTokens
-from .http import NOT_SENT, AgentAnswer, agent_limits, exchange, read_limited
+from .http import NOT_SENT, AgentAnswer, SendWatch, agent_limits, exchange, read_limited
 from .outcome import Accepted, Ambiguous, Failed, NotReached, Outcome
 from .transport import reach_headers
 
@@ -173,9 +173,13 @@ class A2ATransport:
         note = self._noter(message_id)
         # the whole call within its time: httpx bounds each read, and an agent trickling its
         # headers or a plain answer a byte at a time would hold the call for good
+        sending = SendWatch()
+        watched = {"trace": sending.trace}
         with anyio.move_on_after(self.timeout_s) as deadline:
             try:
-                async with self._client.stream("POST", url, content=body, headers=sent) as answer:
+                async with self._client.stream(
+                    "POST", url, content=body, headers=sent, extensions=watched
+                ) as answer:
                     if not answer.headers.get("content-type", "").startswith("text/event-stream"):
                         raw = await read_limited(answer, self.max_result_bytes) or b""
                         return self._answered(AgentAnswer(answer.status_code, answer.headers, raw))
@@ -185,6 +189,8 @@ class A2ATransport:
             except httpx.HTTPError as exc:
                 if not reading.task_id:
                     return Ambiguous(f"no answer from {url}: {type(exc).__name__}: {exc}")
+        if deadline.cancelled_caught and not sending.started:
+            return NotReached(f"agent unreachable at {url}: not connected in {self.timeout_s:g} s")
         if deadline.cancelled_caught and not reading.task_id:
             return Ambiguous(f"no answer from {url} within {self.timeout_s:g} s")
         settled = stream_outcome(reading)

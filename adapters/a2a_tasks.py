@@ -35,7 +35,7 @@ from .a2a import A2A_PATH, A2ATransport
 from .a2a_wire import PARKED_STATES, TERMINAL_STATES, RpcError, TaskView, outcome_of, push_state
 from .callback_desk import CallbackDesk
 from .callbacks import Answer, read_body
-from .outcome import Failed, NeedsInput, Succeeded
+from .outcome import Failed, NeedsInput, Succeeded, held_to_depth
 
 log = logging.getLogger("agent_reach.sidecar")
 
@@ -136,7 +136,7 @@ class A2ATasks:
 
     async def _ended(self, message_id: str, token: str, view: TaskView) -> Answer:
         """The task ended (or asks a question): recorded as a callback is, or parked."""
-        outcome = outcome_of(view)
+        outcome = held_to_depth(outcome_of(view))  # as a call's or a callback's result
         if isinstance(outcome, Succeeded | Failed):
             return await self.desk.on_callback(message_id, token, outcome)
         if isinstance(outcome, NeedsInput):

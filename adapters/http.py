@@ -205,6 +205,8 @@ async def exchange(
     for good. Past the deadline, :class:`httpx.ReadTimeout` (an answer that did not come:
     ambiguous, as any read timeout)."""
     within_s = client.timeout.read or DEFAULT_EXCHANGE_S
+    sending = SendWatch()
+    request.extensions["trace"] = sending.trace
     with anyio.move_on_after(within_s):
         response = await client.send(request, stream=True)
         try:
@@ -212,7 +214,25 @@ async def exchange(
         finally:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
-    raise httpx.ReadTimeout(f"no whole answer within {within_s:g} s", request=request)
+    raise sending.timed_out(within_s, request)
+
+
+class SendWatch:
+    """Whether a request has begun to leave (httpcore's trace: its headers being sent), so
+    that a deadline past before then — a connect that never completed, a wait for a pooled
+    connection — is told as what it is: nothing sent, a retry safe (:data:`NOT_SENT`)."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    async def trace(self, event: str, info: dict[str, object]) -> None:
+        if event.endswith("send_request_headers.started"):
+            self.started = True
+
+    def timed_out(self, within_s: float, request: httpx.Request) -> httpx.TimeoutException:
+        if not self.started:
+            return httpx.ConnectTimeout(f"not connected within {within_s:g} s", request=request)
+        return httpx.ReadTimeout(f"no whole answer within {within_s:g} s", request=request)
 
 
 DEFAULT_EXCHANGE_S = 30.0  # for a client made without a read timeout

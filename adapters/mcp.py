@@ -132,7 +132,7 @@ class McpSession:
             if (error := error_text(answer)) is not None:
                 return Failed(f"initialize: {error}")
             session = sent.headers.get(SESSION_HEADER)
-            if session is not None and not _visible_ascii(session):
+            if session and not _visible_ascii(session):  # "": a stateless server
                 # the spec's own rule; any other byte cannot be sent back in a header
                 # (the call was never sent: a retry, on another instance say, is safe)
                 why = f"{session!r}: a session id holds visible ASCII only"
@@ -193,7 +193,7 @@ class McpSession:
 
 
 def _visible_ascii(text: str) -> bool:
-    return bool(text) and all("\x21" <= c <= "\x7e" for c in text)
+    return all("\x21" <= c <= "\x7e" for c in text)
 
 
 def _answer(sent: AgentAnswer | Outcome, request_id: int) -> dict[str, Any] | Outcome:

@@ -34,6 +34,10 @@ class StatusClient:
         status = await self._asked(status_url, message_id, task_id)
         if (problem := depth_problem(status.result_json)) is not None:
             return Status("unknown", why=f"status endpoint answer: {problem}")
+        try:  # as every reader will: an integer of 5,000 digits is JSON no reader builds
+            msgspec.json.decode(status.result_json)
+        except msgspec.DecodeError as exc:
+            return Status("unknown", why=f"status endpoint result not readable: {exc}")
         return status
 
     async def _asked(self, status_url: str, message_id: str, task_id: str) -> Status:

@@ -15,7 +15,7 @@ for i = 2, #ARGV do
   local heard = redis.call('ZSCORE', KEYS[1], ARGV[i])
   if not heard then
     gone[#gone + 1] = ARGV[i]
-  elseif tonumber(heard) < cutoff then
+  elseif tonumber(heard) <= cutoff then  -- forget_instance.lua's own test: gone at the cutoff
     redis.call('ZREM', KEYS[1], ARGV[i])
     gone[#gone + 1] = ARGV[i]
   end

@@ -216,16 +216,20 @@ async def test_an_instance_registered_again_while_it_was_forgotten_stays_listed(
         await _register_silent(conn, "gone-1", silent_ms=120_000)
         janitor = Janitor(conn, MessageStore(conn))
         now = now_ms()
-        removed = await janitor._remove_keys(["back-1", "gone-1"], now)
+        await _register_silent(conn, "edge-1", silent_ms=janitor.gone_after_ms)
+        edge = now - janitor.gone_after_ms  # silent exactly that long: gone, by both steps
+        await conn.call("HSET", conn.keys.card("edge-1"), "hb_ms", edge)
+        await conn.call("ZADD", conn.keys.agents, edge, "edge-1")
+        removed = await janitor._remove_keys(["back-1", "gone-1", "edge-1"], now)
         await _register_silent(conn, "back-1", silent_ms=0)  # its sidecar starts again
         await janitor._unlist(removed, now)
         listed = await conn.call("ZRANGE", conn.keys.agents, 0, -1)
         card = int(await conn.call("EXISTS", conn.keys.card("back-1")))
         events = await conn.call("XRANGE", conn.fleet.events, "-", "+")
-    assert sorted(removed) == ["back-1", "gone-1"]
+    assert sorted(removed) == ["back-1", "edge-1", "gone-1"]
     assert listed == [b"back-1"] and card == 1
     gone = [flat[flat.index(b"subject") + 1] for _, flat in events if b"instance.gone" in flat]
-    assert gone == [b"gone-1"] and janitor.forgotten == 1
+    assert sorted(gone) == [b"edge-1", b"gone-1"] and janitor.forgotten == 2
 
 
 async def test_a_live_record_the_due_index_lost_is_found_and_resolved(

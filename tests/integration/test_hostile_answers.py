@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import socket
 import tracemalloc
 import zlib
 from typing import Any
@@ -14,6 +15,8 @@ import anyio
 import msgspec
 import pytest
 
+from adapters.a2a import A2ATransport
+from adapters.a2a_wire import AgentCardView
 from adapters.callbacks import CallbackTokens
 from adapters.http import HttpAsyncTransport, HttpTransport
 from adapters.mcp import McpTransport, ServerError, fetch_tools
@@ -177,19 +180,27 @@ async def test_a_result_nested_past_the_limit_is_the_agents_failure(conn: Connec
         Client(conn) as client,
     ):
         result = await client.request("text.echo", 1, timeout=20)
-    said = b'{"state": "done", "result": ' + deep + b"}"
-    async with raw_http(plain(b"200 OK", said)) as (url, _):
-        asking = StatusClient(timeout_s=5)
-        status = await asking.query(f"{url}status", "m1")
-        await asking.aclose()
+    statuses = []
+    for value in (deep, b"1" * 5000):  # too deep; and an integer no reader builds
+        said = b'{"state": "done", "result": ' + value + b"}"
+        async with raw_http(plain(b"200 OK", said)) as (url, _):
+            asking = StatusClient(timeout_s=5)
+            statuses.append(await asking.query(f"{url}status", "m1"))
+            await asking.aclose()
+    status, unbuildable = statuses
     assert result.stage is Stage.FAILED
     assert result.error is not None and "JSON nested 900 levels deep" in result.error
     assert status.state == "unknown" and "nested 900 levels" in status.why
+    assert unbuildable.state == "unknown" and "result not readable" in unbuildable.why
 
 
 async def mcp_with_an_unusable_session(request: bytes, writer: asyncio.StreamWriter) -> None:
     """An MCP server that names its session in a byte no client may send back (obs-text:
     HTTP parsers take it, httpx cannot encode it)."""
+    await mcp_server(request, writer, session=b"s\xe9ssion")
+
+
+async def mcp_server(request: bytes, writer: asyncio.StreamWriter, *, session: bytes) -> None:
     said = json.loads(request.split(b"\r\n\r\n", 1)[1] or b"null")
     if "id" not in said:  # a notification
         writer.write(b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\n\r\n")
@@ -204,7 +215,8 @@ async def mcp_with_an_unusable_session(request: bytes, writer: asyncio.StreamWri
         result = {"structuredContent": {"ok": True}, "content": []}
     body = json.dumps({"jsonrpc": "2.0", "id": said["id"], "result": result}).encode()
     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
-    writer.write(b"Mcp-Session-Id: s\xe9ssion\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    writer.write(b"Mcp-Session-Id: " + session + b"\r\n")
+    writer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
     await writer.drain()
 
 
@@ -223,3 +235,45 @@ async def test_an_mcp_session_id_no_header_can_carry_is_refused_before_any_call(
         await transport.aclose()
     assert isinstance(outcome, NotReached) and "'séssion'" in outcome.reason
     assert not [r for r in requests if b"tools/call" in r]
+
+
+async def test_a_connect_that_never_completes_is_not_reached_within_the_deadline() -> None:
+    """A port whose accept queue is full: the connect hangs, nothing is sent. The whole
+    exchange's deadline equals the connect timeout (both the call's timeout), and it must
+    say what happened — not reached, a retry safe — not an ambiguous answer."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    filler = socket.socket()
+    filler.connect(listener.getsockname())  # the queue is full: the next connect waits
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/"
+    plain = HttpTransport(url, timeout_s=1.0, max_connections=1)
+    outcomes = []
+    with anyio.fail_after(WATCH_S):
+        outcomes.append(await plain.deliver(envelope(), 1))
+        for streaming in (False, True):  # A2A: JSON-RPC, and a streamed send
+            card = AgentCardView("a", "1", "", url, "1.0", (), False, streaming)
+            a2a = A2ATransport(card, timeout_s=1.0, max_connections=1)
+            outcomes.append(await a2a.deliver(envelope(), 1))
+            await a2a.aclose()
+    await plain.aclose()
+    filler.close()
+    listener.close()
+    assert all(isinstance(o, NotReached) for o in outcomes), outcomes
+
+
+async def test_an_empty_mcp_session_id_is_a_stateless_server() -> None:
+    """``Mcp-Session-Id:`` with no value names no session: the server is stateless, and
+    its tools are listed and called as ever."""
+
+    async def stateless(request: bytes, writer: asyncio.StreamWriter) -> None:
+        await mcp_server(request, writer, session=b"")
+
+    async with raw_http(stateless) as (url, _):
+        tools = await fetch_tools(url, timeout_s=5)
+        transport = McpTransport(url, {"tool.echo": tools[0]}, timeout_s=5, max_connections=1)
+        asked = Envelope(capability="tool.echo", payload=msgspec.Raw(b"{}"))
+        outcome = await transport.deliver(complete(asked), 1)
+        await transport.aclose()
+    assert [t.name for t in tools] == ["echo"]
+    assert isinstance(outcome, Succeeded), outcome

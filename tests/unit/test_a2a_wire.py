@@ -7,9 +7,12 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
+from adapters.a2a import A2ATransport
 from adapters.a2a_rpc import as_status
+from adapters.a2a_tasks import A2ATasks
 from adapters.a2a_wire import (
     DIALECTS,
+    AgentCardView,
     RpcError,
     TaskView,
     outcome_of,
@@ -132,3 +135,38 @@ def test_no_answer_card_or_push_makes_a_parser_raise(raw: bytes) -> None:
     result = rpc_answer(raw)
     if not isinstance(result, RpcError):
         sent_task(result)
+
+
+class RecordingDesk:
+    """Where A2A task endings go (the callback desk's ``on_callback``), kept to look at."""
+
+    conn = None
+
+    def __init__(self) -> None:
+        self.outcomes: list[object] = []
+
+    async def on_callback(self, message_id: str, token: str, outcome: object) -> None:
+        self.outcomes.append(outcome)
+
+
+async def test_an_a2a_task_result_is_held_to_64_levels_as_a_calls_is() -> None:
+    """A task ended by push or by asking is recorded as a callback is: a result nested past
+    64 levels is the agent's failure, as from a call (Runner) or an HTTP callback."""
+    nested: object = 1
+    for _ in range(200):
+        nested = [nested]
+    task = {
+        "id": "t1",
+        "status": {"state": "completed"},
+        "artifacts": [{"parts": [{"kind": "data", "data": nested}]}],
+    }
+    card = AgentCardView("a", "1", "", "http://127.0.0.1:9/", "1.0", (), False, False)
+    transport = A2ATransport(card, timeout_s=1.0, max_connections=1)
+    desk = RecordingDesk()
+    tasks = A2ATasks(desk, transport)  # type: ignore[arg-type]
+    view = task_view(task)
+    assert isinstance(view, TaskView)
+    await tasks._ended("m1", "token", view)
+    await transport.aclose()
+    [outcome] = desk.outcomes
+    assert isinstance(outcome, Failed) and "JSON nested 20" in outcome.reason
