@@ -50,4 +50,6 @@ def minted_here(secret: bytes, task_id: str) -> bool:
     head, _, mac = task_id.removeprefix(PREFIX).partition("-")
     if not task_id.startswith(PREFIX) or len(head) != _NONCE_HEX or len(mac) != _MAC_HEX:
         return False
+    if not task_id.isascii():  # compare_digest takes no other text
+        return False
     return hmac.compare_digest(mac, _mac(secret, head))

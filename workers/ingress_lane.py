@@ -155,14 +155,37 @@ class IngressLane:
                     log.warning("ingress entry %s failed (%d): %s", entry[0], failures, exc)
 
     async def _set_aside(self, entry: RawEntry, exc: Exception) -> None:
+        """An entry that failed on its own every time: REJECTED with the error — unless its
+        message was accepted before the failure (a later write of its batch refused, a key
+        the whole capability shares that someone spoiled, say). That message lives, indexed
+        for the reaper's look: it is left to it, not refused under its own id."""
         entry_id, flat = entry
-        log.error("ingress entry %s failed %d times; rejected", entry_id, MAX_ENTRY_FAILURES)
         reason = f"the dispatcher could not handle it: {type(exc).__name__}: {exc}"
         names, minted = await self.intake.names([entry_id], recovering=True)
         parsed = parse_ingress(entry_id, flat)
         raw = parsed.envelope if isinstance(parsed, IngressEntry) else parsed.raw
-        await self.intake.reject([self.intake.rejection(entry_id, names[entry_id], reason, raw)])
+        rejection = self.intake.rejection(entry_id, names[entry_id], reason, raw)
+        if await self._accepted(rejection.message_id):
+            log.error(
+                "ingress entry %s failed %d times after message %s was accepted: left to the "
+                "reaper (%s)",
+                entry_id,
+                MAX_ENTRY_FAILURES,
+                rejection.message_id,
+                exc,
+            )
+        else:
+            log.error("ingress entry %s failed %d times; rejected", entry_id, MAX_ENTRY_FAILURES)
+            await self.intake.reject([rejection])
         await self.intake.acknowledge([entry_id], minted)
+
+    async def _accepted(self, message_id: str) -> bool:
+        """Whether ``message_id`` has a record (a key of another type is none: spoiled)."""
+        try:
+            stage = await self.conn.call("HGET", self.conn.keys.record(message_id), "stage")
+        except RedisReplyError:
+            return False
+        return stage is not None
 
     async def handle_batch(self, entries: Sequence[RawEntry], *, recovering: bool = False) -> None:
         """Take in, map intents to capabilities, accept, route, assign or park, then

@@ -10,6 +10,7 @@ import msgspec
 from broker.client import Client
 from broker.connection import Connection
 from broker.embedded import find_redis_server
+from broker.keyspace import due_for
 from broker.replies import Result
 from broker.stages import Stage
 from broker.store import MessageStore
@@ -324,3 +325,31 @@ async def test_an_entry_whose_record_key_was_spoiled_is_refused_and_the_rest_run
     assert refused.stage is Stage.REJECTED and refused.error is not None
     assert "WRONGTYPE" in refused.error and "its record could not be written" in refused.error
     assert letter["id"] == b"order-42" and agent.log.total == 1
+
+
+async def test_an_entry_failing_after_its_message_was_accepted_is_not_refused(
+    conn: Connection,
+) -> None:
+    """A key every message of a capability shares (its waiting set: a sidecar's user may
+    write there) made of another type fails each batch after the acceptance. The entry,
+    failing on its own every time, is set aside — but its message was accepted and lives,
+    indexed for the reaper: it is not refused, nor told it names another message."""
+    reply_to = conn.keys.reply("shared")
+    await conn.call("SADD", conn.keys.waiting("text.echo"), "junk")
+    waiting = {"id": "valid-1", "capability": "text.echo", "reply_to": reply_to}
+    other = {"id": "other-1", "capability": "text.other", "reply_to": reply_to}
+    for envelope in (waiting, other):
+        await conn.call("XADD", conn.keys.ingress, "*", "envelope", msgspec.json.encode(envelope))
+    async with running_dispatcher(conn):
+
+        async def none_pending() -> bool:
+            return (await conn.call("XPENDING", conn.keys.ingress, "dispatch"))[0] == 0
+
+        await eventually(none_pending)
+    store = MessageStore(conn)
+    accepted = [await store.get_record(i) for i in ("valid-1", "other-1")]
+    told = await conn.call("XRANGE", reply_to, "-", "+")
+    due = await conn.call("ZSCORE", due_for(conn.keys, "valid-1"), "valid-1")
+    assert [r.stage if r else None for r in accepted] == [Stage.WAITING, Stage.WAITING]
+    assert await dead_letters(conn) == [] and told == []
+    assert due is not None  # the reaper looks at it
