@@ -202,8 +202,9 @@ async def exchange(
     """Send ``request`` and read its answer (:func:`read_limited`), the whole exchange within
     the client's read timeout. httpx's timeouts bound each connect, write and read, not the
     call: an agent that sends a byte every few seconds would hold the call, and its credit,
-    for good. Past the deadline, :class:`httpx.ReadTimeout` (an answer that did not come:
-    ambiguous, as any read timeout)."""
+    for good. Past the deadline, :class:`httpx.ReadTimeout` once the request had begun to
+    leave (an answer that did not come: ambiguous), else :class:`httpx.ConnectTimeout`
+    (nothing sent: :class:`SendWatch`)."""
     within_s = client.timeout.read or DEFAULT_EXCHANGE_S
     sending = SendWatch()
     request.extensions["trace"] = sending.trace
