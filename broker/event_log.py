@@ -46,7 +46,12 @@ async def emit(conn: Connection, commands: Sequence[Command]) -> None:
         replies: list[Any] = await conn.call_many(list(commands))
     except (RedisUnavailable, RedisReplyError) as exc:  # said below, with the events
         replies = [exc] * len(commands)
-    for command, reply in zip(commands, replies, strict=True):
+    _say_lost(commands, replies)
+
+
+def _say_lost(events: Sequence[Command], replies: Sequence[Any]) -> None:
+    """Log each event whose reply is an error, with what it said."""
+    for command, reply in zip(events, replies, strict=True):
         if isinstance(reply, Exception):
             log.error("event not recorded (%s): %s", reply, " ".join(map(str, command[6:])))
 
@@ -62,9 +67,7 @@ async def run_with_events(
     for reply in done:
         if isinstance(reply, Exception):
             raise reply
-    for command, reply in zip(events, told, strict=True):
-        if isinstance(reply, Exception):
-            log.error("event not recorded (%s): %s", reply, " ".join(map(str, command[6:])))
+    _say_lost(events, told)
     return done
 
 
