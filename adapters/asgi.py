@@ -14,6 +14,8 @@ import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from broker.errors import CannotListen
+
 
 @asynccontextmanager
 async def serve_app(
@@ -36,7 +38,12 @@ async def serve_app(
     # the client's delayed ACK: 40 ms a call.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or str(exc)
+        raise CannotListen(f"cannot listen on {host}:{port}: {why}") from exc
     bound = sock.getsockname()[1]
     config = uvicorn.Config(
         app,

@@ -46,6 +46,11 @@ class ConfigError(ReachError):
         self.problem = problem
 
 
+class CannotListen(ReachError):
+    """An endpoint of ours cannot take its address (in use, not ours to bind): start-up
+    stops with this reason, in one line."""
+
+
 class InvalidEnvelope(ReachError):
     """Raised when raw bytes cannot become an envelope; carries the bytes and the reason."""
 

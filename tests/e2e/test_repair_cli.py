@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import anyio
 import msgspec
@@ -263,3 +264,18 @@ async def test_what_anyone_may_write_is_shown_not_a_traceback(
     assert "@999999999999999" in shown[1][1]
     document = json.loads(shown[3][1].splitlines()[0])  # a warning may follow, on stderr
     assert document["result"] == {"unreadable": "not json"}
+
+
+async def test_an_endpoint_whose_port_is_taken_says_so_in_one_line(settings: Settings) -> None:
+    """A second gateway (or console, or metrics page) on a port in use: the address and why,
+    one line and exit 1 — it was a traceback of uvicorn's start."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        code, out = await cli(settings, "a2a-gateway", "--port", str(port))
+    finally:
+        taken.close()
+    assert code == 1
+    assert f"Error: cannot listen on 127.0.0.1:{port}: Address already in use" in out
