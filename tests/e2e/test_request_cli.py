@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -19,6 +20,7 @@ from broker.store import MessageStore
 from tests.support.agents import http_agent
 from tests.support.harness import eventually, running_dispatcher, running_sidecar
 from tests.support.processes import AGENT_REACH, process_env
+from tests.support.raw_http import raw_http
 from workers.cli import main
 
 
@@ -89,7 +91,7 @@ async def test_exit_three_with_the_id_when_no_result_comes_by_the_deadline_and_g
     assert code == 3, out + err
     pending = json.loads(out)
     waited = 0.5 + answer_grace_s(settings)
-    assert pending["stage"] == "PENDING"
+    assert pending["stage"] == "PENDING" and pending["now"] == "WAITING"
     assert f"no result within {waited:g}s (the 0.5s deadline and" in pending["error"]
     assert f"agent-reach trace {pending['id']}" in pending["error"]
     assert took >= waited  # it waited past the deadline for the broker's answer
@@ -140,3 +142,25 @@ def test_request_refuses_a_payload_that_is_not_json() -> None:
         assert result.exit_code == 2
         assert "--payload: JSON nested 100 levels deep; at most 64" in result.output
     assert "--redis URL" in CliRunner().invoke(main, ["request", "--help"]).output
+
+
+async def test_a_request_parked_for_an_operator_says_so_at_its_deadline(
+    conn: Connection, settings: Settings
+) -> None:
+    """The agent took the call and dropped the connection unanswered: the (non-idempotent)
+    message is NEEDS_CONFIRMATION, and will not finish by itself. The PENDING line says it
+    is, and who decides — it said "it may still finish"."""
+
+    async def hang_up(request: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    async with (
+        raw_http(hang_up) as (url, _),
+        running_sidecar(conn, "a-1", ("text.echo",), url=url),
+        running_dispatcher(conn),
+    ):
+        code, out, err = await request(settings, "text.echo", "--timeout", "1")
+    assert code == 3, out + err
+    pending = json.loads(out)
+    assert pending["stage"] == "PENDING" and pending["now"] == "NEEDS_CONFIRMATION"
+    assert "an operator decides (agent-reach resolve or replay)" in pending["error"]

@@ -16,8 +16,9 @@ from broker import tracing
 from broker.client import Client, Result
 from broker.config import Settings, answer_grace_s
 from broker.envelope import Envelope, capability_problem, envelope_problem
-from broker.errors import RequestTimeout
+from broker.errors import ReachError, RequestTimeout
 from broker.jsondepth import depth_problem
+from broker.stages import Stage
 
 from ..runtime import connected
 from .common import FiniteRange, check_id, parse_tags, redis_options, run
@@ -185,8 +186,8 @@ async def submit(
             result = await client.wait_reply(reply_to, sent, timeout_s=waited_s)
         finally:
             await client.discard_reply_stream(reply_to)
-    if result is None:
-        return echo_pending(sent, waited_s, timeout_s)
+        if result is None:
+            return echo_pending(sent, waited_s, timeout_s, await stage_now(client, sent))
     return echo_result(result)
 
 
@@ -207,7 +208,7 @@ def request(settings: Settings, capability: str, payload: str, timeout_s: float)
 
     Exit code 0 when it SUCCEEDED, 1 when it ended otherwise (FAILED, DEAD, EXPIRED, ...),
     3 when no result came by the deadline plus the few seconds the broker may take to end a
-    message at its deadline (the message may still finish: see `trace`).
+    message at its deadline (the line names the stage it is in now; see `trace`).
     """
     problem = capability_problem(capability)
     if problem is not None:
@@ -219,7 +220,8 @@ def request(settings: Settings, capability: str, payload: str, timeout_s: float)
             try:
                 result = await client.request(capability, value, timeout=timeout_s)
             except RequestTimeout as exc:
-                return echo_pending(exc.message_id, exc.timeout_s, timeout_s)
+                now = await stage_now(client, exc.message_id)
+                return echo_pending(exc.message_id, exc.timeout_s, timeout_s, now)
         return echo_result(result)
 
     tracing.setup("agent-reach-client")
@@ -231,12 +233,34 @@ def echo_result(result: Result) -> int:
     return 0 if result.ok else EXIT_FAILED
 
 
-def echo_pending(message_id: str, waited_s: float, deadline_s: float) -> int:
-    """The PENDING line: no answer after ``waited_s`` (the ``deadline_s`` and the grace)."""
+async def stage_now(client: Client, message_id: str) -> Stage | None:
+    """The stage the message's record is in, where it has one (read, not waited for)."""
+    try:
+        record = await client.store.get_record(message_id)
+    except ReachError:  # an unreadable record, Redis gone: the line says less, no more
+        return None
+    return record.stage if record is not None else None
+
+
+def echo_pending(
+    message_id: str, waited_s: float, deadline_s: float, now: Stage | None = None
+) -> int:
+    """The PENDING line: no answer after ``waited_s`` (the ``deadline_s`` and the grace),
+    with the stage the message is in now (``now``): one parked for an operator will not
+    finish by itself, and the line says so."""
+    if now is Stage.NEEDS_CONFIRMATION:
+        what = (
+            "it is NEEDS_CONFIRMATION: the agent may or may not have run it, and an operator "
+            f"decides (agent-reach resolve or replay): agent-reach trace {message_id}"
+        )
+    else:
+        what = f"it may still finish: agent-reach trace {message_id}"
     why = (
         f"no result within {waited_s:g}s (the {deadline_s:g}s deadline and "
-        f"{waited_s - deadline_s:g}s for the broker to end it); it may still finish: "
-        f"agent-reach trace {message_id}"
+        f"{waited_s - deadline_s:g}s for the broker to end it); {what}"
     )
-    click.echo(json.dumps({"id": message_id, "stage": "PENDING", "error": why}))
+    line: dict[str, Any] = {"id": message_id, "stage": "PENDING", "error": why}
+    if now is not None:
+        line["now"] = now.value
+    click.echo(json.dumps(line))
     return EXIT_PENDING
