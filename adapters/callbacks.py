@@ -30,7 +30,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from broker.jsondepth import depth_problem
+from broker.jsondepth import decode_error_text, depth_problem
 from broker.usage import usage_from_mapping
 
 from .outcome import Failed, Succeeded
@@ -99,7 +99,7 @@ def parse_callback(body: bytes) -> Succeeded | Failed | str:
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
-        return f"body is not JSON: {exc}"
+        return f"body is not JSON: {decode_error_text(exc, body)}"
     if not isinstance(data, dict) or ("result" in data) == ("error" in data):
         return 'body must be a JSON object with exactly one of "result" or "error"'
     # what the work used, beside the result or the error (a failure may report it too); a

@@ -12,7 +12,7 @@ from __future__ import annotations
 import httpx
 import msgspec
 
-from broker.jsondepth import depth_problem
+from broker.jsondepth import decode_error_text, depth_problem
 
 from .a2a_rpc import STATUS_SCHEME, a2a_status
 from .http import DEFAULT_MAX_RESULT_BYTES, exchange
@@ -37,7 +37,10 @@ class StatusClient:
         try:  # as every reader will: an integer of 5,000 digits is JSON no reader builds
             msgspec.json.decode(status.result_json)
         except msgspec.DecodeError as exc:
-            return Status("unknown", why=f"status endpoint result not readable: {exc}")
+            why = (
+                f"status endpoint result not readable: {decode_error_text(exc, status.result_json)}"
+            )
+            return Status("unknown", why=why)
         return status
 
     async def _asked(self, status_url: str, message_id: str, task_id: str) -> Status:
@@ -64,7 +67,8 @@ class StatusClient:
         try:
             status = _decoder.decode(body)
         except msgspec.DecodeError as exc:
-            return Status("unknown", why=f"status endpoint answer not understood: {exc}")
+            why = f"status endpoint answer not understood: {decode_error_text(exc, body)}"
+            return Status("unknown", why=why)
         except RecursionError:  # msgspec gives up on very deep nesting
             return Status("unknown", why="status endpoint answer nested too deeply to read")
         return msgspec.structs.replace(status, why=f"status endpoint: {status.state}")

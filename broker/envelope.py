@@ -22,7 +22,7 @@ from .headers import (
     tracestate_problem,
 )
 from .ids import new_message_id
-from .jsondepth import MAX_JSON_DEPTH, depth_problem
+from .jsondepth import MAX_JSON_DEPTH, decode_error_text, depth_problem
 
 # `(?!\n)$`: Python's `$` also matches before a final newline; ECMA's (the schema's) does not.
 CAPABILITY_PATTERN = r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)+(?!\n)$"
@@ -142,7 +142,7 @@ def decode_envelope(raw: bytes, *, max_bytes: int, reply_prefix: str) -> Envelop
     try:
         envelope = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
-        raise InvalidEnvelope(_describe_decode_error(str(exc)), raw) from exc
+        raise InvalidEnvelope(_describe_decode_error(decode_error_text(exc, raw)), raw) from exc
     except RecursionError as exc:  # msgspec gives up on very deep nesting, even in a Raw
         raise InvalidEnvelope("invalid JSON: nested too deeply", raw) from exc
     if envelope.reply_to is not None and not envelope.reply_to.startswith(reply_prefix):

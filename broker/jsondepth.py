@@ -1,4 +1,5 @@
-"""How deeply a JSON text nests arrays and objects, measured before anything decodes it.
+"""How deeply a JSON text nests arrays and objects, measured before anything decodes it;
+and what is wrong with a JSON text that does not decode, in words that name the fault.
 
 A JSON decoder walks nested values by recursion: msgspec raises ``RecursionError`` on a
 thousand nested brackets, and a 1 MB body holds half a million. So text from outside (an
@@ -58,5 +59,28 @@ def json_problem(text: bytes | str) -> str | None:
     try:
         msgspec.json.decode(text)
     except msgspec.DecodeError as exc:
-        return f"not JSON: {exc}"
+        return f"not JSON: {decode_error_text(exc, text)}"
     return None
+
+
+# A high surrogate escape (\ud800-\udbff) not followed by another \u
+# escape, after an even number of backslashes (an odd one is a literal backslash's escape).
+_LONE_HIGH_SURROGATE = re.compile(rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u)")
+
+
+def decode_error_text(exc: msgspec.DecodeError, text: bytes | str) -> str:
+    """What msgspec's ``exc`` says of ``text``, in words that name the fault: msgspec reports
+    a lone high surrogate escape (``"\\ud800"``, which no UTF-8 text can hold) as "Input data
+    was truncated", and a producer would look for a cut-off body."""
+    said = str(exc)
+    if not said.startswith("Input data was truncated"):
+        return said
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    lone = _LONE_HIGH_SURROGATE.search(data)
+    if lone is None:
+        return said
+    escape = lone.group(1).decode("ascii")
+    return (
+        f"JSON is malformed: a lone UTF-16 surrogate {escape} at byte {lone.start(1)}"
+        " (a high surrogate needs a low one, \\udc00-\\udfff, right after it)"
+    )

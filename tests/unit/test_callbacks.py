@@ -86,6 +86,7 @@ def test_result_and_error_bodies() -> None:
         (b'{"error": 3}', "non-empty string"),
         (b'{"result": ' + b"[" * 100 + b"]" * 100 + b"}", "nested 101 levels deep"),
         (b"[" * 100_000, "at most 64 levels"),
+        (b'{"result": "\\udbff"}', "lone UTF-16 surrogate"),
     ],
 )
 def test_bad_bodies_say_why(body: bytes, says: str) -> None:

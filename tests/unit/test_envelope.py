@@ -88,6 +88,12 @@ def test_invalid_json_is_named(raw: bytes) -> None:
     assert reason_for(raw).startswith("invalid JSON")
 
 
+def test_a_lone_surrogate_in_the_payload_is_named() -> None:
+    reason = reason_for(b'{"capability": "a.b", "payload": {"text": "\\ud83d"}}')
+
+    assert reason.startswith("invalid JSON: JSON is malformed: a lone UTF-16 surrogate \\ud83d")
+
+
 @pytest.mark.parametrize("raw", [b"{}", b'{"priority":1}'])
 def test_missing_capability_is_named(raw: bytes) -> None:
     reason = reason_for(raw)

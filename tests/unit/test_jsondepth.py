@@ -11,7 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.jsondepth import MAX_JSON_DEPTH, depth_problem, json_depth
+from broker.jsondepth import (
+    MAX_JSON_DEPTH,
+    decode_error_text,
+    depth_problem,
+    json_depth,
+    json_problem,
+)
 
 
 def reference_depth(text: str) -> int:
@@ -125,3 +131,51 @@ def test_a_megabyte_is_measured_quickly(body: bytes) -> None:
     started = time.perf_counter()
     json_depth(body)
     assert time.perf_counter() - started < 1.0  # milliseconds on any machine; 1 s on a busy one
+
+
+def decode_error(text: bytes) -> msgspec.DecodeError:
+    with pytest.raises(msgspec.DecodeError) as caught:
+        msgspec.json.decode(text)
+    return caught.value
+
+
+@pytest.mark.parametrize(
+    ("text", "escape", "at"),
+    [
+        (rb'"\ud800"', r"\ud800", 1),
+        (rb'{"a": "x\uDBFF"}', r"\uDBFF", 8),
+        (rb'"\ud800\n"', r"\ud800", 1),
+        (rb'["ok", "\\\ud9ab', r"\ud9ab", 10),  # a literal backslash, then the escape
+    ],
+)
+def test_a_lone_surrogate_is_named_not_called_truncated(text: bytes, escape: str, at: int) -> None:
+    said = decode_error_text(decode_error(text), text)
+
+    assert said.startswith("JSON is malformed: a lone UTF-16 surrogate")
+    assert f"{escape} at byte {at}" in said
+    assert "truncated" not in said
+
+
+@pytest.mark.parametrize("text", [b'{"a": [1, 2', rb'"\\ud800', b'"abc'])
+def test_text_that_is_truly_cut_off_is_still_called_truncated(text: bytes) -> None:
+    assert decode_error_text(decode_error(text), text) == "Input data was truncated"
+
+
+def test_other_errors_are_said_as_msgspec_says_them() -> None:
+    text = b'"\\ud800" trailing'
+    assert decode_error_text(decode_error(text), text) == str(decode_error(text))
+
+
+def test_json_problem_names_a_lone_surrogate_in_str_text() -> None:
+    problem = json_problem('{"a": "\\udbff"}')
+
+    assert problem is not None and "lone UTF-16 surrogate \\udbff" in problem
+
+
+@given(st.text())
+def test_decode_error_text_never_raises_on_text_that_fails(text: str) -> None:
+    data = text.encode("utf-8", "surrogatepass")
+    try:
+        msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        assert decode_error_text(exc, data)

@@ -17,7 +17,7 @@ from broker.client import Client, Result
 from broker.config import Settings, answer_grace_s
 from broker.envelope import Envelope, capability_problem, envelope_problem
 from broker.errors import ReachError, RequestTimeout
-from broker.jsondepth import depth_problem
+from broker.jsondepth import decode_error_text, depth_problem
 from broker.stages import Stage
 
 from ..runtime import connected
@@ -43,7 +43,8 @@ def parse_payload(payload: str) -> Any:
     try:
         return msgspec.json.decode(payload)
     except msgspec.DecodeError as exc:
-        raise click.BadParameter(f"not JSON: {exc}", param_hint="--payload") from exc
+        problem = decode_error_text(exc, payload)
+        raise click.BadParameter(f"not JSON: {problem}", param_hint="--payload") from exc
 
 
 def build_envelope(fields: dict[str, Any], payload: str) -> Envelope:
