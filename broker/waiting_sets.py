@@ -4,12 +4,16 @@ instance can take at all (``P:u:{cap}``), the index of capabilities with work
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .cluster_map import ORDER_BARRIER
 from .connection import Connection
-from .errors import raised
+from .envelope import CAPABILITY_PATTERN
+from .errors import RedisReplyError, errors_in_place
 from .fairness import PRIORITY_SPAN, split_score, waiting_score
 from .keyspace import Keyspace
 from .record_codec import text
@@ -21,6 +25,10 @@ RATE_WINDOW_MS = 10_000
 # channel's other messages) have no spaces, so the two never meet.
 WAITING_HINT = b"waiting "
 RATE_SPAN_WINDOWS = 6  # the assignment rate is averaged over the last minute
+WARN_AGAIN_S = 60.0  # how often an unreadable waiting set is named in the log again
+
+log = logging.getLogger("agent_reach.waiting")
+_CAPABILITY = re.compile(CAPABILITY_PATTERN.encode())
 
 
 def stand_aside_commands(keys: Keyspace, items: list[tuple[str, str, int, int]]) -> list[Command]:
@@ -130,6 +138,7 @@ class WaitingSets:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.keys = conn.keys
+        self._warned_at: dict[str, float] = {}  # unreadable key -> when it was last named
 
     async def park(
         self,
@@ -171,45 +180,62 @@ class WaitingSets:
 
     async def _empty(self, capabilities: list[str]) -> list[str]:
         keys = [(self.keys.waiting(c), self.keys.unmatched(c)) for c in capabilities]
-        replies = await self.conn.call_many([("ZCARD", k) for pair in keys for k in pair])
-        return [
-            c
-            for i, c in enumerate(capabilities)
-            if not raised(replies[2 * i]) and not raised(replies[2 * i + 1])
-        ]
+        commands = [("ZCARD", k) for pair in keys for k in pair]
+        replies = errors_in_place(await self.conn.call_many(commands))
+        # a set that cannot be read (another type) is not known empty: it stays indexed
+        return [c for i, c in enumerate(capabilities) if replies[2 * i] == replies[2 * i + 1] == 0]
 
     async def heads(
         self, windows: Mapping[str, tuple[int, int]]
     ) -> dict[str, list[tuple[str, int]]]:
         """``(message_id, priority)`` in each capability's waiting set from ``(start, count)``,
-        in waiting order: one round trip."""
-        capabilities = list(windows)
-        replies = await self.conn.call_many(
-            [
-                ("ZRANGE", self.keys.waiting(c), windows[c][0], sum(windows[c]) - 1, "WITHSCORES")
-                for c in capabilities
-            ]
-        )
-        heads: dict[str, list[tuple[str, int]]] = {}
-        for capability, flat in zip(capabilities, replies, strict=True):
-            raised(flat)
-            heads[capability] = [
+        in waiting order: one round trip. A set that cannot be read is left out
+        (:meth:`_readable`)."""
+        replies = await self._windows(self.keys.waiting, windows, "WITHSCORES")
+        return {
+            capability: [
                 (text(flat[i]), split_score(float(flat[i + 1]))[0]) for i in range(0, len(flat), 2)
             ]
-        return heads
+            for capability, flat in replies.items()
+        }
 
     async def unmatched_heads(self, windows: Mapping[str, tuple[int, int]]) -> dict[str, list[str]]:
-        """Ids in each capability's unmatched set from ``(start, count)``: one round trip."""
+        """Ids in each capability's unmatched set from ``(start, count)``: one round trip. A set
+        that cannot be read is left out (:meth:`_readable`)."""
+        replies = await self._windows(self.keys.unmatched, windows)
+        return {c: [text(i) for i in ids] for c, ids in replies.items()}
+
+    async def _windows(
+        self, key: Callable[[str], str], windows: Mapping[str, tuple[int, int]], *options: str
+    ) -> dict[str, list[bytes]]:
+        """``ZRANGE`` of each capability's ``key`` over its window, by capability."""
         capabilities = list(windows)
-        replies = await self.conn.call_many(
-            [
-                ("ZRANGE", self.keys.unmatched(c), windows[c][0], sum(windows[c]) - 1)
-                for c in capabilities
-            ]
-        )
-        for reply in replies:
-            raised(reply)
-        return {c: [text(i) for i in ids] for c, ids in zip(capabilities, replies, strict=True)}
+        commands = [
+            ("ZRANGE", key(c), windows[c][0], sum(windows[c]) - 1, *options) for c in capabilities
+        ]
+        replies = errors_in_place(await self.conn.call_many(commands))
+        return self._readable({key(c): (c, r) for c, r in zip(capabilities, replies, strict=True)})
+
+    def _readable(self, replies: Mapping[str, tuple[str, Any]]) -> dict[str, Any]:
+        """The replies by capability, less those Redis refused: a set someone made a key of
+        another type (a sidecar's user may write waiting sets) fails only its own
+        capability's drain, named in the log once a minute, and not every capability's."""
+        readable: dict[str, Any] = {}
+        now = time.monotonic()
+        for key, (capability, reply) in replies.items():
+            if not isinstance(reply, RedisReplyError):
+                readable[capability] = reply
+            elif now - self._warned_at.get(key, -WARN_AGAIN_S) >= WARN_AGAIN_S:
+                self._warned_at[key] = now
+                log.warning(
+                    "%s cannot be read (%s): %r's waiting work is not drained until the key is "
+                    "deleted (DEL %s); the reaper then indexes its messages again",
+                    key,
+                    reply,
+                    capability,
+                    key,
+                )
+        return readable
 
     async def oldest(self, capability: str) -> tuple[int, int, int | None]:
         """``(depth, unmatched, accepted_ms of the oldest waiting message or None)``. The
@@ -234,8 +260,10 @@ class WaitingSets:
         return int(waiting) + int(unmatched), int(unmatched), min(ages) if ages else None
 
     async def capabilities(self) -> list[str]:
+        """The capabilities the index lists. Anyone who may park work (a sidecar's user) may
+        add to it: a member that names no capability is passed over, not decoded."""
         members = await self.conn.call("SMEMBERS", self.keys.waiting_index)
-        return sorted(text(m) for m in members)
+        return sorted(m.decode() for m in members if _CAPABILITY.match(m))
 
     async def depth(self, capability: str) -> int:
         """Messages waiting for ``capability``: for a credit, and for any instance at all."""

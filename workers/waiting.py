@@ -19,7 +19,7 @@ from typing import Any
 from broker.cluster_map import ORDER_BARRIER
 from broker.due_clock import due_at_most_command
 from broker.envelope import Envelope, load_envelope
-from broker.errors import raised
+from broker.errors import errors_in_place, raised
 from broker.fairness import Rotation, fair_order
 from broker.records import AssignResult, MessageRecord
 from broker.resp import Command
@@ -348,7 +348,7 @@ class WaitingRoom:
                 commands.append(("ZREM", self.store.keys.unmatched(capability), *stale))
             commands += restore_commands(self.store.keys, capability, back)
             restored += len(back)
-        await self.store.conn.run_all(commands)
+        errors_in_place(await self.store.conn.call_many(commands))  # a spoiled set: see heads
         return restored
 
     async def _claim(
