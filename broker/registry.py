@@ -11,6 +11,7 @@ import msgspec
 
 from .connection import Connection
 from .envelope import MESSAGE_ID_PATTERN
+from .errors import RedisReplyError, errors_in_place
 from .event_log import emit, event_command, run_with_events
 from .events import heartbeat_events
 from .keyspace import SIDECAR_GROUP
@@ -257,21 +258,28 @@ class Registry:
         commands: list[tuple[Any, ...]] = []
         for inst in ids:
             commands += [("HGETALL", self.keys.card(inst)), ("SCARD", self.keys.inflight(inst))]
-        replies = await self._all(commands)
+        replies = errors_in_place(await self.conn.call_many(commands))
         views = []
         for i, inst in enumerate(ids):
             flat, inflight = replies[2 * i], replies[2 * i + 1]
             if flat:
-                view = self._readable(inst, flat, int(inflight))
+                view = self._readable(inst, flat, inflight)
                 if view is not None:
                     views.append(view)
         return views
 
-    def _readable(self, inst: str, flat: list[bytes], inflight: int) -> InstanceView | None:
-        """The instance's view, or ``None`` for a card that does not read as one: left out
-        of routing (said once in the log), never a failure of whoever reads the registry."""
+    def _readable(self, inst: str, flat: Any, inflight: Any) -> InstanceView | None:
+        """The instance's view, or ``None`` for one whose keys do not read as an instance's
+        (a key of another type, a card that does not parse or names another instance): left
+        out of routing (said once in the log), never a failure of whoever reads the
+        registry. A sidecar's user may write its own instances' keys, not anyone's routing."""
         try:
-            view = view_from_hash(pairs(flat), inflight)
+            for reply in (flat, inflight):
+                if isinstance(reply, RedisReplyError):
+                    raise ValueError(f"its keys cannot be read: {reply}")
+            view = view_from_hash(pairs(flat), int(inflight))
+            if view.card.instance_id != inst:
+                raise ValueError(f"its card names another instance, {view.card.instance_id!r}")
         except ValueError as exc:
             if inst not in self._unreadable:
                 self._unreadable.add(inst)
