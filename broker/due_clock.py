@@ -5,13 +5,18 @@ With ``ingress_partitions`` > 1 the clock is as many sorted sets (``P:due``, ``P
 
 from __future__ import annotations
 
+import logging
+import re
 from collections import defaultdict
 from typing import Any
 
 from .connection import Connection
+from .envelope import MESSAGE_ID_PATTERN
+from .errors import raised
 from .keyspace import Keyspace, due_for, due_sets
-from .record_codec import text
 from .scripts import ScriptName
+
+log = logging.getLogger("agent_reach.reaper")
 
 
 def due_command(keys: Keyspace, message_id: str, deadline_ms: int) -> tuple[Any, ...]:
@@ -24,6 +29,15 @@ def due_at_most_command(keys: Keyspace, message_id: str, at_ms: int) -> tuple[An
     """Bring a message's next deadline forward to ``at_ms`` (never later): the delivery
     timeout of an assignment, say, comes before the message's own deadline."""
     return ("ZADD", due_for(keys, message_id), "LT", at_ms, message_id)
+
+
+_ID = re.compile(MESSAGE_ID_PATTERN.encode())
+
+
+def message_ids(members: list[bytes]) -> list[str]:
+    """The members of a due set that are message ids, decoded; the broker adds no other, but
+    anyone who may park work (a sidecar's user) may."""
+    return [i.decode() for i in members if _ID.match(i)]
 
 
 class DueClock:
@@ -39,10 +53,14 @@ class DueClock:
             for due in due_sets(self.conn.keys)
         ]
         claimed: list[str] = []
-        for reply in await self.conn.call_many(commands):
-            if isinstance(reply, Exception):
-                raise reply
-            claimed += [text(i) for i in reply]
+        replies = await self.conn.call_many(commands)
+        for due, reply in zip(due_sets(self.conn.keys), replies, strict=True):
+            ids = message_ids(raised(reply))
+            claimed += ids
+            if len(ids) < len(reply):  # not the broker's: anyone who may park may add to it
+                junk = [i for i in reply if not _ID.match(i)]
+                log.error("%s held %d members that are no message id: removed", due, len(junk))
+                await self.conn.call("ZREM", due, *junk)
         return claimed
 
     async def reschedule(self, lease_score: int, verdicts: list[tuple[str, int | None]]) -> int:

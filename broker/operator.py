@@ -14,7 +14,7 @@ import msgspec
 
 from .connection import Connection
 from .deadletters import DeadLetter, DeadLetters, letter_view
-from .due_clock import due_command
+from .due_clock import due_command, message_ids
 from .envelope import load_envelope
 from .errors import UnknownMessage
 from .keyspace import due_sets
@@ -149,14 +149,13 @@ class Operator:
         for due in due_sets(self.keys):  # every partition
             start = 0
             while True:
-                ids = [
-                    i.decode() for i in await self.conn.call("ZRANGE", due, start, start + page - 1)
-                ]
-                if not ids:
+                members = await self.conn.call("ZRANGE", due, start, start + page - 1)
+                if not members:
                     break
+                ids = message_ids(members)
                 records = await self.store.get_records(ids)
                 yield [r for r in records if r is not None and r.stage not in TERMINAL]
-                if len(ids) < page:
+                if len(members) < page:
                     break
                 start += page
 

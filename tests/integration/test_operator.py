@@ -309,6 +309,17 @@ async def test_stuck_lists_work_in_flight_with_its_age_stage_and_last_reason(
     assert all(0 <= m.age_s <= m.accepted_age_s for m in found)
 
 
+async def test_stuck_passes_over_due_members_that_are_no_message_id(conn: Connection) -> None:
+    """A sidecar's user may add to the due index: a member not UTF-8 made `stuck` and the
+    console's messages page fail."""
+    parked = await record_in(conn, Stage.NEEDS_CONFIRMATION, reason="no answer")
+    await conn.call("ZADD", conn.keys.due, 0, b"\xff\xfe", 1, "not an id")
+
+    found = await Operator(conn).stuck(older_than_s=0, page=2)
+
+    assert [m.id for m in found] == [parked]
+
+
 async def test_dead_letters_come_newest_last_with_their_raw_bytes(conn: Connection) -> None:
     operator = Operator(conn)
     async with running_dispatcher(conn):

@@ -497,6 +497,24 @@ async def test_reapers_working_at_once_handle_each_due_message_once(fast: Connec
     assert replies == n  # one reply each: no message was expired by two reapers
 
 
+async def test_a_due_member_that_is_no_message_id_is_removed_and_the_rest_reaped(
+    fast: Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sidecar's user may add to the due index. A member not UTF-8, due first, failed
+    every claim after the lease was taken: the reaper handled nothing, ever again."""
+    conn = fast
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    junk = b"\xff\xfe-not-an-id"
+    await conn.call("ZADD", conn.keys.due, 0, junk)
+    async with running_dispatcher(conn):  # and its reaper
+        ids = await client.submit_many([request(reply_to, timeout_s=0.3) for _ in range(5)])
+        results = await collect_replies(conn, reply_to, 5, timeout_s=20)
+    assert {r.stage for r in results.values()} == {Stage.EXPIRED} and set(results) == set(ids)
+    assert await conn.call("ZSCORE", conn.keys.due, junk) is None
+    assert any("no message id" in r.getMessage() for r in caplog.records)
+
+
 async def test_every_partition_of_the_due_set_is_claimed(settings: Settings) -> None:
     """``ingress_partitions = 3``: deadlines spread over ``P:due``, ``P:due:{1}``,
     ``P:due:{2}`` by message id, and a reaper claims and resolves them all."""
