@@ -27,7 +27,7 @@ from .cluster_setup import detect, preload, without_db
 from .config import Settings
 from .errors import RedisReplyError, RedisUnavailable
 from .keyspace import FleetKeys, Keyspace
-from .metric_fields import Counting, capped, counter_keys
+from .metric_fields import Counting, capped, count_value, counter_keys
 from .pipeliner import Pipeliner
 from .resp import RespConnection, describe, parse_redis_url
 from .scripts import Script, ScriptName, load_scripts
@@ -89,9 +89,9 @@ class Connection:
             if not isinstance(raw, list):
                 continue
             for i in range(0, len(raw) - 1, 2):
-                value = raw[i + 1]
-                if value.lstrip(b"-").isdigit():
-                    total[raw[i]] = total.get(raw[i], 0) + int(value)
+                count = count_value(raw[i + 1])
+                if count is not None:
+                    total[raw[i]] = total.get(raw[i], 0) + count
         total = capped(total, self.settings.metrics_max_series)
         return {name: str(n).encode() for name, n in total.items()}
 

@@ -107,6 +107,14 @@ def capped(total: dict[bytes, int], max_series: int) -> dict[bytes, int]:
     return kept
 
 
+def count_value(value: bytes) -> int | None:
+    """A count as the broker's scripts write one (``-`` and at most 18 digits), or ``None``:
+    anyone who may write counters (a sidecar's user) may write anything, and a number of
+    thousands of digits fails ``int`` and, summed into a rate, ``float``."""
+    digits = value[1:] if value.startswith(b"-") else value
+    return int(value) if 0 < len(digits) <= 18 and digits.isdigit() else None
+
+
 def read_counters(
     raw: Mapping[bytes, bytes],
 ) -> dict[str, dict[tuple[str, ...], int]]:
@@ -114,12 +122,12 @@ def read_counters(
     out: dict[str, dict[tuple[str, ...], int]] = {kind: {} for kind in COUNTERS}
     for name, value in raw.items():
         kind, *labels = name.decode(errors="replace").split(SEP)
-        counter = COUNTERS.get(kind)
-        if counter is None or not value.lstrip(b"-").isdigit():
+        counter, count = COUNTERS.get(kind), count_value(value)
+        if counter is None or count is None:
             continue
         if len(labels) != len(counter.labels) or labels == [CAPPED]:
             labels = [OTHER] * len(counter.labels)
         samples = out[kind]
         key = tuple(labels)
-        samples[key] = samples.get(key, 0) + int(value)
+        samples[key] = samples.get(key, 0) + count
     return out

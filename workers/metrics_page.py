@@ -25,7 +25,7 @@ from starlette.routing import Route
 from adapters.asgi import serve_app
 from broker.connection import Connection
 from broker.health import observed_state
-from broker.metric_fields import COUNTERS, NEEDS_CONFIRMATION_LEVEL, read_counters
+from broker.metric_fields import COUNTERS, NEEDS_CONFIRMATION_LEVEL, count_value, read_counters
 from broker.process_metrics import REGISTRY
 from broker.records import CircuitState, InstanceState, InstanceView
 from broker.registry import Registry
@@ -71,7 +71,7 @@ async def cluster_families(conn: Connection) -> list[Metric]:
         GaugeMetricFamily("agent_reach_dlq_entries", "Entries on the dead-letter stream", entries)
     )
     level = counters.get(NEEDS_CONFIRMATION_LEVEL, b"0")
-    waiting_for_operator = max(0, int(level)) if level.lstrip(b"-").isdigit() else 0
+    waiting_for_operator = max(0, count_value(level) or 0)
     families.append(
         GaugeMetricFamily(
             "agent_reach_needs_confirmation_messages",

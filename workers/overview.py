@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from broker.broadcast import decode_children
 from broker.connection import Connection
 from broker.health import observed_state
-from broker.metric_fields import NEEDS_CONFIRMATION_LEVEL, read_counters
+from broker.metric_fields import NEEDS_CONFIRMATION_LEVEL, count_value, read_counters
 from broker.records import InstanceView
 from broker.registry import Registry
 from broker.routing import factors
@@ -70,7 +70,7 @@ async def read_overview(conn: Connection) -> Overview:
         capabilities=stats.capabilities,
         agents=[agent_row(conn, v) for v in views],
         dlq_entries=dlq if isinstance(dlq, int) else 0,
-        needs_confirmation=max(0, int(level)) if level.lstrip(b"-").isdigit() else 0,
+        needs_confirmation=max(0, count_value(level) or 0),
     )
 
 

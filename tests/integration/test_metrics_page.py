@@ -9,7 +9,9 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker.connection import Connection
+from broker.metric_fields import NEEDS_CONFIRMATION_LEVEL
 from workers.metrics_page import render
+from workers.overview import rates_between, read_overview
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "agent-reach.json"
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
@@ -61,3 +63,27 @@ async def test_every_metric_the_dashboard_queries_is_served(conn: Connection) ->
     }
     assert len(queried) >= 15, "the dashboard shows the broker, not a corner of it"
     assert queried <= await served_names(conn)
+
+
+async def test_counters_no_script_writes_are_passed_over_on_every_page(conn: Connection) -> None:
+    """Anyone who may write counters (a sidecar's user may) may write any value. A count of
+    5,000 digits failed `int`; one of 400 failed the float of a rate: the console's reading
+    raised, which ended the console and the roles run beside it."""
+    counters = conn.keys.counters
+    for capability, value in (("a.b", "9" * 5000), ("c.d", "9" * 400), ("e.f", "7")):
+        await conn.call("HSET", counters, f"accepted\t{capability}", value)
+    await conn.call("HSET", counters, NEEDS_CONFIRMATION_LEVEL, "9" * 5000)
+    await conn.call("SADD", conn.keys.waiting_index, b"\xff\xfe.bad")
+
+    first = await read_overview(conn)
+    later = await read_overview(conn)
+    page = (await render(conn)).decode()
+
+    assert first.totals["accepted"] == 7 and first.needs_confirmation == 0
+    assert (
+        rates_between(first.at_ms, first.totals, first.at_ms + 1000, later.totals)["accepted"] == 0
+    )
+    assert re.search(
+        r'^agent_reach_messages_accepted_total\{.*capability="e\.f".*\} 7\.0$', page, re.M
+    )
+    assert 'capability="a.b"' not in page and 'capability="c.d"' not in page

@@ -3,11 +3,13 @@ overview's rates — and the ``console`` command's refusals, before it connects 
 
 from __future__ import annotations
 
+import anyio
 from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
 from workers.cli import main
+from workers.console.app import sample_forever
 from workers.console.history import History
 from workers.console.security import Guard, bind_refusal, cross_site, token_problem
 from workers.overview import Overview
@@ -116,3 +118,31 @@ def test_no_rate_is_counted_across_an_outage_or_a_total_that_fell_the_chart_brea
     assert [[t for t, _ in run] for run in runs] == [[1000], [62_000], [64_000]]
     assert all(r["accepted"] == 10.0 for run in runs for _, r in run)  # never 1.0 across it
     assert chart.lines["accepted"] == "M0.0,0.0 M62.0,0.0 M64.0,0.0"
+
+
+class FailingOnce:
+    """A reading that fails as a defect (not Redis away) once, then succeeds."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.gaps = 0
+        self.again = anyio.Event()
+
+    async def sample(self) -> None:
+        self.samples += 1
+        if self.samples == 1:
+            raise OverflowError("int too large to convert to float")
+        self.again.set()
+
+    def lost(self) -> None:
+        self.gaps += 1
+
+
+async def test_a_reading_that_fails_is_a_gap_not_the_end_of_the_console() -> None:
+    state = FailingOnce()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sample_forever, state)
+        with anyio.fail_after(10):
+            await state.again.wait()
+        tg.cancel_scope.cancel()
+    assert (state.samples, state.gaps) == (2, 1)

@@ -156,13 +156,17 @@ def console_app(conn: Connection, guard: Guard) -> Starlette:
 
 
 async def sample_forever(state: ConsoleState) -> None:
-    """Read the overview every second, for the chart and every live page. Redis away is a
-    gap in the chart, never the end of the console (nor of the roles served beside it)."""
+    """Read the overview every second, for the chart and every live page. Redis away, or a
+    reading that fails, is a gap in the chart, never the end of the console (nor of the
+    roles served beside it)."""
     while True:
         try:
             await state.sample()
         except (RedisUnavailable, RedisReplyError, OSError) as exc:
             log.warning("console: reading the overview: %s", exc)
+            state.lost()
+        except Exception:  # a defect, or stored data no reader expects: a gap, not the end
+            log.exception("console: reading the overview failed")
             state.lost()
         await anyio.sleep(SAMPLE_EVERY_S)
 
