@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 # Higher priority first, then older first: score = (9 - priority) * PRIORITY_SPAN + accepted_ms.
 PRIORITY_SPAN = 10**13
+PRIORITY_BANDS = 10  # priorities 0-9, a band of PRIORITY_SPAN each
 
 
 def waiting_score(priority: int, accepted_ms: int) -> float:

@@ -6,12 +6,16 @@ from __future__ import annotations
 import msgspec
 
 from .connection import Connection
+from .metric_fields import OTHER
 from .registry import Registry
 from .store import MessageStore
 from .timekeeping import now_ms
 
 
 class CapabilityStats(msgspec.Struct, frozen=True):
+    """A capability's backlog; or, named ``_other`` (no capability's name: one starts with a
+    letter), the sums of those :func:`backlog_stats` did not show by name."""
+
     capability: str
     waiting: int
     unmatched: int  # of those waiting, how many no registered instance can take at all
@@ -36,7 +40,11 @@ class BacklogStats(msgspec.Struct, frozen=True):
     instances: list[InstanceCredits]
 
 
-async def backlog_stats(conn: Connection) -> BacklogStats:
+async def backlog_stats(conn: Connection, *, most: int | None = None) -> BacklogStats:
+    """Where the work is now. With ``most``, at most that many capabilities are shown by
+    name, those with the most waiting first, and the rest in one row named ``_other``:
+    anyone who may send work may name any number of capabilities, and every capability
+    shown costs its own looks (the oldest wait, the assignment rate) at every reading."""
     store = MessageStore(conn)
     registry = Registry(conn)
     views = await registry.snapshot()
@@ -46,19 +54,31 @@ async def backlog_stats(conn: Connection) -> BacklogStats:
         for capability in view.card.capabilities:
             served[capability] = served.get(capability, 0) + 1
     capabilities = sorted(set(served) | set(await store.waiting.capabilities()))
+    depths = await store.waiting.depths(capabilities)
+    shown, folded = _deepest(capabilities, depths, most)
     now = now_ms()
-    rates = await store.waiting.assignment_rates(capabilities, now)
-    rows = []
-    for capability in capabilities:
-        depth, unmatched, oldest_ms = await store.waiting.oldest(capability)
+    rates = await store.waiting.assignment_rates(shown, now)
+    oldest = await store.waiting.oldest_accepted(shown)
+    rows = [
+        CapabilityStats(
+            capability=c,
+            waiting=depths[c][0],
+            unmatched=depths[c][1],
+            oldest_waiting_s=_age_s(now, oldest[c]),
+            assigned_per_s=round(rates[c], 3),
+            instances=served.get(c, 0),
+        )
+        for c in shown
+    ]
+    if folded:
         rows.append(
             CapabilityStats(
-                capability=capability,
-                waiting=depth,
-                unmatched=unmatched,
-                oldest_waiting_s=None if oldest_ms is None else max(0, now - oldest_ms) / 1000,
-                assigned_per_s=round(rates[capability], 3),
-                instances=served.get(capability, 0),
+                capability=OTHER,
+                waiting=sum(depths[c][0] for c in folded),
+                unmatched=sum(depths[c][1] for c in folded),
+                oldest_waiting_s=None,  # not looked at: that is the point of folding them
+                assigned_per_s=0.0,
+                instances=sum(served.get(c, 0) for c in folded),
             )
         )
     instances = [
@@ -74,3 +94,17 @@ async def backlog_stats(conn: Connection) -> BacklogStats:
         for v, stream in zip(views, streams, strict=True)
     ]
     return BacklogStats(at_ms=now, capabilities=rows, instances=instances)
+
+
+def _deepest(
+    capabilities: list[str], depths: dict[str, tuple[int, int]], most: int | None
+) -> tuple[list[str], list[str]]:
+    """The capabilities to show by name (in name order) and those to fold into one row."""
+    if most is None or len(capabilities) <= most:
+        return capabilities, []
+    ranked = sorted(capabilities, key=lambda c: (-depths[c][0], c))
+    return sorted(ranked[:most]), ranked[most:]
+
+
+def _age_s(now: int, since_ms: int | None) -> float | None:
+    return None if since_ms is None else max(0, now - since_ms) / 1000

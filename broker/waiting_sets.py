@@ -14,7 +14,7 @@ from .cluster_map import ORDER_BARRIER
 from .connection import Connection
 from .envelope import CAPABILITY_PATTERN
 from .errors import RedisReplyError, errors_in_place
-from .fairness import PRIORITY_SPAN, split_score, waiting_score
+from .fairness import PRIORITY_BANDS, PRIORITY_SPAN, split_score, waiting_score
 from .keyspace import Keyspace
 from .record_codec import text
 from .records import MessageRecord
@@ -134,6 +134,12 @@ def count_assigned_commands(keys: Keyspace, counts: Mapping[str, int], now: int)
     return commands
 
 
+def _first_of_band(key: str, band: int) -> Command:
+    """The first member of a waiting set in a priority band, with its score."""
+    low, high = band * PRIORITY_SPAN, f"({(band + 1) * PRIORITY_SPAN}"
+    return ("ZRANGEBYSCORE", key, low, high, "WITHSCORES", "LIMIT", 0, 1)
+
+
 class WaitingSets:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -237,27 +243,33 @@ class WaitingSets:
                 )
         return readable
 
-    async def oldest(self, capability: str) -> tuple[int, int, int | None]:
-        """``(depth, unmatched, accepted_ms of the oldest waiting message or None)``. The
-        oldest is the first of some priority band in one of the two sets: a look per band."""
-        keys = (self.keys.waiting(capability), self.keys.unmatched(capability))
-        commands: list[Command] = [("ZCARD", key) for key in keys] + [
-            (
-                "ZRANGEBYSCORE",
-                key,
-                band * PRIORITY_SPAN,
-                f"({(band + 1) * PRIORITY_SPAN}",
-                "WITHSCORES",
-                "LIMIT",
-                0,
-                1,
-            )
-            for key in keys
-            for band in range(10)
+    async def depths(self, capabilities: list[str]) -> dict[str, tuple[int, int]]:
+        """``(waiting, unmatched)`` of each capability: all its waiting messages, and those
+        of them no instance can take at all. One round trip; a set that cannot be read
+        (another type) counts as empty."""
+        keys = [k for c in capabilities for k in (self.keys.waiting(c), self.keys.unmatched(c))]
+        replies = errors_in_place(await self.conn.call_many([("ZCARD", k) for k in keys]))
+        n = [r if isinstance(r, int) else 0 for r in replies]
+        return {c: (n[2 * i] + n[2 * i + 1], n[2 * i + 1]) for i, c in enumerate(capabilities)}
+
+    async def oldest_accepted(self, capabilities: list[str]) -> dict[str, int | None]:
+        """When each capability's oldest waiting message was accepted (ms), or ``None``. The
+        oldest is the first of some priority band in one of its two sets: a look per band,
+        one round trip in all."""
+        looks: list[Command] = [
+            _first_of_band(key, band)
+            for c in capabilities
+            for key in (self.keys.waiting(c), self.keys.unmatched(c))
+            for band in range(PRIORITY_BANDS)
         ]
-        waiting, unmatched, *firsts = await self.conn.call_many(commands)
-        ages = [split_score(float(f[1]))[1] for f in firsts if f]
-        return int(waiting) + int(unmatched), int(unmatched), min(ages) if ages else None
+        replies = errors_in_place(await self.conn.call_many(looks))
+        per = 2 * PRIORITY_BANDS
+        oldest: dict[str, int | None] = {}
+        for i, capability in enumerate(capabilities):
+            firsts = [f for f in replies[i * per : (i + 1) * per] if isinstance(f, list) and f]
+            ages = [split_score(float(f[1]))[1] for f in firsts]
+            oldest[capability] = min(ages) if ages else None
+        return oldest
 
     async def capabilities(self) -> list[str]:
         """The capabilities the index lists. Anyone who may park work (a sidecar's user) may

@@ -25,7 +25,13 @@ from starlette.routing import Route
 from adapters.asgi import serve_app
 from broker.connection import Connection
 from broker.health import observed_state
-from broker.metric_fields import COUNTERS, NEEDS_CONFIRMATION_LEVEL, count_value, read_counters
+from broker.metric_fields import (
+    COUNTERS,
+    NEEDS_CONFIRMATION_LEVEL,
+    OTHER,
+    count_value,
+    read_counters,
+)
 from broker.process_metrics import REGISTRY
 from broker.records import CircuitState, InstanceState, InstanceView
 from broker.registry import Registry
@@ -60,7 +66,7 @@ class _Families(Collector):
 async def cluster_families(conn: Connection) -> list[Metric]:
     """Every cluster-wide family, read from Redis now."""
     counters, dlq = await conn.read_counters(), await conn.call("XLEN", conn.keys.dlq)
-    stats = await backlog_stats(conn)
+    stats = await backlog_stats(conn, most=conn.settings.metrics_max_series)
     views = await Registry(conn).snapshot()
     families = list(_counter_families(counters))
     families += _waiting_families(stats)
@@ -120,7 +126,8 @@ def _waiting_families(stats: BacklogStats) -> list[Metric]:
     )
     for row in stats.capabilities:
         waiting.add_metric([row.capability], row.waiting)
-        oldest.add_metric([row.capability], row.oldest_waiting_s or 0.0)
+        if row.capability != OTHER:  # the folded rows' oldest waits are not looked at
+            oldest.add_metric([row.capability], row.oldest_waiting_s or 0.0)
     return [waiting, oldest]
 
 

@@ -23,6 +23,7 @@ from broker.timekeeping import now_ms
 from .routing_table import routing_policy
 
 TOTALS = ("accepted", "SUCCEEDED", "FAILED")
+SHOWN_CAPABILITIES = 100  # rows of the waiting table by name; the rest in one `_other` row
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,7 @@ async def read_overview(conn: Connection) -> Overview:
     for (_, stage), n in counted["finished"].items():
         totals[stage] = totals.get(stage, 0) + n
     level = flat.get(NEEDS_CONFIRMATION_LEVEL, b"0")
-    stats = await backlog_stats(conn)
+    stats = await backlog_stats(conn, most=SHOWN_CAPABILITIES)
     views = await Registry(conn).snapshot()
     return Overview(
         at_ms=stats.at_ms,

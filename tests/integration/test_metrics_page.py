@@ -6,10 +6,13 @@ import json
 import re
 from pathlib import Path
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.connection import Connection
+from broker.config import Settings
+from broker.connection import Connection, open_connection
 from broker.metric_fields import NEEDS_CONFIRMATION_LEVEL
+from broker.stats import backlog_stats
 from workers.metrics_page import render
 from workers.overview import rates_between, read_overview
 
@@ -87,3 +90,29 @@ async def test_counters_no_script_writes_are_passed_over_on_every_page(conn: Con
         r'^agent_reach_messages_accepted_total\{.*capability="e\.f".*\} 7\.0$', page, re.M
     )
     assert 'capability="a.b"' not in page and 'capability="c.d"' not in page
+
+
+async def test_capabilities_past_the_series_cap_are_one_other_row(settings: Settings) -> None:
+    """Anyone who may send work may name any number of capabilities: with 15,000 made up,
+    the page held 30,000 waiting series and the console read each one every second. Past
+    `metrics_max_series` the shallowest are summed in one `_other` row, not looked at."""
+    capped = msgspec.structs.replace(settings, metrics_max_series=10)
+    assert capped.redis_url is not None
+    async with open_connection(capped, capped.redis_url) as conn:
+        names = [f"made.up{n:02d}" for n in range(15)]
+        for depth, name in enumerate(names, start=1):  # made.up14 the deepest
+            members = [x for i in range(depth) for x in (i, f"{name}-{i}")]
+            await conn.call("ZADD", conn.keys.waiting(name), *members)
+        await conn.call("SADD", conn.keys.waiting_index, *names)
+
+        stats = await backlog_stats(conn, most=10)
+        page = (await render(conn)).decode()
+
+    rows = {row.capability: row for row in stats.capabilities}
+    assert sorted(rows) == ["_other", *names[5:]]
+    assert rows["_other"].waiting == sum(range(1, 6)) and rows["_other"].oldest_waiting_s is None
+    assert rows["made.up14"].waiting == 15 and rows["made.up14"].oldest_waiting_s is not None
+    waiting = re.findall(r"^agent_reach_waiting_messages\{", page, re.M)
+    oldest = re.findall(r"^agent_reach_oldest_waiting_age_seconds\{", page, re.M)
+    assert (len(waiting), len(oldest)) == (11, 10)
+    assert 'agent_reach_waiting_messages{capability="_other"} 15.0' in page
