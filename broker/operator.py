@@ -16,7 +16,7 @@ from .connection import Connection
 from .deadletters import DeadLetter, DeadLetters, letter_view
 from .due_clock import due_command, message_ids
 from .envelope import load_envelope
-from .errors import UnknownMessage
+from .errors import UnknownMessage, raised
 from .keyspace import due_sets
 from .record_codec import timeline_commands, timeline_entries
 from .records import MessageRecord
@@ -426,7 +426,8 @@ class Operator:
         total, newest = await self.conn.call_many(
             [("XLEN", self.keys.dlq), ("XREVRANGE", self.keys.dlq, "+", "-", "COUNT", count)]
         )
-        return DeadLetters(int(total), [letter_view(e, f) for e, f in reversed(newest)])
+        entries = raised(newest)  # a dead-letter key of another type: Redis's own words
+        return DeadLetters(raised(total), [letter_view(e, f) for e, f in reversed(entries)])
 
     async def _all_letters(self) -> list[DeadLetter]:
         letters: list[DeadLetter] = []

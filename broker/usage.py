@@ -134,11 +134,17 @@ def usage_from_headers(usage: str | None, cost: str | None) -> Usage | None:
     return usage_from_mapping(fields, _number(cost) if cost else None)
 
 
+_STORED_MAX = 1e18  # far past any day's sum the scripts write; sums of such stay finite
+
+
 def _number(text: str) -> float | None:
+    """A stored figure, or ``None`` for one no script writes: a sidecar's user may write a
+    day's hash, and ``1e308`` twice sums to infinity, which no page can show as a count."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         return None
+    return value if math.isfinite(value) and abs(value) <= _STORED_MAX else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +260,7 @@ def totals_by(hashes: Iterable[Mapping[bytes, bytes]], by: str) -> list[Totals]:
             if len(parts) != 4 or parts[3] not in FIGURES:
                 continue
             amount = _number(value.decode(errors="replace"))
-            if amount is None or not math.isfinite(amount):
+            if amount is None:
                 continue
             label = parts[index]
             row = rows.setdefault(label, Totals(label))
@@ -263,9 +269,12 @@ def totals_by(hashes: Iterable[Mapping[bytes, bytes]], by: str) -> list[Totals]:
 
 
 def by_combination(
-    hashes: Iterable[Mapping[bytes, bytes]],
+    hashes: Iterable[Mapping[bytes, bytes]], *, most: int | None = None
 ) -> dict[tuple[str, str, str], dict[str, float]]:
-    """(agent, capability, tenant) -> figures, summed over ``hashes`` (``/metrics``)."""
+    """(agent, capability, tenant) -> figures, summed over ``hashes`` (``/metrics``). With
+    ``most``, the combinations past that many (the least spent, then the least busy) are
+    summed into one, ``~other`` in each part, as the script that writes folds past its cap:
+    a sidecar's user may write the hash itself."""
     out: dict[tuple[str, str, str], dict[str, float]] = {}
     for raw in hashes:
         for name, value in raw.items():
@@ -274,8 +283,16 @@ def by_combination(
             if len(parts) != 4 or parts[3] not in FIGURES or amount is None:
                 continue
             figures = out.setdefault((parts[0], parts[1], parts[2]), dict.fromkeys(FIGURES, 0.0))
-            figures[parts[3]] += amount if math.isfinite(amount) else 0.0
-    return out
+            figures[parts[3]] += amount
+    if most is None or len(out) <= most:
+        return out
+    ranked = sorted(out.items(), key=lambda item: (-item[1]["cost"], -item[1]["requests"], item[0]))
+    kept = dict(ranked[:most])
+    other = kept.setdefault((OTHER, OTHER, OTHER), dict.fromkeys(FIGURES, 0.0))
+    for _, figures in ranked[most:]:
+        for figure, amount in figures.items():
+            other[figure] += amount
+    return kept
 
 
 def spending(raw: Mapping[bytes, bytes]) -> dict[str, float]:
@@ -285,7 +302,7 @@ def spending(raw: Mapping[bytes, bytes]) -> dict[str, float]:
     for name, value in raw.items():
         if name.startswith(prefix):
             amount = _number(value.decode(errors="replace"))
-            if amount is not None and math.isfinite(amount):
+            if amount is not None:
                 tenant = name[len(prefix) :].decode(errors="replace")
                 out[tenant] = out.get(tenant, 0.0) + amount
     return out

@@ -71,7 +71,8 @@ async def cluster_families(conn: Connection) -> list[Metric]:
     families = list(_counter_families(counters))
     families += _waiting_families(stats)
     families += _instance_families(conn, views)
-    families += _usage_families(by_combination(await day_hashes(conn, [utc_day(now_ms())])))
+    today = await day_hashes(conn, [utc_day(now_ms())])
+    families += _usage_families(by_combination(today, most=conn.settings.metrics_max_series))
     entries = dlq if isinstance(dlq, int) else 0
     families.append(
         GaugeMetricFamily("agent_reach_dlq_entries", "Entries on the dead-letter stream", entries)

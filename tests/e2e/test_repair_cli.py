@@ -55,7 +55,8 @@ async def cli(settings: Settings, *argv: str, answer: str | None = None) -> tupl
             "Invalid value for --succeeded: JSON nested 100 levels deep; at most 64 levels",
         ),
         (["resolve", "01A", "--succeeded", "[" * 100_000], "nested 100000 levels deep"),
-        (["dlq", "--count", "0"], "0 is not in the range x>=1"),
+        (["dlq", "--count", "0"], "0 is not in the range 1<=x<=1000000"),
+        (["dlq", "--count", "9" * 23], "is not in the range 1<=x<=1000000"),
     ],
 )
 def test_bad_option_values_are_precise_usage_errors(argv: list[str], says: str) -> None:

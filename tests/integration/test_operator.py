@@ -8,7 +8,7 @@ import pytest
 from broker.client import Client
 from broker.connection import Connection
 from broker.deadletters import Letter
-from broker.errors import UnknownMessage
+from broker.errors import RedisReplyError, UnknownMessage
 from broker.operator import Operator
 from broker.registry import Registry
 from broker.stages import Stage
@@ -318,6 +318,15 @@ async def test_stuck_passes_over_due_members_that_are_no_message_id(conn: Connec
     found = await Operator(conn).stuck(older_than_s=0, page=2)
 
     assert [m.id for m in found] == [parked]
+
+
+async def test_a_dead_letter_key_of_another_type_is_said_in_redis_words(conn: Connection) -> None:
+    """On Redis 6.2 a sidecar's user may make P:dlq a set: the count of it failed `int()`
+    with a TypeError, a 500 from the console, where Redis's own refusal belongs."""
+    await conn.call("SADD", conn.keys.dlq, "junk")
+
+    with pytest.raises(RedisReplyError, match="WRONGTYPE"):
+        await Operator(conn).dead_letters(10)
 
 
 async def test_dead_letters_come_newest_last_with_their_raw_bytes(conn: Connection) -> None:

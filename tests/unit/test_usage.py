@@ -107,6 +107,32 @@ def test_day_hashes_sum_by_dimension_and_skip_what_does_not_read() -> None:
     assert by_combination([day])[("a", "c.d", "t1")]["requests"] == 2
 
 
+def test_figures_no_script_writes_are_left_out_so_every_sum_stays_finite() -> None:
+    """A sidecar's user may write a day's hash: `1e308` twice summed to infinity, and the
+    usage page's count of retries failed `int`."""
+    day = {
+        b"a\tc.d\tt1\tretried": b"1e308",
+        b"a\tc.d\tt2\tretried": b"1e308",
+        b"a\tc.d\tt3\tretried": b"2",
+        b"a\tc.d\tt4\tcost": b"nan",
+        b"spend\tt1": b"inf",
+    }
+    [row] = totals_by([day], "agent")
+
+    assert row.figures["retried"] == 2 and row.figures["cost"] == 0
+    assert spending(day) == {}
+
+
+def test_combinations_past_the_cap_are_summed_into_one() -> None:
+    day = {f"a{n}\tc.d\tt\tcost".encode(): str(n).encode() for n in range(1, 13)}
+
+    kept = by_combination([day], most=10)
+
+    assert len(kept) == 11 and kept[("~other", "~other", "~other")]["cost"] == 1 + 2
+    assert ("a12", "c.d", "t") in kept and ("a1", "c.d", "t") not in kept
+    assert len(by_combination([day])) == 12
+
+
 def test_spans_are_whole_utc_days() -> None:
     assert parse_since("7d") == 7 and parse_since("24h") == 1 and parse_since("2w") == 14
     assert parse_since("25h") == 2

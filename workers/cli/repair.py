@@ -284,7 +284,7 @@ def cancel(settings: Settings, message_id: str, by: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="A JSON list, one object per letter.")
 @click.option(
     "--count",
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, 1_000_000),
     default=100,
     show_default=True,
     help="How many of the newest to show.",
