@@ -31,8 +31,22 @@ from .subscriptions import subscription_problem
 from .webhooks import Allowlist, webhook_secret_problem
 
 ENV_PREFIX = "AGENT_REACH_"
-# Variables under the prefix that are read elsewhere, not settings.
-NON_SETTING_ENV = frozenset({"CONFIG", "FAILPOINTS", "CHAOS", "STATE_DIR", "EVENT_LOOP"})
+# Variables under the prefix that are read elsewhere, not settings: secrets that stay out of
+# the settings (the console's token, workers/console/security.py; the A2A gateway's API key,
+# workers/cli/gateway.py) and what the tests read (tests/conftest.py, the console's tests).
+NON_SETTING_ENV = frozenset(
+    {
+        "CONFIG",
+        "FAILPOINTS",
+        "CHAOS",
+        "STATE_DIR",
+        "EVENT_LOOP",
+        "CONSOLE_TOKEN",
+        "A2A_API_KEY",
+        "SCREENSHOTS",
+        "TEST_REDIS",
+    }
+)
 
 # Durations: from a hundredth of a second (a smaller one would make a loop spin) to a day.
 Positive = Annotated[float, msgspec.Meta(ge=0.01, le=86400)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -355,3 +356,22 @@ def test_governance_maps_come_from_the_environment_as_json() -> None:
     assert load_settings(environ=env).budgets["t"].daily == 1.5
     with pytest.raises(ConfigError, match=r"budgets"):
         load_settings(environ={"AGENT_REACH_BUDGETS": "{nope"})
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_variable_the_project_reads_is_a_setting_or_known_to_be_none() -> None:
+    """The console's token and the gateway's API key, documented as AGENT_REACH_* variables,
+    were refused as unknown settings: with either set, no command started."""
+    sources = [*ROOT.glob("broker/**/*.py"), *ROOT.glob("workers/**/*.py")]
+    sources += [*ROOT.glob("adapters/**/*.py"), ROOT / "tests" / "conftest.py"]
+    named = {
+        match.removeprefix("AGENT_REACH_")
+        for path in sources
+        for match in re.findall(r'"(AGENT_REACH_[A-Z0-9_]+)"', path.read_text(encoding="utf-8"))
+    }
+    assert {"CONSOLE_TOKEN", "A2A_API_KEY", "TEST_REDIS"} <= named  # the scan finds them
+    environ = {f"AGENT_REACH_{name}": "x" for name in named - {n.upper() for n in FIELDS}}
+
+    assert env_layer(environ) == {}
