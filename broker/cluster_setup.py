@@ -14,7 +14,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from .cluster_map import SlotMap
 from .errors import ConfigError, RedisReplyError, RedisUnavailable
-from .resp import RespConnection, parse_redis_url
+from .redis_url import parse_redis_url
+from .resp import RespConnection
 from .scripts import Script
 from .slots import slot_tag
 

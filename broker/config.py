@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import msgspec.inspect
 
+from . import failpoints
 from .envelope import TENANT_PATTERN, capability_problem
 from .errors import ConfigError
 from .events import EVENT_TYPES
@@ -27,6 +28,7 @@ from .governance import (
     rate_problem,
     rule_problem,
 )
+from .redis_url import parse_redis_url
 from .subscriptions import subscription_problem
 from .webhooks import Allowlist, webhook_secret_problem
 
@@ -204,6 +206,11 @@ def build_settings(layers: list[Mapping[str, Any]]) -> Settings:
 
 def _problem(settings: Settings) -> tuple[str, str] | None:
     """``(key, problem)`` for what the types alone cannot check, or ``None``."""
+    if settings.redis_url:  # none, or empty: the embedded Redis
+        try:
+            parse_redis_url(settings.redis_url)
+        except ConfigError as exc:  # said before anything connects (or prints the URL)
+            return "redis_url", exc.problem
     if settings.down_after_s < settings.heartbeat_s:
         why = f"must be at least heartbeat_s ({settings.heartbeat_s}), got {settings.down_after_s}"
         return "down_after_s", why
@@ -302,6 +309,11 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, str]:
     """Settings from ``AGENT_REACH_<KEY>`` variables; an unknown one is a :class:`ConfigError`."""
     layer = {}
     for name, value in environ.items():
+        if name == failpoints.ENV:
+            try:
+                failpoints.parse(value)
+            except ValueError as exc:
+                raise ConfigError(name, str(exc)) from exc
         if not name.startswith(ENV_PREFIX) or name[len(ENV_PREFIX) :] in NON_SETTING_ENV:
             continue
         key = name[len(ENV_PREFIX) :].lower()

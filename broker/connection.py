@@ -29,7 +29,8 @@ from .errors import RedisReplyError, RedisUnavailable
 from .keyspace import FleetKeys, Keyspace
 from .metric_fields import Counting, capped, count_value, counter_keys
 from .pipeliner import Pipeliner
-from .resp import RespConnection, describe, parse_redis_url
+from .redis_url import parse_redis_url
+from .resp import RespConnection, describe
 from .scripts import Script, ScriptName, load_scripts
 from .slots import SLOTS, key_slot, slot_tag
 from .streams import READ_SILENCE_S, GroupReader

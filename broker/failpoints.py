@@ -25,7 +25,14 @@ def parse(spec: str) -> dict[str, str]:
     return points
 
 
-_ACTIVE = parse(os.environ.get(ENV, ""))
+def _from_environment() -> dict[str, str]:
+    try:
+        return parse(os.environ.get(ENV, ""))
+    except ValueError:  # refused, with its reason, where the settings are read (broker.config)
+        return {}
+
+
+_ACTIVE = _from_environment()
 
 
 def armed(name: str) -> bool:

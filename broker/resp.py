@@ -19,20 +19,8 @@ and nowhere else (the tree is drawn in :mod:`broker.errors`).
   connection is then unusable and its owner drops it.
 
 Every connection any process opens comes through :meth:`RespConnection.open`, so what a Redis
-URL may say is decided here, once (:func:`parse_redis_url`):
-
-- ``redis://[[user]:password@]host[:port][/db]``, ``unix:///path/to/socket``;
-- ``rediss://...`` for TLS, with the query parameters ``ssl_ca_certs`` (the CA bundle that
-  signs the server's certificate; default: the system's), ``ssl_certfile`` and
-  ``ssl_keyfile`` (our certificate and key, for a server that checks clients), and
-  ``ssl_cert_reqs``: ``required`` (the default: the certificate chain and the host name are
-  verified), ``optional`` (the chain is verified, the host name is not: a certificate
-  issued to a name, reached by its address) or ``none`` (nothing is verified: encrypted,
-  not authenticated).
-
-Any other query parameter, an ``ssl_*`` one on a URL that is not ``rediss://``, or a file
-that cannot be read is a :class:`~broker.errors.ConfigError` naming it: a process with a
-wrong URL stops at start-up with that sentence instead of retrying for ever.
+URL may say is decided once, in :mod:`broker.redis_url`; the files a ``rediss://`` URL names
+are read here (:func:`tls_context`).
 """
 
 from __future__ import annotations
@@ -42,18 +30,16 @@ import contextlib
 import socket
 import ssl
 import struct
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NoReturn
-from urllib.parse import parse_qsl, unquote, urlsplit
+from typing import Any, NoReturn
 
 import hiredis
 
 from .errors import ConfigError, RedisReplyError, RedisUnavailable, script_error_code
+from .redis_url import RedisAddress, TlsOptions, parse_redis_url
 
 Command = tuple[Any, ...]
 _READ_CHUNK = 1 << 16
-_DEFAULT_PORT = 6379
 
 # Error replies that mean "Redis cannot serve now" (loading its AOF, over maxmemory, a
 # script running, a replica or a cluster in failover): retry later, like a lost connection.
@@ -77,11 +63,6 @@ _TIMER_SLACK_S = 0.001
 # SO_LINGER on, 0 s: a close resets the connection and drops what is still unsent
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
-CertReqs = Literal["required", "optional", "none"]
-CERT_REQS: tuple[CertReqs, ...] = ("required", "optional", "none")
-_CERT_REQS: dict[str, CertReqs] = {name: name for name in CERT_REQS}
-TLS_PARAMETERS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
-
 
 def error_reply(message: str) -> RedisReplyError | RedisUnavailable:
     """The error an error reply stands for (hiredis calls this for each one it parses); one
@@ -97,115 +78,6 @@ def _lost(exc: Exception) -> RedisUnavailable:
     return RedisUnavailable(f"{_UNAVAILABLE}{describe(exc)}")
 
 
-@dataclass(frozen=True, slots=True)
-class TlsOptions:
-    """The TLS query parameters of a ``rediss://`` URL."""
-
-    ca_certs: str | None = None
-    certfile: str | None = None
-    keyfile: str | None = None
-    cert_reqs: CertReqs = "required"
-
-
-@dataclass(frozen=True, slots=True)
-class RedisAddress:
-    """What a Redis URL says, checked: where to connect, who to be, which database."""
-
-    host: str
-    port: int
-    unix_path: str | None = None
-    username: str | None = None
-    password: str | None = None
-    db: int = 0
-    tls: TlsOptions | None = None
-
-    @property
-    def where(self) -> str:
-        """The server, for messages: ``host:port`` or the socket's path (never a secret)."""
-        return self.unix_path if self.unix_path is not None else f"{self.host}:{self.port}"
-
-
-def _url_error(problem: str) -> ConfigError:
-    return ConfigError("redis_url", problem)
-
-
-def parse_redis_url(url: str) -> RedisAddress:
-    """A ``redis://``, ``rediss://`` or ``unix://`` URL as a :class:`RedisAddress`; anything
-    else it says is a :class:`ConfigError` naming what is wrong (the message never repeats
-    the URL: it may hold a password)."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:  # a port that is not a number, a malformed IPv6 host
-        raise _url_error(f"not a usable Redis URL: {exc}") from exc
-    scheme = parts.scheme.lower()
-    if scheme not in ("redis", "rediss", "unix"):
-        raise _url_error(
-            f"unsupported scheme {parts.scheme + '://' if parts.scheme else '(none)'}; "
-            "use redis://, rediss:// (TLS) or unix://"
-        )
-    tls = _tls_options(scheme, _query(parts.query))
-    unix_path = unquote(parts.path) if scheme == "unix" else None
-    if unix_path == "":
-        raise _url_error("a unix:// URL needs the socket's path: unix:///path/to/redis.sock")
-    return RedisAddress(
-        host=parts.hostname or "127.0.0.1",
-        port=port or _DEFAULT_PORT,
-        unix_path=unix_path,
-        username=unquote(parts.username) if parts.username else None,
-        password=unquote(parts.password) if parts.password else None,
-        db=_db(parts.path) if scheme != "unix" else 0,
-        tls=tls,
-    )
-
-
-def _query(query: str) -> dict[str, str]:
-    """The query parameters; an unknown or repeated one is an error naming it."""
-    pairs = parse_qsl(query, keep_blank_values=True)
-    names = [name for name, _ in pairs]
-    unknown = sorted({name for name in names if name not in TLS_PARAMETERS})
-    if unknown:
-        raise _url_error(
-            f"unknown query parameter{'s' if len(unknown) > 1 else ''} "
-            f"{', '.join(map(repr, unknown))}; known: {', '.join(TLS_PARAMETERS)}"
-        )
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise _url_error(f"query parameter {', '.join(map(repr, repeated))} given twice")
-    empty = sorted(name for name, value in pairs if not value)
-    if empty:
-        raise _url_error(f"query parameter {', '.join(map(repr, empty))} has no value")
-    return dict(pairs)
-
-
-def _tls_options(scheme: str, query: dict[str, str]) -> TlsOptions | None:
-    if scheme != "rediss":
-        if query:
-            names = ", ".join(sorted(query))
-            raise _url_error(f"{names} only apply to TLS: use a rediss:// URL")
-        return None
-    cert_reqs = _CERT_REQS.get(query.get("ssl_cert_reqs", "required").lower())
-    if cert_reqs is None:
-        raise _url_error(f"ssl_cert_reqs={query['ssl_cert_reqs']!r}: use {', '.join(CERT_REQS)}")
-    if "ssl_keyfile" in query and "ssl_certfile" not in query:
-        raise _url_error("ssl_keyfile needs ssl_certfile (the certificate that goes with it)")
-    return TlsOptions(
-        ca_certs=query.get("ssl_ca_certs"),
-        certfile=query.get("ssl_certfile"),
-        keyfile=query.get("ssl_keyfile"),
-        cert_reqs=cert_reqs,
-    )
-
-
-def _db(path: str) -> int:
-    name = unquote(path).strip("/")
-    if not name:
-        return 0
-    if not name.isdigit() or not name.isascii():
-        raise _url_error(f"the database (the URL's path) must be a number, got {name!r}")
-    return int(name)
-
-
 def tls_context(tls: TlsOptions) -> ssl.SSLContext:
     """The client TLS context of ``tls``; a file that cannot be read, or a certificate and
     key that do not load, is a :class:`ConfigError` naming the parameter and the file."""
@@ -219,15 +91,18 @@ def tls_context(tls: TlsOptions) -> ssl.SSLContext:
     try:
         context = ssl.create_default_context(cafile=tls.ca_certs)
     except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-        raise _url_error(f"ssl_ca_certs {tls.ca_certs}: not a PEM CA bundle ({exc})") from exc
+        raise ConfigError(
+            "redis_url", f"ssl_ca_certs {tls.ca_certs}: not a PEM CA bundle ({exc})"
+        ) from exc
     if tls.certfile is not None:
         try:
             context.load_cert_chain(tls.certfile, tls.keyfile)
         except (OSError, ValueError) as exc:
-            raise _url_error(
+            raise ConfigError(
+                "redis_url",
                 f"ssl_certfile {tls.certfile}"
                 + (f" with ssl_keyfile {tls.keyfile}" if tls.keyfile else "")
-                + f": not a PEM certificate and matching key ({exc})"
+                + f": not a PEM certificate and matching key ({exc})",
             ) from exc
     if tls.cert_reqs != "required":
         context.check_hostname = False  # must go before verify_mode may drop to CERT_NONE
@@ -243,7 +118,9 @@ def _check_readable(parameter: str, path: str) -> None:
         with Path(path).open("rb"):
             pass
     except OSError as exc:
-        raise _url_error(f"{parameter} {path}: cannot read it ({exc.strerror or exc})") from exc
+        raise ConfigError(
+            "redis_url", f"{parameter} {path}: cannot read it ({exc.strerror or exc})"
+        ) from exc
 
 
 def describe(exc: BaseException) -> str:

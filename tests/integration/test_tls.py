@@ -25,7 +25,8 @@ from broker.config import Settings
 from broker.connection import open_connection, wait_until_ready
 from broker.embedded import RedisServer, free_port
 from broker.errors import ConfigError, RedisUnavailable
-from broker.resp import RespConnection, TlsOptions, parse_redis_url, tls_context
+from broker.redis_url import TlsOptions, parse_redis_url
+from broker.resp import RespConnection, tls_context
 from broker.stages import Stage
 from tests.support.agents import http_agent
 from tests.support.harness import running_dispatcher, running_sidecar

@@ -116,7 +116,8 @@ def test_explicit_config_file_wins_over_environment(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", sorted(NON_SETTING_ENV))
 def test_non_setting_variables_are_ignored(name: str) -> None:
-    assert env_layer({f"AGENT_REACH_{name}": "anything"}) == {}
+    value = "a=kill" if name == "FAILPOINTS" else "anything"  # that one is checked
+    assert env_layer({f"AGENT_REACH_{name}": value}) == {}
 
 
 def test_config_and_failpoints_are_not_settings(tmp_path: Path) -> None:
@@ -373,5 +374,34 @@ def test_every_variable_the_project_reads_is_a_setting_or_known_to_be_none() -> 
     }
     assert {"CONSOLE_TOKEN", "A2A_API_KEY", "TEST_REDIS"} <= named  # the scan finds them
     environ = {f"AGENT_REACH_{name}": "x" for name in named - {n.upper() for n in FIELDS}}
+    environ["AGENT_REACH_FAILPOINTS"] = "a=kill"  # that one is checked
 
     assert env_layer(environ) == {}
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("redis://[::1", "Invalid IPv6 URL"),
+        ("redis://127.0.0.1:0/0", "port 0 is no server's port"),
+        ("redis://h:99999", "Port out of range"),
+        ("ftp://h", "unsupported scheme ftp://"),
+    ],
+)
+def test_a_redis_url_that_names_no_server_is_refused_with_the_settings(url: str, says: str) -> None:
+    """A malformed URL ended in a traceback when it was first printed (its password
+    hidden), before anything parsed it; port 0 quietly meant 6379."""
+    error = config_error(overrides={"redis_url": url})
+
+    assert error.key == "redis_url" and says in error.problem
+
+
+def test_an_empty_redis_url_is_the_embedded_redis() -> None:
+    assert load_settings(environ={"AGENT_REACH_REDIS_URL": ""}).redis_url == ""
+
+
+def test_a_failpoint_spec_that_does_not_parse_is_a_config_error_not_a_crash() -> None:
+    """It raised at import: every command ended in a traceback before it began."""
+    error = config_error(environ={"AGENT_REACH_FAILPOINTS": "bogus"})
+
+    assert error.key == "AGENT_REACH_FAILPOINTS" and "unknown action" in error.problem

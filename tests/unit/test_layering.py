@@ -25,6 +25,7 @@ PURE = [
     "acl",
     "acl_commands",
     "config",
+    "redis_url",
     "governance",
     "usage",
     "budgets",
