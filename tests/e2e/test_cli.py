@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import anyio
+import click
 import jsonschema
 import msgspec
 import pytest
@@ -27,6 +29,7 @@ from tests.support.harness import (
 )
 from tests.support.processes import AGENT_REACH, process_env
 from workers.cli import main
+from workers.cli.common import FiniteRange
 
 
 def all_commands() -> list[list[str]]:
@@ -286,7 +289,7 @@ async def test_an_error_inside_a_command_is_one_line_not_a_traceback(settings: S
     [
         (["weight", "x-1", "nan"], "'nan' is not a number"),
         (["send", "a.b", "--id", "{x}"], "Invalid value for --id"),
-        (["send", "a.b", "--payload", "\udcff"], "not UTF-8 text"),
+        (["send", "a.b", "--payload", "\udcff"], "argument 4 (\\xff) is not UTF-8 text"),
         (["send", "a.b", "--timeout", "nan"], "is not a number"),
         (["send", "--payload", "1"], "give a CAPABILITY, or an --intent"),
         (["send", "a.b", "--budget-per-task", "-1"], "Invalid value for '--budget-per-task'"),
@@ -294,9 +297,9 @@ async def test_an_error_inside_a_command_is_one_line_not_a_traceback(settings: S
         (["send", "a.b", "--tenant", "-"], "tenant"),
         (["send", "a.b", "--tenant", "two words"], "tenant"),
         (["send", "--intent", ""], "intent"),
-        (["send", "--intent", "caf\udce9"], "intent: not UTF-8 text"),
-        (["send", "a.b", "--session", "s\udcff"], "session_id: not UTF-8 text"),
-        (["send", "a.b", "--tag", "a=\udcff"], "tags: not UTF-8 text"),
+        (["send", "--intent", "caf\udce9"], "argument 3 (caf\\xe9) is not UTF-8 text"),
+        (["send", "a.b", "--session", "s\udcff"], "argument 4 (s\\xff) is not UTF-8 text"),
+        (["send", "a.b", "--tag", "a=\udcff"], "argument 4 (a=\\xff) is not UTF-8 text"),
         # refused before any connection: no Redis answers at this address
         (["send", "a.b", "--tenant", "two words", "--redis", "redis://127.0.0.1:9"], "tenant"),
     ],
@@ -304,3 +307,89 @@ async def test_an_error_inside_a_command_is_one_line_not_a_traceback(settings: S
 def test_odd_command_line_values_are_usage_errors(argv: list[str], says: str) -> None:
     result = CliRunner().invoke(main, argv)
     assert result.exit_code == 2 and says in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["trace", "\udcff"],
+        ["resolve", "x\udcff", "--failed", "gone"],
+        ["sidecar", "--agent-id", "a", "--tag", "k=\udcfe"],
+        ["up", "--consumer", "\udcff"],
+        ["demo-agent", "--host", "\udcff"],
+    ],
+)
+def test_arguments_not_utf8_are_a_usage_error_naming_them(argv: list[str]) -> None:
+    """Bytes of the command line that are not UTF-8 reached Redis's encoder (or a socket's)
+    and ended in a traceback, from about twenty commands."""
+    result = CliRunner().invoke(main, argv)
+
+    assert result.exit_code == 2, result.output
+    assert "is not UTF-8 text" in result.output
+    assert "\\xff" in result.output or "\\xfe" in result.output  # the bytes, shown
+
+
+def test_a_real_command_line_not_utf8_is_refused_the_same() -> None:
+    done = subprocess.run(
+        [AGENT_REACH.encode(), b"trace", b"\xff"],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert b"argument 2 (\\xff) is not UTF-8 text" in done.stderr
+    assert b"Traceback" not in done.stderr
+
+
+def commands(group: click.Group, path: tuple[str, ...] = ()) -> list[tuple[str, click.Command]]:
+    found: list[tuple[str, click.Command]] = []
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            found += commands(command, (*path, name))
+        else:
+            found.append((" ".join((*path, name)), command))
+    return found
+
+
+def test_every_number_an_option_takes_is_bounded_and_finite() -> None:
+    """`sidecar --grace nan` was taken, and its SIGTERM then raised instead of draining;
+    `demo --timeout nan`, `demo-agent --port 99999` ended in tracebacks; `stats --watch
+    1e308` slept for good. Every number is now checked against finite bounds on both sides."""
+    unbounded = [
+        f"{name} {param.name}"
+        for name, command in commands(main)
+        for param in command.params
+        if isinstance(param.type, click.types.FloatParamType | click.types.IntParamType)
+        and not (
+            isinstance(param.type, FiniteRange | click.IntRange)
+            and param.type.min is not None
+            and param.type.max is not None
+        )
+    ]
+    assert not unbounded, unbounded
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["sidecar", "--agent-id", "a", "--capability", "a.b", "--grace", "nan"], "--grace"),
+        (["demo", "--timeout", "nan"], "--timeout"),
+        (["demo-agent", "--port", "99999"], "99999 is not in the range 0<=x<=65535"),
+        (["demo-agent", "--delay-ms", "-5"], "--delay-ms"),
+        (["stats", "--watch", "1e308"], "--watch"),
+    ],
+)
+def test_numbers_out_of_bounds_are_usage_errors(argv: list[str], says: str) -> None:
+    result = CliRunner().invoke(main, argv)
+
+    assert result.exit_code == 2, result.output
+    assert says in result.output
+
+
+def test_a_bad_failpoint_spec_is_one_line_from_a_fresh_process() -> None:
+    env = {**os.environ, "AGENT_REACH_FAILPOINTS": "bogus"}
+    done = subprocess.run(
+        [AGENT_REACH, "config"], capture_output=True, timeout=60, check=False, env=env
+    )
+    assert done.returncode == 2 and b"Traceback" not in done.stderr
+    assert b"'AGENT_REACH_FAILPOINTS': failpoint 'bogus': unknown action" in done.stderr

@@ -25,7 +25,23 @@ from .usage import usage
 __all__ = ["main"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class AgentReach(click.Group):
+    """The command group; every argument of every command is text, checked here once."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        for position, arg in enumerate(args, start=1):
+            try:
+                arg.encode("utf-8")
+            except UnicodeEncodeError as exc:  # bytes of the command line that are not UTF-8
+                shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                raise click.UsageError(
+                    f"argument {position} ({shown}) is not UTF-8 text, at character {exc.start}",
+                    ctx,
+                ) from exc
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=AgentReach, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
 @click.version_option(package_name="agent-reach")
 def main(verbose: int) -> None:

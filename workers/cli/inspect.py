@@ -214,7 +214,7 @@ def print_agents(documents: list[dict[str, Any]]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
 @click.option(
     "--watch",
-    type=FiniteRange(min=0.1),
+    type=FiniteRange(0.1, 86400),
     default=None,
     metavar="SECONDS",
     help="Print again every SECONDS until interrupted.",

@@ -197,7 +197,7 @@ async def serve_sidecar(
 @click.option(
     "--timeout",
     "timeout_s",
-    type=float,
+    type=FiniteRange(0, 86400, min_open=True),
     default=120.0,
     show_default=True,
     help="How long to wait for the burst to finish.",
@@ -220,9 +220,9 @@ def demo(settings: Settings, messages: int, timeout_s: float) -> None:
 
 
 @click.command(name="demo-agent")
-@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--delay-ms", type=float, default=20.0, show_default=True)
+@click.option("--delay-ms", type=FiniteRange(0, 3_600_000), default=20.0, show_default=True)
 @click.option("--fail-rate", type=FiniteRange(0, 1), default=0.0, show_default=True)
 def demo_agent(port: int, host: str, delay_ms: float, fail_rate: float) -> None:
     """Serve one demo HTTP agent (echoes its payload after a delay; fails at a rate)."""

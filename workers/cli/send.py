@@ -33,10 +33,6 @@ TIMEOUT_RANGE = FiniteRange(0, 7 * 86400, min_open=True)
 
 def parse_payload(payload: str) -> Any:
     """The ``--payload`` value decoded from JSON, or a usage error saying where it broke."""
-    try:
-        payload.encode("utf-8")
-    except UnicodeEncodeError as exc:  # bytes of the command line that are not UTF-8
-        raise click.BadParameter(f"not UTF-8 text at {exc.start}", param_hint="--payload") from exc
     too_deep = depth_problem(payload)
     if too_deep is not None:  # before decoding: the decoder recurses
         raise click.BadParameter(too_deep, param_hint="--payload")
@@ -48,11 +44,8 @@ def parse_payload(payload: str) -> Any:
 
 
 def build_envelope(fields: dict[str, Any], payload: str) -> Envelope:
-    """An envelope from command-line values, with the same validation as the dispatcher's."""
-    for name, value in fields.items():
-        texts = [*value.items()] if isinstance(value, dict) else [(value, "")]
-        if not all(_is_utf8(t) for pair in texts for t in pair if isinstance(t, str)):
-            raise click.BadParameter(f"{name}: not UTF-8 text")
+    """An envelope from command-line values, with the same validation as the dispatcher's
+    (that every argument is UTF-8 text, the command group checks: workers/cli/__init__.py)."""
     raw_payload = msgspec.Raw(msgspec.json.encode(parse_payload(payload)))
     try:
         envelope = msgspec.convert({k: v for k, v in fields.items() if v is not None}, Envelope)
@@ -61,15 +54,6 @@ def build_envelope(fields: dict[str, Any], payload: str) -> Envelope:
     if problem := envelope_problem(envelope):
         raise click.BadParameter(problem)
     return msgspec.structs.replace(envelope, payload=raw_payload)
-
-
-def _is_utf8(text: str) -> bool:
-    """Whether ``text`` is text: command-line bytes that are not UTF-8 arrive as surrogates."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 # The options of `send`, as data: the command below is what it does with them.
@@ -89,7 +73,7 @@ SEND_OPTIONS = (
     ),
     click.option(
         "--budget-per-task",
-        type=click.FloatRange(0, 1e12),  # finite: JSON has no infinity, it would mean no cap
+        type=FiniteRange(0, 1e12),  # finite: JSON has no infinity, it would mean no cap
         default=None,
         help="The highest declared cost of an instance that may run it.",
     ),

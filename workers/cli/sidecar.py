@@ -243,7 +243,7 @@ SIDECAR_OPTIONS = (
     click.option("--status-url", default="", metavar="URL", help="The agent's status endpoint."),
     click.option(
         "--cost",
-        type=FiniteRange(0),
+        type=FiniteRange(0, 1e12),  # as an envelope's budget_per_task
         default=0.0,
         show_default=True,
         help="Cost per call, for routing under a budget.",
@@ -295,7 +295,7 @@ SIDECAR_OPTIONS = (
     click.option(
         "--grace",
         "grace_s",
-        type=float,
+        type=FiniteRange(0, 86400),
         default=None,
         help="Seconds to finish in-flight work on SIGTERM (default: drain_grace_s, 40).",
     ),

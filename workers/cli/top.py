@@ -104,7 +104,7 @@ async def wait_for_q() -> None:
 @redis_options
 @click.option(
     "--interval",
-    type=FiniteRange(min=0.2),
+    type=FiniteRange(0.2, 86400),
     default=1.0,
     show_default=True,
     help="Seconds between refreshes.",
