@@ -12,9 +12,11 @@ import importlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from broker.envelope import MESSAGE_ID_PATTERN, capability_problem
 from broker.errors import ReachError
+from broker.events import printable
 from broker.ids import new_message_id
 from broker.records import MAX_DESCRIPTION_CHARS, MAX_EXAMPLE_CHARS, MAX_EXAMPLES, InstanceCard
 
@@ -72,6 +74,8 @@ def agent_address(
     if (chosen == "python") != (python_spec is not None):
         needs = "--python MODULE:ATTR" if chosen == "python" else "--http URL"
         raise SidecarOptionError(f"--adapter {chosen} needs {needs}")
+    if http_url is not None:
+        check_http_url(http_url, "--http")
     return AgentAddress(chosen, python_spec if python_spec is not None else http_url or "")
 
 
@@ -82,9 +86,27 @@ def _url_address(
         raise SidecarOptionError(f"--url is for --adapter {' or '.join(URL_ADAPTERS)}", "--url")
     if url is None or http_url is not None or python_spec is not None:
         raise SidecarOptionError(f"--adapter {adapter} needs --url URL (and no --http, --python)")
-    if not url.startswith(("http://", "https://")):
-        raise SidecarOptionError(f"{url!r}: an http:// or https:// URL", "--url")
+    check_http_url(url, "--url")
     return AgentAddress(adapter, url)
+
+
+def check_urls(given: Mapping[str, str | None]) -> None:
+    """:func:`check_http_url` on each URL given, by its option (an empty one is none)."""
+    for option, url in given.items():
+        if url:
+            check_http_url(url, option)
+
+
+def check_http_url(url: str, option: str) -> None:
+    """Refuse what is no ``http://`` or ``https://`` URL of a host with a port that parses:
+    taken, it registered an instance whose every call failed ("agent unreachable")."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsed only to be checked: out of range raises
+    except ValueError as exc:
+        raise SidecarOptionError(f"{url!r}: not a URL ({exc})", option) from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise SidecarOptionError(f"{url!r}: an http:// or https:// URL with a host", option)
 
 
 def capability_pairs(values: Sequence[str], option: str, left: str) -> dict[str, str]:
@@ -170,6 +192,8 @@ def make_card(
     if instance_id is not None:
         _check_id(instance_id, "--instance-id")
     _check_words(description, examples)
+    if printable(version) != version:  # an operator's terminal shows it (`agents`)
+        raise SidecarOptionError(f"{printable(version)}: no control characters", "--version")
     return InstanceCard(
         agent_id=agent_id,
         instance_id=instance_id or default_instance_id(agent_id),

@@ -393,3 +393,22 @@ def test_a_bad_failpoint_spec_is_one_line_from_a_fresh_process() -> None:
     )
     assert done.returncode == 2 and b"Traceback" not in done.stderr
     assert b"'AGENT_REACH_FAILPOINTS': failpoint 'bogus': unknown action" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--http", "ftp://x"], "Invalid value for --http: 'ftp://x': an http:// or https:// URL"),
+        (["--http", "http://h/", "--status-url", "garbage"], "Invalid value for --status-url"),
+        (
+            ["--adapter", "http-async", "--http", "http://h/", "--callback-public-url", "x"],
+            "Invalid value for --callback-public-url",
+        ),
+        (["--http", "http://h/", "--version", "1\nfake"], "Invalid value for --version: 1\\nfake"),
+    ],
+)
+def test_a_sidecar_refuses_addresses_and_words_it_cannot_use(extra: list[str], says: str) -> None:
+    result = CliRunner().invoke(main, ["sidecar", "--agent-id", "a", "--capability", "a.b", *extra])
+
+    assert result.exit_code == 2, result.output
+    assert says in result.output

@@ -79,6 +79,28 @@ def test_options_that_do_not_combine_are_refused_as_a_whole(
     assert (error.message, error.option) == (said, None)
 
 
+@pytest.mark.parametrize(
+    ("adapter", "http_url", "url", "option"),
+    [
+        (None, "ftp://x", None, "--http"),
+        (None, "", None, "--http"),
+        (None, "http://", None, "--http"),
+        ("http-async", "http://[::1", None, "--http"),
+        (None, "http://127.0.0.1:99999/", None, "--http"),
+        ("a2a", None, "https://", "--url"),
+        ("mcp", None, "http://h:port/", "--url"),
+    ],
+)
+def test_an_agent_url_that_names_no_http_host_is_refused(
+    adapter: str | None, http_url: str | None, url: str | None, option: str
+) -> None:
+    """Taken, `--http ftp://x` registered an instance whose every call ended DEAD,
+    "agent unreachable"."""
+    error = refusal(lambda: agent_address(adapter, http_url=http_url, python_spec=None, url=url))
+
+    assert error.option == option and "URL" in error.message
+
+
 def test_an_unknown_adapter_is_refused_by_name() -> None:
     error = refusal(lambda: agent_address("grpc", http_url="http://a/", python_spec=None))
     assert error.option == "--adapter" and "'grpc'" in error.message
@@ -106,6 +128,7 @@ def card_of(
     tags: dict[str, str] | None = None,
     weight: float = 1.0,
     cost: float = 0.0,
+    version: str = "0",
 ) -> InstanceCard:
     return make_card(
         agent_id=agent_id,
@@ -116,6 +139,7 @@ def card_of(
         tags=tags,
         weight=weight,
         cost=cost,
+        version=version,
     )
 
 
@@ -136,6 +160,8 @@ def test_the_card_carries_the_options_and_a_fresh_instance_id() -> None:
         ({"capabilities": ("order.query", "Bad")}, "--capability", "domain.action"),
         ({"agent_id": "bad}{"}, "--agent-id", "'bad}{': use 1-128 of letters"),
         ({"instance_id": "a b"}, "--instance-id", "'a b': use 1-128 of letters"),
+        ({"version": "1\nfake-1  UP"}, "--version", "1\\nfake-1  UP: no control characters"),
+        ({"version": "\x1b]0;title\x07"}, "--version", "no control characters"),
     ],
 )
 def test_a_bad_card_option_is_refused_by_name(

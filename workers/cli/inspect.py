@@ -15,6 +15,7 @@ from broker.config import Settings
 from broker.embedded import running_embedded_url
 from broker.envelope import envelope_schema
 from broker.errors import UnknownMessage
+from broker.events import printable
 from broker.health import observed_state
 from broker.records import InstanceView
 from broker.registry import Registry
@@ -199,7 +200,7 @@ def print_agents(documents: list[dict[str, Any]]) -> None:
         click.echo(
             f"{d['instance_id']:<24} {d['state']:<9} {reach['reach']:>6.3f} "
             f"{d['inflight']:>4}/{d['credits']:<4} {d['error_rate']:>5.0%} "
-            f"{d['p95_ms']:>5.0f}ms {d['version']:<8} {d['weight']:>6.2f} "
+            f"{d['p95_ms']:>5.0f}ms {printable(d['version']):<8} {d['weight']:>6.2f} "
             f"{d['heartbeat_age_s']:>6.1f}s  {','.join(d['capabilities'])}"
         )
         click.echo(

@@ -20,6 +20,7 @@ from adapters.factory import (
     a2a_description,
     agent_address,
     callback_warning,
+    check_urls,
     make_card,
     make_transport,
     mcp_tool_parts,
@@ -388,6 +389,7 @@ def sidecar(
 ) -> None:
     """Run a sidecar for one agent instance: register, heartbeat, consume, deliver."""
     try:
+        check_urls({"--status-url": status_url, "--callback-public-url": callback_public_url})
         address = agent_address(adapter, http_url=http_url, python_spec=python_spec, url=named.url)
         standard = standard_agent(address, named, capabilities, settings, max_inflight)
         card = make_card(
