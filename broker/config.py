@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,11 +29,13 @@ from .governance import (
     rate_problem,
     rule_problem,
 )
+from .jsondepth import decode_error_text, depth_problem
 from .redis_url import parse_redis_url
 from .subscriptions import subscription_problem
 from .webhooks import Allowlist, webhook_secret_problem
 
 ENV_PREFIX = "AGENT_REACH_"
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few kilobytes; a megabyte is no config file
 # Variables under the prefix that are read elsewhere, not settings: secrets that stay out of
 # the settings (the console's token, workers/console/security.py; the A2A gateway's API key,
 # workers/cli/gateway.py) and what the tests read (tests/conftest.py, the console's tests).
@@ -336,23 +339,33 @@ def _env_value(key: str, value: str) -> Any:
     if key == "callback_hosts":
         return [host.strip() for host in value.split(",") if host.strip()]
     if key in _JSON_KEYS:
+        if too_deep := depth_problem(value):  # before decoding: the decoder recurses
+            raise ConfigError(key, too_deep)
         try:
             return msgspec.json.decode(value)
         except msgspec.DecodeError as exc:
-            raise ConfigError(key, f"expected a JSON object: {exc}") from exc
+            raise ConfigError(key, f"expected JSON: {decode_error_text(exc, value)}") from exc
     return value
 
 
 def file_layer(path: Path) -> dict[str, Any]:
     """Settings from a TOML file; a missing or malformed file is a :class:`ConfigError`."""
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device would be read for ever
+            raise ConfigError(str(path), "not a regular file")
+        with path.open("rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(str(path), f"over {MAX_CONFIG_BYTES} bytes: not a config file")
+        data = tomllib.loads(raw.decode("utf-8"))
     except FileNotFoundError as exc:
         raise ConfigError(str(path), "config file not found") from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(str(path), f"cannot read config file: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(path), f"invalid TOML: {exc}") from exc
+    except RecursionError as exc:  # tomllib recurses into nested arrays and tables
+        raise ConfigError(str(path), "invalid TOML: nested too deeply") from exc
     return data
 
 

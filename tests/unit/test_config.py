@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -259,7 +260,7 @@ def test_later_layers_win() -> None:
 
 
 def test_an_unreadable_config_file_is_a_config_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot read config file"):
+    with pytest.raises(ConfigError, match="not a regular file"):
         load_settings(tmp_path, environ={})  # a directory
     binary = tmp_path / "bad.toml"
     binary.write_bytes(b"\xff\xfe prefix = 1")
@@ -405,3 +406,30 @@ def test_a_failpoint_spec_that_does_not_parse_is_a_config_error_not_a_crash() ->
     error = config_error(environ={"AGENT_REACH_FAILPOINTS": "bogus"})
 
     assert error.key == "AGENT_REACH_FAILPOINTS" and "unknown action" in error.problem
+
+
+def test_a_config_path_that_is_no_regular_file_is_refused_not_read_for_ever(
+    tmp_path: Path,
+) -> None:
+    """A FIFO, or /dev/zero, was read without end: the command hung."""
+    fifo = tmp_path / "reach.toml"
+    os.mkfifo(fifo)
+
+    assert config_error(config_file=fifo).problem == "not a regular file"
+    assert config_error(config_file=tmp_path).problem == "not a regular file"
+
+
+def test_a_config_file_over_a_megabyte_or_nested_too_deeply_is_refused(tmp_path: Path) -> None:
+    big = write(tmp_path, "# " + "x" * (1 << 20) + "\n")
+    assert "over 1048576 bytes" in config_error(config_file=big).problem
+    deep = write(tmp_path, "intent_rules = " + "[" * 50_000 + "]" * 50_000 + "\n")
+    assert config_error(config_file=deep).problem == "invalid TOML: nested too deeply"
+
+
+def test_json_in_an_environment_variable_nested_too_deeply_is_refused() -> None:
+    """It raised RecursionError while the settings were read: a traceback."""
+    error = config_error(environ={"AGENT_REACH_INTENT_RULES": "[" * 30_000 + "]" * 30_000})
+
+    assert error.key == "intent_rules" and "nested 30000 levels deep" in error.problem
+    said = config_error(environ={"AGENT_REACH_BUDGETS": "{"}).problem
+    assert said.startswith("expected JSON: ")
