@@ -263,7 +263,12 @@ def embedded_redis(
     """Yield the URL of the shared embedded server, starting it when none is running.
     ``announce`` is told, in a sentence, which server is used and where its data lives."""
     data_dir = data_dir or state_dir() / "redis"
-    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file where a directory should be, no right to make one
+        raise EmbeddedRedisError(
+            f"cannot make the embedded Redis's directory {data_dir}: {exc}"
+        ) from exc
     info = data_dir / "server.json"
     say = announce or (lambda _: None)
     with (data_dir / "server.lock").open("w") as lock:
@@ -298,7 +303,7 @@ def _running_port(info: Path) -> int | None:
     try:
         data = json.loads(info.read_text())
         port, pid = int(data["port"]), int(data["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):
         return None
     if server_pid(port) != pid:
         return None

@@ -93,3 +93,22 @@ def test_a_server_that_cannot_start_says_why(tmp_path: Path) -> None:
     finally:
         blocker.stop()
     assert os.path.isdir(tmp_path / "b")
+
+
+def test_a_state_dir_that_is_a_file_is_said_in_a_sentence(tmp_path: Path) -> None:
+    """AGENT_REACH_STATE_DIR naming a file ended in NotADirectoryError, a traceback."""
+    taken = tmp_path / "state"
+    taken.write_text("a file")
+
+    with pytest.raises(EmbeddedRedisError, match="cannot make the embedded Redis's directory"):
+        with embedded_redis(taken / "redis"):
+            pass
+
+
+@pytest.mark.parametrize("written", ['{"port": 1e400, "pid": 1}', '{"port": "x"}', "[1]", "{"])
+def test_a_server_file_that_does_not_read_names_no_running_server(
+    tmp_path: Path, written: str
+) -> None:
+    (tmp_path / "server.json").write_text(written)
+
+    assert running_embedded_url(tmp_path) is None
