@@ -345,6 +345,19 @@ def _allow_hint(address: IPAddress) -> str:
 # -- callback URLs ---------------------------------------------------------------------------
 
 
+def callback_url_problem(url: str) -> str | None:
+    """Why ``url`` is no http(s) URL with a host, or ``None``: the part of
+    :func:`callback_problem` that needs no settings (``send`` checks it before it sends)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsed only to be checked: out of range raises
+    except ValueError as exc:
+        return f"callback_url {url!r} is not a valid URL: {exc}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"callback_url {url!r} must be an http:// or https:// URL with a host"
+    return None
+
+
 def callback_problem(
     url: str, allowed_hosts: Allowlist | Collection[str], secret: str | None
 ) -> str | None:
@@ -353,14 +366,11 @@ def callback_problem(
     CIDR entry), with a secret configured. Where the host's name resolves to is checked at
     connect time (:func:`address_problem`)."""
     allowlist = allowed_hosts if isinstance(allowed_hosts, Allowlist) else _parse(allowed_hosts)
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError as exc:
-        return f"callback_url {url!r} is not a valid URL: {exc}"
-    if parts.scheme not in ("http", "https") or not host:
-        return f"callback_url {url!r} must be an http:// or https:// URL with a host"
+    if problem := callback_url_problem(url):
+        return problem
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     if not allowlist.allows_host(host, port):
         return (
             f"callback_url host {host!r} is not allowed (allowed: {allowlist.describe()}; set"

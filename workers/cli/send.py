@@ -13,12 +13,14 @@ import click
 import msgspec
 
 from broker import tracing
+from broker.broadcast import id_problem
 from broker.client import Client, Result
 from broker.config import Settings, answer_grace_s
 from broker.envelope import Envelope, capability_problem, envelope_problem
 from broker.errors import ReachError, RequestTimeout
 from broker.jsondepth import decode_error_text, depth_problem
 from broker.stages import Stage
+from broker.webhooks import callback_url_problem
 
 from ..runtime import connected
 from .common import FiniteRange, check_id, parse_tags, redis_options, run
@@ -53,6 +55,13 @@ def build_envelope(fields: dict[str, Any], payload: str) -> Envelope:
         raise click.BadParameter(str(exc)) from exc
     if problem := envelope_problem(envelope):
         raise click.BadParameter(problem)
+    # what the dispatcher refuses whatever its settings (intake.Intake._decode)
+    if envelope.callback_url is not None and (
+        problem := callback_url_problem(envelope.callback_url)
+    ):
+        raise click.BadParameter(problem, param_hint="--callback-url")
+    if envelope.mode == "broadcast" and envelope.id and (problem := id_problem(envelope.id)):
+        raise click.BadParameter(problem, param_hint="--id")
     return msgspec.structs.replace(envelope, payload=raw_payload)
 
 
