@@ -266,3 +266,25 @@ async def test_redis_away_is_a_503_and_a_gap_in_the_chart_never_the_end_of_the_c
         server.stop()
     assert before.status_code == 200 and overview.status_code == 200
     assert away.status_code == 503 and away.text.startswith("Redis is unavailable (")
+
+
+async def test_stored_text_past_what_the_broker_writes_is_cut_on_the_page(
+    conn: Connection,
+) -> None:
+    """A sidecar's user may write a record's timeline and error, and add dead letters, past
+    the caps the broker's own writes keep: a 13 MB timeline made a 31 MB page, re-sent
+    every second to an open tab."""
+    parked = await record_in(conn, Stage.NEEDS_CONFIRMATION, reason="no answer")
+    line = json.dumps([str(now_ms()), "NEEDS_CONFIRMATION", "", "1", "x" * 100_000])
+    await conn.call("HSET", conn.keys.record(parked), "timeline", "\n".join([line] * 300))
+    await conn.call("HSET", conn.keys.record(parked), "error", "e" * 1_000_000)
+    await conn.call(
+        "XADD", conn.keys.dlq, "*", "id", parked, "stage", "DEAD", "reason", "r" * 2_000_000
+    )
+    async with console(conn) as http:
+        one = await http.get(f"/messages/{parked}")
+        letters = await http.get("/dlq")
+    assert one.status_code == 200 and len(one.text) < 200_000
+    assert f"and {300 - conn.settings.timeline_max} older entries not shown" in one.text
+    assert letters.status_code == 200 and len(letters.text) < 100_000
+    assert "rrr…" in letters.text

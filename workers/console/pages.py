@@ -119,9 +119,11 @@ def shown(raw: bytes | None) -> str | None:
 async def message_context(state: ConsoleState, message_id: str) -> dict[str, Any]:
     found = await Client(state.conn).trace(message_id)
     record = found.record
+    shown_entries = state.conn.settings.timeline_max  # what a record keeps, written as it is
     return {
         "record": record,
-        "timeline": found.timeline,
+        "timeline": found.timeline[-shown_entries:],
+        "timeline_more": max(0, len(found.timeline) - shown_entries),
         "funnel": route_steps(record.route_from),
         "children": await broadcast_children(state.conn, message_id),
         "result": shown(record.result),
@@ -162,7 +164,8 @@ async def dlq_context(state: ConsoleState, reason: str, count: int = 200) -> dic
     return {
         "total": letters.total,
         "letters": shown_letters,
-        "reasons": sorted({each.reason for each in letters.letters}),
+        # what the filter can ask for: a reason is matched whole, and asked for in 200 characters
+        "reasons": sorted({each.reason for each in letters.letters if len(each.reason) <= 200}),
         "reason": reason,
     }
 
