@@ -56,6 +56,8 @@ async def cli(settings: Settings, *argv: str, answer: str | None = None) -> tupl
         ),
         (["resolve", "01A", "--succeeded", "[" * 100_000], "nested 100000 levels deep"),
         (["dlq", "--count", "0"], "0 is not in the range 1<=x<=1000000"),
+        (["replay", "01A", "--by", "", "--yes"], "Invalid value for '--by': give a name"),
+        (["resolve", "01A", "--failed", "x", "--by", "a\nb"], "Invalid value for '--by'"),
         (["dlq", "--count", "9" * 23], "is not in the range 1<=x<=1000000"),
     ],
 )

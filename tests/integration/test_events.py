@@ -367,6 +367,10 @@ async def test_subscribe_refuses_a_bad_url_an_unknown_type_and_no_secret(
     secretless = msgspec.structs.replace(hooks, webhook_secret=None)
     refused = await cli(secretless, "subscribe", "--url", "http://127.0.0.1:9/h")
     assert refused.exit_code == 2 and "webhook_secret" in refused.output
+    mixed = await cli(hooks, "subscribe", "--list", "--url", "http://127.0.0.1:9/h")
+    assert mixed.exit_code == 2 and "--list lists: give it without --url" in mixed.output
+    empty = await cli(hooks, "subscribe", "--list")
+    assert empty.exit_code == 0 and empty.output == "no subscriptions\n"
     async with connected(settings) as conn:
         assert not await conn.call("HLEN", FleetKeys(conn.keys.prefix).subscriptions)
 

@@ -118,6 +118,8 @@ def subscribe(
     """Subscribe a URL to fleet events: the notifier POSTs each matching event to it, signed
     as result webhooks are (webhook_secret), with retries. Remove one with `unsubscribe`."""
     if listing:
+        if url is not None or event_types:
+            raise click.UsageError("--list lists: give it without --url and --event")
         run(_list, settings, as_json)
         return
     if url is None:
@@ -139,6 +141,8 @@ def subscribe(
 async def _list(settings: Settings, as_json: bool) -> None:
     async with connected(settings) as conn:
         found = await SubscriptionStore(conn).all()
+    if not found and not as_json:
+        click.echo("no subscriptions")
     for sub_id, sub in found.items():
         click.echo(subscription_line(sub_id, sub, as_json=as_json))
 

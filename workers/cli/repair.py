@@ -20,6 +20,7 @@ import msgspec
 from broker.config import Settings
 from broker.durations import format_age, parse_duration
 from broker.errors import ReachError
+from broker.events import printable
 from broker.jsondepth import json_problem
 from broker.operator import Action, Operator, ReplayPlan, StuckMessage
 from broker.stages import TERMINAL, Stage
@@ -82,9 +83,17 @@ class StageChoice(StageType):
         return stage
 
 
+def _operator_name(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """Who repairs, as the timeline says it: printable text on one line, not empty."""
+    if not value.strip() or printable(value) != value or len(value) > 200:
+        raise click.BadParameter("give a name: 1-200 printable characters, on one line")
+    return value
+
+
 by_option = click.option(
     "--by",
     default=default_operator,
+    callback=_operator_name,
     metavar="NAME",
     show_default="$USER@hostname",
     help="Who is repairing, for the message's timeline.",
