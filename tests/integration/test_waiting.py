@@ -496,3 +496,40 @@ async def test_work_parked_by_another_process_is_assigned_at_once(conn: Connecti
         await operator.replay(await operator.plan_replay([dead]), by="alice")
         (result,) = (await collect_replies(conn, reply_to, 1, timeout_s=10)).values()
     assert result.stage is Stage.SUCCEEDED and agent.log.calls[dead] == 1
+
+
+async def sweeps_and_set_reads(conn: Connection) -> tuple[int, int]:
+    """(SMEMBERS run: one a sweep, the index read; ZRANGE run: the sets' heads read)."""
+    stats = commandstats((await conn.call("INFO", "commandstats")).decode())
+    return stats.get("smembers", (0, 0))[0], stats.get("zrange", (0, 0))[0]
+
+
+@pytest.mark.one_server
+async def test_a_sweep_reads_no_set_of_a_capability_no_instance_serves(conn: Connection) -> None:
+    """A producer may name any number of capabilities. Each sweep read the set-aside work of
+    every one of them again, though no instance could take it: 20,000 made-up names kept a
+    fifth of a core busy while nothing happened. A sweep now looks only at those served."""
+    fast = msgspec.structs.replace(conn.settings, sweep_interval_s=0.02)
+    assert fast.redis_url is not None
+    client = Client(conn)
+    reply_to = client.new_reply_stream()
+    made_up = [request(f"made.up{n}", reply_to) for n in range(300)]
+    async with (
+        open_connection(fast, fast.redis_url) as swept,
+        http_agent("a") as agent,
+        running_sidecar(swept, "a-1", ("text.echo",), url=agent.url),
+        running_dispatcher(swept),
+    ):
+        await client.submit_many([*made_up, request("text.echo", reply_to)])
+        await collect_replies(conn, reply_to, 1, timeout_s=20)  # the served one ran
+        sweeps_before, reads_before = await sweeps_and_set_reads(conn)
+
+        async def twenty_sweeps() -> bool:
+            return (await sweeps_and_set_reads(conn))[0] >= sweeps_before + 20
+
+        await eventually(twenty_sweeps)
+        sweeps_after, reads_after = await sweeps_and_set_reads(conn)
+    assert reads_after - reads_before < 300, (
+        sweeps_after - sweeps_before,
+        reads_after - reads_before,
+    )
