@@ -265,13 +265,14 @@ def embedded_redis(
     data_dir = data_dir or state_dir() / "redis"
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
+        lock = (data_dir / "server.lock").open("w")
     except OSError as exc:  # a file where a directory should be, no right to make one
         raise EmbeddedRedisError(
-            f"cannot make the embedded Redis's directory {data_dir}: {exc}"
+            f"cannot use the embedded Redis's directory {data_dir}: {exc}"
         ) from exc
     info = data_dir / "server.json"
     say = announce or (lambda _: None)
-    with (data_dir / "server.lock").open("w") as lock:
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         running = _running_port(info)
         if running is not None:
@@ -303,7 +304,7 @@ def _running_port(info: Path) -> int | None:
     try:
         data = json.loads(info.read_text())
         port, pid = int(data["port"]), int(data["pid"])
-    except (OSError, ValueError, KeyError, TypeError, OverflowError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
         return None
     if server_pid(port) != pid:
         return None

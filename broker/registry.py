@@ -289,18 +289,14 @@ class Registry:
         return view
 
     async def stream_backlogs(self, instance_ids: list[str]) -> list[int]:
-        """Entries not yet finished on each instance's stream (pending + never delivered)."""
-        return [
-            int(n)
-            for n in await self._all(
-                [
-                    self.conn.script_command(
-                        ScriptName.BACKLOG, (self.keys.queue(i),), (SIDECAR_GROUP,)
-                    )
-                    for i in instance_ids
-                ]
-            )
+        """Entries not yet finished on each instance's stream (pending + never delivered); 0
+        for a stream that cannot be read (a sidecar's user may make its own another type)."""
+        commands = [
+            self.conn.script_command(ScriptName.BACKLOG, (self.keys.queue(i),), (SIDECAR_GROUP,))
+            for i in instance_ids
         ]
+        replies = errors_in_place(await self.conn.call_many(commands))
+        return [n if isinstance(n, int) else 0 for n in replies]
 
     async def _all(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         replies = await self.conn.call_many(commands)

@@ -42,7 +42,8 @@ class BacklogStats(msgspec.Struct, frozen=True):
 
 async def backlog_stats(conn: Connection, *, most: int | None = None) -> BacklogStats:
     """Where the work is now. With ``most``, at most that many capabilities are shown by
-    name, those with the most waiting first, and the rest in one row named ``_other``:
+    name (more only if instances serve more), those served first, then those with the most
+    waiting, and the rest in one row named ``_other``:
     anyone who may send work may name any number of capabilities, and every capability
     shown costs its own looks (the oldest wait, the assignment rate) at every reading."""
     store = MessageStore(conn)
@@ -55,7 +56,7 @@ async def backlog_stats(conn: Connection, *, most: int | None = None) -> Backlog
             served[capability] = served.get(capability, 0) + 1
     capabilities = sorted(set(served) | set(await store.waiting.capabilities()))
     depths = await store.waiting.depths(capabilities)
-    shown, folded = _deepest(capabilities, depths, most)
+    shown, folded = _deepest(capabilities, depths, most, served=set(served))
     now = now_ms()
     rates = await store.waiting.assignment_rates(shown, now)
     oldest = await store.waiting.oldest_accepted(shown)
@@ -97,13 +98,21 @@ async def backlog_stats(conn: Connection, *, most: int | None = None) -> Backlog
 
 
 def _deepest(
-    capabilities: list[str], depths: dict[str, tuple[int, int]], most: int | None
+    capabilities: list[str],
+    depths: dict[str, tuple[int, int]],
+    most: int | None,
+    *,
+    served: set[str],
 ) -> tuple[list[str], list[str]]:
-    """The capabilities to show by name (in name order) and those to fold into one row."""
+    """The capabilities to show by name (in name order) and those to fold into one row:
+    every one an instance serves (the registry bounds them), then the deepest of the rest."""
     if most is None or len(capabilities) <= most:
         return capabilities, []
-    ranked = sorted(capabilities, key=lambda c: (-depths[c][0], c))
-    return sorted(ranked[:most]), ranked[most:]
+    unserved = sorted(
+        (c for c in capabilities if c not in served), key=lambda c: (-depths[c][0], c)
+    )
+    room = max(0, most - len(served))
+    return sorted([*served & set(capabilities), *unserved[:room]]), unserved[room:]
 
 
 def _age_s(now: int, since_ms: int | None) -> float | None:

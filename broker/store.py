@@ -12,6 +12,7 @@ functions; the classes only run them.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,18 +45,12 @@ from .timekeeping import now_ms
 from .usage import Charge, utc_day, utc_month
 from .waiting_sets import WaitingSets
 
-__all__ = [
-    "Acceptance",
-    "MessageStore",
-    "Move",
-    "accept_command",
-    "move_command",
-    "move_sources",
-    "now_ms",
-]
+__all__ = ["Acceptance", "MessageStore", "Move", "accept_command", "move_command"]
+__all__ += ["move_sources", "now_ms"]
 
 # kept as a level in the counters (agent_reach_needs_confirmation_messages)
 LEVEL_STAGE = Stage.NEEDS_CONFIRMATION.value
+log = logging.getLogger("agent_reach.store")
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,11 +412,9 @@ class MessageStore:
     async def get_records(self, message_ids: list[str]) -> list[MessageRecord | None]:
         """Several records in one round trip (``None`` where there is none — or where what
         is there does not read as a record: logged, and left alone, never raised)."""
-        replies = await self.conn.call_many([("HGETALL", self.keys.record(i)) for i in message_ids])
-        return [
-            readable_record(i, pairs(raised(flat))) if flat else None
-            for i, flat in zip(message_ids, replies, strict=True)
-        ]
+        commands = [("HGETALL", self.keys.record(i)) for i in message_ids]
+        replies = errors_in_place(await self.conn.call_many(commands))
+        return [_record(i, flat) for i, flat in zip(message_ids, replies, strict=True)]
 
     async def stages(self, message_ids: list[str]) -> list[Stage | None]:
         """Just the stage of several records, in one round trip (``None``: no record, or
@@ -437,6 +430,16 @@ class MessageStore:
         return timeline_entries(raised(field), raised(legacy))
 
 
+def _record(message_id: str, flat: Any) -> MessageRecord | None:
+    """A record from its ``HGETALL``; ``None`` for none, or (logged) for a key of another
+    type, which a sidecar's user may make: never a failure of the batch it was read in."""
+    if isinstance(flat, RedisReplyError):
+        log.error("record of %r cannot be read, left alone: %s", message_id, flat)
+        return None
+    return readable_record(message_id, pairs(flat)) if flat else None
+
+
 def stages_read(replies: list[Any]) -> list[Stage | None]:
-    """The answers of :meth:`MessageStore.stage_commands`: each stage, or ``None``."""
-    return [STAGE_OF.get(raised(r)) if r else None for r in replies]
+    """The answers of :meth:`MessageStore.stage_commands`: each stage, or ``None`` (also
+    for a record key of another type: see :func:`_record`)."""
+    return [STAGE_OF.get(r) if isinstance(r, bytes) else None for r in errors_in_place(replies)]

@@ -5,6 +5,7 @@ instance can take at all (``P:u:{cap}``), the index of capabilities with work
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -12,11 +13,10 @@ from typing import Any
 
 from .cluster_map import ORDER_BARRIER
 from .connection import Connection
-from .envelope import CAPABILITY_PATTERN
+from .envelope import CAPABILITY_PATTERN, MESSAGE_ID_PATTERN
 from .errors import RedisReplyError, errors_in_place
 from .fairness import PRIORITY_BANDS, PRIORITY_SPAN, split_score, waiting_score
 from .keyspace import Keyspace
-from .record_codec import text
 from .records import MessageRecord
 
 Command = tuple[Any, ...]
@@ -29,6 +29,7 @@ WARN_AGAIN_S = 60.0  # how often an unreadable waiting set is named in the log a
 
 log = logging.getLogger("agent_reach.waiting")
 _CAPABILITY = re.compile(CAPABILITY_PATTERN.encode())
+_ID = re.compile(MESSAGE_ID_PATTERN.encode())
 
 
 def stand_aside_commands(keys: Keyspace, items: list[tuple[str, str, int, int]]) -> list[Command]:
@@ -145,6 +146,7 @@ class WaitingSets:
         self.conn = conn
         self.keys = conn.keys
         self._warned_at: dict[str, float] = {}  # unreadable key -> when it was last named
+        self.index_unreadable = False  # the last read of the index was refused
 
     async def park(
         self,
@@ -196,20 +198,45 @@ class WaitingSets:
     ) -> dict[str, list[tuple[str, int]]]:
         """``(message_id, priority)`` in each capability's waiting set from ``(start, count)``,
         in waiting order: one round trip. A set that cannot be read is left out
-        (:meth:`_readable`)."""
+        (:meth:`_readable`), and a member no park writes is removed (:meth:`_sorted_out`)."""
         replies = await self._windows(self.keys.waiting, windows, "WITHSCORES")
-        return {
-            capability: [
-                (text(flat[i]), split_score(float(flat[i + 1]))[0]) for i in range(0, len(flat), 2)
-            ]
-            for capability, flat in replies.items()
-        }
+        heads: dict[str, list[tuple[str, int]]] = {}
+        junk: list[tuple[str, bytes]] = []
+        for capability, flat in replies.items():
+            scored = [(flat[i], float(flat[i + 1])) for i in range(0, len(flat), 2)]
+            ids = self._sorted_out(
+                capability, [m for m, score in scored if math.isfinite(score)], junk
+            )
+            junk += [(capability, m) for m, score in scored if not math.isfinite(score)]
+            scores = dict(scored)
+            heads[capability] = [(i, split_score(scores[i.encode()])[0]) for i in ids]
+        await self._remove(self.keys.waiting, junk)
+        return heads
 
     async def unmatched_heads(self, windows: Mapping[str, tuple[int, int]]) -> dict[str, list[str]]:
         """Ids in each capability's unmatched set from ``(start, count)``: one round trip. A set
-        that cannot be read is left out (:meth:`_readable`)."""
+        that cannot be read is left out (:meth:`_readable`), and a member no park writes is
+        removed (:meth:`_sorted_out`)."""
         replies = await self._windows(self.keys.unmatched, windows)
-        return {c: [text(i) for i in ids] for c, ids in replies.items()}
+        junk: list[tuple[str, bytes]] = []
+        heads = {c: self._sorted_out(c, members, junk) for c, members in replies.items()}
+        await self._remove(self.keys.unmatched, junk)
+        return heads
+
+    @staticmethod
+    def _sorted_out(
+        capability: str, members: list[bytes], junk: list[tuple[str, bytes]]
+    ) -> list[str]:
+        """The members that are message ids, decoded; the others go to ``junk``. Parks write
+        only ids, with finite scores; anyone who may park (a sidecar's user) may write any."""
+        ids = [m.decode() for m in members if _ID.match(m)]
+        junk += [(capability, m) for m in members if not _ID.match(m)]
+        return ids
+
+    async def _remove(self, key: Callable[[str], str], junk: list[tuple[str, bytes]]) -> None:
+        if junk:
+            log.error("%d members of waiting sets no park wrote: removed", len(junk))
+            errors_in_place(await self.conn.call_many([("ZREM", key(c), m) for c, m in junk]))
 
     async def _windows(
         self, key: Callable[[str], str], windows: Mapping[str, tuple[int, int]], *options: str
@@ -232,10 +259,12 @@ class WaitingSets:
             if not isinstance(reply, RedisReplyError):
                 readable[capability] = reply
             elif now - self._warned_at.get(key, -WARN_AGAIN_S) >= WARN_AGAIN_S:
+                if len(self._warned_at) > 1000:  # a memory, not a record: kept small
+                    self._warned_at.clear()
                 self._warned_at[key] = now
                 log.warning(
-                    "%s cannot be read (%s): %r's waiting work is not drained until the key is "
-                    "deleted (DEL %s); the reaper then indexes its messages again",
+                    "%s cannot be read (%s): waiting work (of %s) is not drained until the key "
+                    "is deleted (DEL %s); the reaper then indexes its messages again",
                     key,
                     reply,
                     capability,
@@ -273,9 +302,16 @@ class WaitingSets:
 
     async def capabilities(self) -> list[str]:
         """The capabilities the index lists. Anyone who may park work (a sidecar's user) may
-        add to it: a member that names no capability is passed over, not decoded."""
-        members = await self.conn.call("SMEMBERS", self.keys.waiting_index)
-        return sorted(m.decode() for m in members if _CAPABILITY.match(m))
+        add to it: a member that names no capability is passed over, not decoded. An index
+        that cannot be read lists none (and :attr:`index_unreadable` says so)."""
+        [members] = errors_in_place(
+            await self.conn.call_many([("SMEMBERS", self.keys.waiting_index)])
+        )
+        readable = self._readable({self.keys.waiting_index: ("every capability", members)})
+        self.index_unreadable = not readable
+        return sorted(
+            m.decode() for m in readable.get("every capability", []) if _CAPABILITY.match(m)
+        )
 
     async def depth(self, capability: str) -> int:
         """Messages waiting for ``capability``: for a credit, and for any instance at all."""

@@ -201,6 +201,8 @@ class Dispatcher:
         """The capabilities with waiting work; now and then the index is pruned of those
         with none left, and so is this dispatcher's memory of them."""
         waiting = await self.store.waiting.capabilities()
+        if self.store.waiting.index_unreadable:  # any capability served may have work
+            return sorted(self.table.index.by_capability)
         now = anyio.current_time()
         if now < self._next_prune:
             return waiting

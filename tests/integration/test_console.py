@@ -284,7 +284,7 @@ async def test_stored_text_past_what_the_broker_writes_is_cut_on_the_page(
     async with console(conn) as http:
         one = await http.get(f"/messages/{parked}")
         letters = await http.get("/dlq")
-    assert one.status_code == 200 and len(one.text) < 200_000
+    assert one.status_code == 200 and len(one.text) < 600_000  # 200 entries of 2,000 at most
     assert f"and {300 - conn.settings.timeline_max} older entries not shown" in one.text
     assert letters.status_code == 200 and len(letters.text) < 100_000
-    assert "rrr…" in letters.text
+    assert "rrr… (agent-reach dlq shows it whole)" in letters.text

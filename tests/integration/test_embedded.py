@@ -100,7 +100,7 @@ def test_a_state_dir_that_is_a_file_is_said_in_a_sentence(tmp_path: Path) -> Non
     taken = tmp_path / "state"
     taken.write_text("a file")
 
-    with pytest.raises(EmbeddedRedisError, match="cannot make the embedded Redis's directory"):
+    with pytest.raises(EmbeddedRedisError, match="cannot use the embedded Redis's directory"):
         with embedded_redis(taken / "redis"):
             pass
 

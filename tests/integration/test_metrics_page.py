@@ -12,7 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker.config import Settings
 from broker.connection import Connection, open_connection
 from broker.metric_fields import NEEDS_CONFIRMATION_LEVEL
+from broker.registry import Registry
 from broker.stats import backlog_stats
+from tests.support.harness import card
 from workers.metrics_page import render
 from workers.overview import rates_between, read_overview
 
@@ -116,3 +118,24 @@ async def test_capabilities_past_the_series_cap_are_one_other_row(settings: Sett
     oldest = re.findall(r"^agent_reach_oldest_waiting_age_seconds\{", page, re.M)
     assert (len(waiting), len(oldest)) == (11, 10)
     assert 'agent_reach_waiting_messages{capability="_other"} 15.0' in page
+
+
+async def test_a_served_capability_is_never_folded_and_a_spoiled_stream_reads_as_empty(
+    conn: Connection,
+) -> None:
+    """Made-up names deeper than a served capability folded it into `_other`, out of its
+    own series; a sidecar's user who made its work stream another type failed the reading:
+    /metrics answered 500 and the console had a gap every second."""
+    await Registry(conn).register(card("a-1", ("text.echo",)), credits=4)
+    await conn.call("DEL", conn.keys.queue("a-1"))
+    await conn.call("SET", conn.keys.queue("a-1"), "x")
+    for name in ("made.up1", "made.up2", "made.up3"):
+        await conn.call("ZADD", conn.keys.waiting(name), 1, f"{name}-1", 2, f"{name}-2")
+        await conn.call("SADD", conn.keys.waiting_index, name)
+
+    stats = await backlog_stats(conn, most=2)
+    page = (await render(conn)).decode()
+
+    assert [row.capability for row in stats.capabilities] == ["made.up1", "text.echo", "_other"]
+    assert [(i.instance_id, i.stream) for i in stats.instances] == [("a-1", 0)]
+    assert 'agent_reach_waiting_messages{capability="text.echo"} 0.0' in page

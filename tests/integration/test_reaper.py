@@ -501,15 +501,26 @@ async def test_a_due_member_that_is_no_message_id_is_removed_and_the_rest_reaped
     fast: Connection, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A sidecar's user may add to the due index. A member not UTF-8, due first, failed
-    every claim after the lease was taken: the reaper handled nothing, ever again."""
+    every claim after the lease was taken: the reaper handled nothing, ever again. An id
+    whose record key is a list failed the look at its whole batch, again at every lease."""
     conn = fast
     client = Client(conn)
     reply_to = client.new_reply_stream()
     junk = b"\xff\xfe-not-an-id"
-    await conn.call("ZADD", conn.keys.due, 0, junk)
-    async with running_dispatcher(conn):  # and its reaper
+    async with running_dispatcher(conn, reaper=False):
         ids = await client.submit_many([request(reply_to, timeout_s=0.3) for _ in range(5)])
+
+        async def all_past_deadline() -> bool:
+            records = await MessageStore(conn).get_records(ids)
+            return all(r is not None and r.deadline_ms < now_ms() for r in records)
+
+        await eventually(all_past_deadline)
+    await conn.call("ZADD", conn.keys.due, 0, junk, 0, "evil-1")  # in the same claim as they
+    await conn.call("RPUSH", conn.keys.record("evil-1"), "x")  # an id, its record a list
+    async with anyio.create_task_group() as tg:
+        await tg.start(Reaper(conn).run)
         results = await collect_replies(conn, reply_to, 5, timeout_s=20)
+        tg.cancel_scope.cancel()
     assert {r.stage for r in results.values()} == {Stage.EXPIRED} and set(results) == set(ids)
     assert await conn.call("ZSCORE", conn.keys.due, junk) is None
     assert any("no message id" in r.getMessage() for r in caplog.records)

@@ -17,6 +17,13 @@ from tests.support.harness import (
 )
 
 
+async def send_to(
+    conn: Connection, reply_to: str, message_id: str, capability: str, **fields: str
+) -> None:
+    envelope = {"id": message_id, "capability": capability, "reply_to": reply_to, **fields}
+    await conn.call("XADD", conn.keys.ingress, "*", "envelope", msgspec.json.encode(envelope))
+
+
 async def test_a_spoiled_waiting_set_does_not_stop_other_capabilities_draining(
     conn: Connection, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -72,8 +79,7 @@ async def test_work_set_aside_for_a_spoiled_capability_holds_up_no_other(
     reply_to = conn.keys.reply("restored")
 
     async def send(message_id: str, capability: str, **fields: str) -> None:
-        envelope = {"id": message_id, "capability": capability, "reply_to": reply_to, **fields}
-        await conn.call("XADD", conn.keys.ingress, "*", "envelope", msgspec.json.encode(envelope))
+        await send_to(conn, reply_to, message_id, capability, **fields)
 
     async def set_aside() -> bool:
         return await conn.call("ZCARD", conn.keys.unmatched("text.spoiled")) == 1
@@ -102,3 +108,55 @@ async def test_the_index_lists_only_capability_names(conn: Connection) -> None:
     await conn.call("SADD", conn.keys.waiting_index, "text.echo", "a.b", *junk)
 
     assert await MessageStore(conn).waiting.capabilities() == ["a.b", "text.echo"]
+
+
+LISTED = ("SADD", "index", "text.spoiled")  # the capability has work: every sweep drains it
+SPOILS = {
+    "a member not UTF-8": [("ZADD", "w:text.spoiled", 1, b"\xff"), LISTED],
+    "a score of infinity": [("ZADD", "w:text.spoiled", "+inf", "x-1"), LISTED],
+    "an id whose record is a list": [
+        ("RPUSH", "m:evil-1", "x"),
+        ("ZADD", "w:text.spoiled", 1, "evil-1"),
+        LISTED,
+    ],
+    "the index made a sorted set": [("DEL", "index"), ("ZADD", "index", 1, "text.spoiled")],
+}
+
+
+def spoil_command(conn: Connection, command: tuple[object, ...]) -> tuple[object, ...]:
+    name, where, *rest = command
+    assert isinstance(where, str)
+    kind, _, of = where.partition(":")
+    key = {"w": conn.keys.waiting, "m": conn.keys.record}.get(kind)
+    return (name, key(of) if key else conn.keys.waiting_index, *rest)
+
+
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
+@pytest.mark.parametrize("spoiled_by", list(SPOILS))
+async def test_members_no_park_writes_hold_up_no_other_capability(
+    conn: Connection, caplog: pytest.LogCaptureFixture, spoiled_by: str
+) -> None:
+    """A sidecar's user may add anything to a waiting set and the index. A member not
+    UTF-8, a score of infinity, an id whose record key is another type, or an index of
+    another type failed every drain and every sweep: work set aside for any capability was
+    never put back. Now the members are removed, and an unreadable index is passed over."""
+    reply_to = conn.keys.reply("held")
+
+    async def set_aside() -> bool:
+        return await conn.call("ZCARD", conn.keys.unmatched("text.echo")) == 2
+
+    async with (
+        running_dispatcher(conn),
+        http_agent("a") as agent,
+        running_sidecar(conn, "s-1", ("text.spoiled",), url=agent.url),
+        running_sidecar(conn, "a-1", ("text.echo",), url=agent.url),
+    ):
+        for n in range(2):
+            await send_to(conn, reply_to, f"t-{n}", "text.echo", target="a-2")  # none, yet
+        await eventually(set_aside)
+        for command in SPOILS[spoiled_by]:
+            await conn.call(*spoil_command(conn, command))
+        async with running_sidecar(conn, "a-2", ("text.echo",), url=agent.url):
+            results = await collect_replies(conn, reply_to, 2, timeout_s=20)
+    assert [results[f"t-{n}"].stage for n in range(2)] == [Stage.SUCCEEDED] * 2
+    assert not [r for r in caplog.records if "drain failed" in r.getMessage()]
