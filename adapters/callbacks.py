@@ -182,4 +182,9 @@ def _too_large(max_bytes: int) -> Answer:
 
 
 def _json(answer: Answer) -> Response:
-    return JSONResponse(answer.body, status_code=answer.status)
+    """The answer; a refusal of who is calling (401, 403) or of a body that did not come
+    (408) closes the connection, whose unread body the server would otherwise go on reading
+    for as long as the client trickles it in. A 413 does not: a client still sending its
+    body would see the connection reset, not the answer."""
+    close = {"Connection": "close"} if answer.status in (401, 403, 408) else None
+    return JSONResponse(answer.body, status_code=answer.status, headers=close)

@@ -70,6 +70,13 @@ MAX_BODY_BYTES = 1024 * 1024
 CARD_FRESH_S = 2.0
 STREAM_POLL_S = 0.05
 ACCEPT_WAIT_S = 10.0
+# A client we do not run may hold a connection: its headers have 10 s, its body as long,
+# and past this many connections at once the gateway answers 503.
+HEADER_TIMEOUT_S = BODY_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 1024
+# A refusal sent before the body is read closes the connection: kept open, the server would
+# go on reading whatever body the refused client trickles in.
+CLOSE = {"Connection": "close"}
 BLOCKING_TIMEOUT_S = 300.0  # a blocking send's deadline, when the client gives none
 
 Handler = Callable[[Any, Any], Awaitable[dict[str, Any] | Response]]
@@ -85,6 +92,7 @@ class Gateway:
         self.store = MessageStore(conn)
         self.url = url
         self.api_key = api_key
+        self.body_timeout_s = BODY_TIMEOUT_S
         self._card: tuple[float, dict[str, Any]] | None = None
         self._methods: dict[str, Handler] = {
             "SendMessage": self.send,
@@ -115,13 +123,16 @@ class Gateway:
         if self.api_key and not hmac.compare_digest(
             request.headers.get(API_KEY_HEADER, "").encode(), self.api_key.encode()
         ):
-            return JSONResponse({"error": f"missing or wrong {API_KEY_HEADER}"}, status_code=401)
+            error = {"error": f"missing or wrong {API_KEY_HEADER}"}
+            return JSONResponse(error, status_code=401, headers=CLOSE)
         refused = self._browser_refusal(request)
         if refused is not None:
-            return JSONResponse({"error": refused}, status_code=403)
-        body = await read_body(request, MAX_BODY_BYTES)
+            return JSONResponse({"error": refused}, status_code=403, headers=CLOSE)
+        body: bytes | Answer = Answer(408, {"error": "the body did not arrive in time"})
+        with anyio.move_on_after(self.body_timeout_s):
+            body = await read_body(request, MAX_BODY_BYTES)
         if isinstance(body, Answer):
-            return JSONResponse(body.body, status_code=body.status)
+            return JSONResponse(body.body, status_code=body.status, headers=CLOSE)
         try:
             call = msgspec.json.decode(body)
         except (msgspec.DecodeError, RecursionError):
@@ -278,12 +289,25 @@ def _event(request_id: Any, result: dict[str, Any]) -> bytes:
 
 @asynccontextmanager
 async def gateway_endpoint(
-    conn: Connection, host: str, port: int, api_key: str | None, public_url: str | None = None
+    conn: Connection,
+    host: str,
+    port: int,
+    api_key: str | None,
+    public_url: str | None = None,
+    *,
+    body_timeout_s: float = BODY_TIMEOUT_S,
 ) -> AsyncIterator[str]:
     """Serve the gateway for the block's life; yields the URL it announces in its card."""
     async with Client(conn) as client:
         secret = await gateway_secret(conn)
         gateway = Gateway(conn, client, url="", api_key=api_key, secret=secret)
-        async with serve_app(gateway.app(), host, port, header_timeout_s=10.0) as url:
+        gateway.body_timeout_s = body_timeout_s
+        async with serve_app(
+            gateway.app(),
+            host,
+            port,
+            header_timeout_s=HEADER_TIMEOUT_S,
+            max_connections=MAX_CONNECTIONS,
+        ) as url:
             gateway.url = (public_url or url).rstrip("/") + "/"
             yield gateway.url

@@ -253,3 +253,38 @@ async def test_without_a_key_only_json_from_no_other_site_to_loopback_is_served(
         plain = await http.post(url, content=body, headers={"Content-Type": "application/json"})
     assert [form.status_code, cross.status_code, rebound.status_code] == [403, 403, 403]
     assert plain.status_code == 200 and plain.json()["error"]["code"] == -32001
+
+
+async def raw_exchange(url: str, request: bytes, *, wait_s: float) -> tuple[bytes, bool]:
+    """Send ``request`` on a fresh connection and read until the server closes it, or
+    ``wait_s``: (what came back, whether the server closed the connection)."""
+    address = httpx.URL(url)
+    assert address.port is not None
+    stream = await anyio.connect_tcp(address.host, address.port)
+    received, closed = b"", False
+    async with stream:
+        await stream.send(request)
+        with anyio.move_on_after(wait_s):
+            try:
+                while True:
+                    received += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                closed = True
+    return received, closed
+
+
+async def test_a_body_that_does_not_come_is_408_and_a_refused_one_closes_at_once(
+    conn: Connection,
+) -> None:
+    """A client that sent its headers and then nothing, or a refused client that trickled
+    its body in, held a connection for as long as it liked: 2,000 of them were open after
+    150 s, and a gateway out of file descriptors turned everyone away."""
+    head = "POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += "Content-Length: 1000\r\n"
+    async with gateway_endpoint(conn, "127.0.0.1", 0, API_KEY, body_timeout_s=0.5) as url:
+        slow, slow_closed = await raw_exchange(
+            url, f"{head}X-API-Key: {API_KEY}\r\n\r\n".encode(), wait_s=10
+        )
+        refused, refused_closed = await raw_exchange(url, f"{head}\r\n{{".encode(), wait_s=10)
+    assert slow.startswith(b"HTTP/1.1 408") and slow_closed
+    assert refused.startswith(b"HTTP/1.1 401") and refused_closed

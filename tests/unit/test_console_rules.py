@@ -146,3 +146,11 @@ async def test_a_reading_that_fails_is_a_gap_not_the_end_of_the_console() -> Non
             await state.again.wait()
         tg.cancel_scope.cancel()
     assert (state.samples, state.gaps) == (2, 1)
+
+
+def test_host_and_origin_headers_that_do_not_parse_are_refused_not_a_500() -> None:
+    """`Host: [::1` raised ValueError inside the guard: a 500 and a traceback per request."""
+    guard = Guard(token=None)
+
+    assert not any(guard.host_allowed(h) for h in ("[::1", "[", "a]", "[x]"))
+    assert all(cross_site(o, None, "127.0.0.1:8700") for o in ("http://[::1", "http://[x]"))

@@ -56,7 +56,12 @@ def token_problem(token: str) -> str | None:
 
 
 def _host_name(host_header: str) -> str:
-    return urlsplit(f"//{host_header}").hostname or ""
+    """The host a ``Host`` header names; "" for one that does not parse (``[::1``): it is
+    no loopback name, and never a 500."""
+    try:
+        return urlsplit(f"//{host_header}").hostname or ""
+    except ValueError:
+        return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,4 +113,8 @@ def cross_site(origin: str | None, fetch_site: str | None, host_header: str) -> 
         return True
     if origin is None:
         return False
-    return origin == "null" or urlsplit(origin).netloc != host_header
+    try:
+        netloc = urlsplit(origin).netloc
+    except ValueError:  # an Origin that does not parse comes from no site of ours
+        return True
+    return origin == "null" or netloc != host_header
