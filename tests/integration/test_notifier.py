@@ -20,6 +20,8 @@ import anyio
 import msgspec
 import pytest
 from starlette.applications import Starlette
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
 
 from adapters.asgi import serve_app
 from broker.client import Client
@@ -33,6 +35,7 @@ from broker.results import delivery_commands
 from broker.stages import Stage
 from broker.store import MessageStore
 from broker.timeline import CALLBACK_DELIVERED
+from broker.wire import OutboxEntry
 from tests.support.agents import http_agent
 from tests.support.harness import (
     connected,
@@ -51,6 +54,7 @@ from tests.support.webhooks import (
     serving,
     signature_ok,
 )
+from workers.webhook_post import WebhookPoster
 from workers.webhook_settlement import backoff_ms
 
 # -- fixtures and helpers --------------------------------------------------------------------
@@ -747,3 +751,25 @@ def test_backoff_doubles_up_to_its_cap_with_bounded_jitter() -> None:
         assert min(waits) >= int(expected * 0.8)
         assert max(waits) <= min(1000, int(expected * 1.2))
         assert len(set(waits)) > 1  # spread: receivers back from an outage are not hit at once
+
+
+async def test_a_receiver_s_body_is_never_read(settings: Settings) -> None:
+    """The status says all. The poster read the receiver's body whole, inflated: 600 KB of
+    gzip was 1.7 GB in the process that runs the dispatcher too. Here a receiver answers
+    200 and then sends its body for ever: the delivery is done at the status."""
+
+    async def endless(request: Any) -> StreamingResponse:
+        async def forever() -> Any:
+            while True:
+                yield b"x" * 65536
+                await anyio.sleep(0.01)
+
+        return StreamingResponse(forever(), status_code=200)
+
+    app = Starlette(routes=[Route("/hook", endless, methods=["POST"])])
+    hooks = hook_settings(settings, webhook_timeout_s=5.0)
+    delivery = OutboxEntry(message_id="m-1", webhook_id="w-1", url="", body=b"{}")
+    async with serve_app(app) as url, WebhookPoster(hooks) as poster:
+        attempt = await poster.attempt(msgspec.structs.replace(delivery, url=url + "hook"))
+    # read, the body ran past the deadline: "no answer within 5 s", and a retry
+    assert attempt.delivered and attempt.detail == "answered 200"
