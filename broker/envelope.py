@@ -115,7 +115,8 @@ class Envelope(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 
 CAPABILITY_RULE = (
-    "capability must be lower-case, dot-separated `domain.action` (e.g. `payment.refund`)"
+    "capability must be lower-case, dot-separated `domain.action` (e.g. `payment.refund`),"
+    " at most 128 characters"
 )
 
 
@@ -124,7 +125,8 @@ def capability_problem(value: str) -> str | None:
     try:
         msgspec.convert(value, Capability)
     except msgspec.ValidationError:
-        return f"{value!r}: {CAPABILITY_RULE}"
+        shown = repr(value) if len(value) <= 130 else f"{value[:120]!r}… ({len(value)} characters)"
+        return f"{shown}: {CAPABILITY_RULE}"
     return None
 
 

@@ -251,8 +251,46 @@ async def test_without_a_key_only_json_from_no_other_site_to_loopback_is_served(
             url, content=body, headers={"Content-Type": "application/json", "Host": "evil.example"}
         )
         plain = await http.post(url, content=body, headers={"Content-Type": "application/json"})
+        unparsed = await http.post(
+            url, content=body, headers={"Content-Type": "application/json", "Host": "[::1"}
+        )
     assert [form.status_code, cross.status_code, rebound.status_code] == [403, 403, 403]
+    assert unparsed.status_code == 403  # a 500 and a traceback, before
     assert plain.status_code == 200 and plain.json()["error"]["code"] == -32001
+
+
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
+@pytest.mark.parametrize(
+    ("method", "configuration", "metadata", "says"),
+    [
+        ("SendMessage", {"returnImmediately": True}, {"capability": "Demo.Echo"}, "lower-case"),
+        ("SendMessage", {"returnImmediately": True}, {"capability": "a" * 10_000}, "characters"),
+        ("SendStreamingMessage", {}, {"capability": "Demo.Echo"}, "lower-case"),
+        (
+            "SendMessage",
+            {"returnImmediately": True, "taskPushNotificationConfig": {"url": "ftp://x"}},
+            {"capability": "text.echo"},
+            "must be an http:// or https:// URL",
+        ),
+    ],
+)
+async def test_a_send_the_dispatcher_would_refuse_is_invalid_params_in_every_mode(
+    conn: Connection,
+    method: str,
+    configuration: dict[str, Any],
+    metadata: dict[str, Any],
+    says: str,
+) -> None:
+    """Only a blocking send was checked: one that returned at once, or streamed, answered
+    WORKING, and the task was then REJECTED with a dead letter."""
+    message = {"messageId": "m-1", "role": "ROLE_USER", "parts": [{"text": "hi"}]}
+    params = {"message": {**message, "metadata": metadata}, "configuration": configuration}
+    body = {"jsonrpc": "2.0", "id": 7, "method": method, "params": params}
+    async with gateway_endpoint(conn, "127.0.0.1", 0, API_KEY) as url, httpx.AsyncClient() as http:
+        answer = await http.post(url, json=body, headers={"X-API-Key": API_KEY})
+    error = answer.json()["error"]
+    assert error["code"] == -32602 and says in error["message"] and len(error["message"]) < 400
+    assert await conn.call("XLEN", conn.keys.ingress) == 0  # nothing was sent
 
 
 async def raw_exchange(url: str, request: bytes, *, wait_s: float) -> tuple[bytes, bool]:
