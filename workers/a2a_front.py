@@ -30,6 +30,7 @@ INVALID_PARAMS = -32602
 METHOD_NOT_FOUND = -32601
 INVALID_REQUEST = -32600
 PARSE_ERROR = -32700
+SERVER_BUSY = -32000  # JSON-RPC's range for a server's own errors: try again later
 
 STATE_OF: dict[Stage, str] = {
     Stage.ACCEPTED: "TASK_STATE_SUBMITTED",

@@ -47,8 +47,10 @@ from broker.store import MessageStore
 from .a2a_front import (
     API_KEY_HEADER,
     INVALID_PARAMS,
+    INVALID_REQUEST,
     METHOD_NOT_FOUND,
     PARSE_ERROR,
+    SERVER_BUSY,
     STATE_OF,
     TASK_NOT_CANCELABLE,
     TASK_NOT_FOUND,
@@ -68,7 +70,9 @@ log = logging.getLogger("agent_reach.a2a_gateway")
 
 MAX_BODY_BYTES = 1024 * 1024
 CARD_FRESH_S = 2.0
-STREAM_POLL_S = 0.05
+STREAM_POLL_S = 0.05  # a stream's first looks at its task's timeline; then slower, to 1 s
+STREAM_POLL_MAX_S = 1.0
+MAX_STREAMS = 256  # open at once; past it a stream is refused (503), try again later
 ACCEPT_WAIT_S = 10.0
 # A client we do not run may hold a connection: its headers have 10 s, its body as long,
 # and past this many connections at once the gateway answers 503.
@@ -93,6 +97,8 @@ class Gateway:
         self.url = url
         self.api_key = api_key
         self.body_timeout_s = BODY_TIMEOUT_S
+        self.streams = 0  # open now
+        self.max_streams = MAX_STREAMS
         self._card: tuple[float, dict[str, Any]] | None = None
         self._methods: dict[str, Handler] = {
             "SendMessage": self.send,
@@ -137,8 +143,8 @@ class Gateway:
             call = msgspec.json.decode(body)
         except (msgspec.DecodeError, RecursionError):
             return JSONResponse(rpc_error(None, PARSE_ERROR, "the body is not JSON"))
-        if not isinstance(call, dict):
-            return JSONResponse(rpc_error(None, INVALID_PARAMS, "a JSON-RPC request object"))
+        if not isinstance(call, dict):  # a batch, too: A2A sends one request a POST
+            return JSONResponse(rpc_error(None, INVALID_REQUEST, "a JSON-RPC request object"))
         request_id, method = call.get("id"), call.get("method")
         handler = self._methods.get(method) if isinstance(method, str) else None
         if handler is None:
@@ -244,6 +250,9 @@ class Gateway:
         asked = send_request(params)
         if isinstance(asked, str):
             return rpc_error(request_id, INVALID_PARAMS, asked)
+        if self.streams >= self.max_streams:  # each one looks at Redis until its task ends
+            busy = rpc_error(request_id, SERVER_BUSY, f"{self.streams} streams are open: later")
+            return JSONResponse(busy, status_code=503, headers={"Retry-After": "1"})
         fields: dict[str, Any] = {"callback_url": asked.callback_url} if asked.callback_url else {}
         message_id = await self._submit(asked.capability, asked.payload, fields)
         return StreamingResponse(
@@ -253,11 +262,21 @@ class Gateway:
     async def _events(self, request_id: Any, message_id: str) -> AsyncIterator[bytes]:
         """The task, then a status update for each state its timeline passes through (every
         stage is on the timeline, however fast it moved), the result, and the end."""
+        self.streams += 1
+        try:
+            async for event in self._updates(request_id, message_id):
+                yield event
+        finally:
+            self.streams -= 1
+
+    async def _updates(self, request_id: Any, message_id: str) -> AsyncIterator[bytes]:
         yield _event(request_id, {"task": task_json(message_id, Stage.ACCEPTED)})
-        seen, said = 0, STATE_OF[Stage.ACCEPTED]
+        seen, said, pause = 0, STATE_OF[Stage.ACCEPTED], STREAM_POLL_S
         with anyio.move_on_after(BLOCKING_TIMEOUT_S):
             while True:
                 timeline = await self.store.get_timeline(message_id)
+                # looked at again soon while it moves, and less often while it waits
+                pause = STREAM_POLL_S if len(timeline) > seen else min(2 * pause, STREAM_POLL_MAX_S)
                 for entry in timeline[seen:]:
                     stage = entry.stage
                     if not isinstance(stage, Stage) or STATE_OF[stage] == said:
@@ -269,7 +288,7 @@ class Gateway:
                         return
                     yield _event(request_id, status_update(message_id, stage))
                 seen = len(timeline)
-                await anyio.sleep(STREAM_POLL_S)
+                await anyio.sleep(pause)
 
     async def _ending(self, request_id: Any, message_id: str) -> AsyncIterator[bytes]:
         record = await self.store.get_record(message_id)
@@ -296,12 +315,13 @@ async def gateway_endpoint(
     public_url: str | None = None,
     *,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    max_streams: int = MAX_STREAMS,
 ) -> AsyncIterator[str]:
     """Serve the gateway for the block's life; yields the URL it announces in its card."""
     async with Client(conn) as client:
         secret = await gateway_secret(conn)
         gateway = Gateway(conn, client, url="", api_key=api_key, secret=secret)
-        gateway.body_timeout_s = body_timeout_s
+        gateway.body_timeout_s, gateway.max_streams = body_timeout_s, max_streams
         async with serve_app(
             gateway.app(),
             host,
