@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -348,13 +347,20 @@ def _env_value(key: str, value: str) -> Any:
     return value
 
 
+def _read_at_most(path: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes of ``path``: a file, or a pipe (``--config <(…)``). Opened
+    without waiting for a writer, which a FIFO nobody writes to would do for ever (it then
+    reads as empty); read to the limit, so a device that never ends (``/dev/zero``) does."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as file:
+        os.set_blocking(fd, True)
+        return file.read(limit)
+
+
 def file_layer(path: Path) -> dict[str, Any]:
     """Settings from a TOML file; a missing or malformed file is a :class:`ConfigError`."""
     try:
-        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device would be read for ever
-            raise ConfigError(str(path), "not a regular file")
-        with path.open("rb") as file:
-            raw = file.read(MAX_CONFIG_BYTES + 1)
+        raw = _read_at_most(path, MAX_CONFIG_BYTES + 1)
         if len(raw) > MAX_CONFIG_BYTES:
             raise ConfigError(str(path), f"over {MAX_CONFIG_BYTES} bytes: not a config file")
         data = tomllib.loads(raw.decode("utf-8"))

@@ -260,7 +260,7 @@ def test_later_layers_win() -> None:
 
 
 def test_an_unreadable_config_file_is_a_config_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="not a regular file"):
+    with pytest.raises(ConfigError, match="cannot read config file"):
         load_settings(tmp_path, environ={})  # a directory
     binary = tmp_path / "bad.toml"
     binary.write_bytes(b"\xff\xfe prefix = 1")
@@ -408,15 +408,23 @@ def test_a_failpoint_spec_that_does_not_parse_is_a_config_error_not_a_crash() ->
     assert error.key == "AGENT_REACH_FAILPOINTS" and "unknown action" in error.problem
 
 
-def test_a_config_path_that_is_no_regular_file_is_refused_not_read_for_ever(
+def test_a_config_pipe_is_read_and_one_nobody_writes_to_is_empty_not_a_hang(
     tmp_path: Path,
 ) -> None:
-    """A FIFO, or /dev/zero, was read without end: the command hung."""
+    """A FIFO nobody writes to, or /dev/zero, was read without end: the command hung. A pipe
+    with a writer (`--config <(...)`) is a config file like any other."""
     fifo = tmp_path / "reach.toml"
     os.mkfifo(fifo)
+    assert load_settings(fifo, environ={}) == load_settings(environ={})
 
-    assert config_error(config_file=fifo).problem == "not a regular file"
-    assert config_error(config_file=tmp_path).problem == "not a regular file"
+    read_end, write_end = os.pipe()  # as `--config <(...)` hands a pipe over
+    os.write(write_end, b"timeline_max = 50\n")
+    os.close(write_end)
+    try:
+        assert load_settings(Path(f"/dev/fd/{read_end}"), environ={}).timeline_max == 50
+    finally:
+        os.close(read_end)
+    assert "over 1048576 bytes" in config_error(config_file=Path("/dev/zero")).problem
 
 
 def test_a_config_file_over_a_megabyte_or_nested_too_deeply_is_refused(tmp_path: Path) -> None:
