@@ -282,3 +282,24 @@ async def test_an_endpoint_whose_port_is_taken_says_so_in_one_line(settings: Set
         taken.close()
     assert code == 1
     assert f"Error: cannot listen on 127.0.0.1:{port}: Address already in use" in out
+
+
+async def test_stored_text_reaches_the_terminal_escaped(
+    conn: Connection, settings: Settings
+) -> None:
+    """A sidecar's user may write a timeline's reasons and a record's error: escape
+    sequences in them were printed as they are, to retitle, clear or redraw the operator's
+    terminal. trace, stuck and dlq now write them as escapes."""
+    hostile = "no answer\x1b]0;pwned\x07\x1b[2J"
+    parked = await record_in(conn, Stage.NEEDS_CONFIRMATION, reason=hostile)
+    dead = await record_in(conn, Stage.DEAD, reason=hostile)
+    outputs = [
+        await cli(settings, "trace", parked),
+        await cli(settings, "stuck", "--older-than", "0"),
+        await cli(settings, "dlq"),
+    ]
+    assert dead  # dead-lettered, with the reason
+    for code, out in outputs:
+        assert code == 0, out
+        assert "\x1b" not in out and "\x07" not in out
+        assert "no answer\\x1b]0;pwned\\x07\\x1b[2J" in out

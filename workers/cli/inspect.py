@@ -135,20 +135,20 @@ def print_trace(found: Trace) -> None:
     record = found.record
     click.echo(f"{record.id}  {record.capability}  stage {record.stage}  attempt {record.attempt}")
     start = found.timeline[0].ts_ms if found.timeline else 0
-    for e in found.timeline:
+    for e in found.timeline:  # stored text, a sidecar's user may write: escaped for the terminal
         click.echo(
-            f"  +{e.ts_ms - start:>7} ms  {e.stage:<18} {e.instance or '-':<24} "
-            f"attempt {e.attempt}  {e.reason}"
+            f"  +{e.ts_ms - start:>7} ms  {printable(str(e.stage)):<18} "
+            f"{printable(e.instance) or '-':<24} attempt {e.attempt}  {printable(e.reason)}"
         )
     if record.route_from:
-        click.echo(f"  route: {record.route_reason}")
+        click.echo(f"  route: {printable(record.route_reason or '')}")
         for step in route_steps(record.route_from):
             excluded = step.get("excluded", {})
             listed = "; ".join(f"{inst}: {why}" for inst, why in excluded.items())
             more = f" (+{step['more_excluded']} more)" if step.get("more_excluded") else ""
-            click.echo(f"    {step['step']:<10} kept {step['kept']:<4} {listed}{more}")
+            click.echo(printable(f"    {step['step']:<10} kept {step['kept']:<4} {listed}{more}"))
     if record.error:
-        click.echo(f"  error: {record.error}")
+        click.echo(f"  error: {printable(record.error)}")
 
 
 def agent_document(view: InstanceView, settings: Settings, now: int) -> dict[str, Any]:

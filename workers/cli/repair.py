@@ -172,7 +172,7 @@ def print_stuck(found: list[StuckMessage]) -> None:
         click.echo(
             f"{m.id:<26} {m.stage:<18} {m.capability:<24} {m.instance or '-':<20} "
             f"{m.attempt:>7} {format_age(m.age_s):>7} {format_age(m.accepted_age_s):>8}  "
-            f"{m.last_reason}"
+            f"{printable(m.last_reason)}"  # stored text: escaped for the terminal
         )
 
 
@@ -309,7 +309,8 @@ def dlq(settings: Settings, as_json: bool, count: int) -> None:
     click.echo(f"{found.total} dead letter(s)" + (f", the newest {shown}:" if shown else ""))
     for letter in found.letters:
         when = utc_text(letter.ts_ms)
-        click.echo(f"{when}  {letter.id:<26} {letter.stage or '-':<10} {letter.reason}")
+        line = f"{when}  {letter.id:<26} {letter.stage or '-':<10} {letter.reason}"
+        click.echo(printable(line))  # stored text, any byte: escaped for the terminal
         if letter.url is not None:
             tries = f" after {letter.attempts} attempts" if letter.attempts else ""
-            click.echo(f"{'':<21}webhook {letter.url}{tries}: {letter.error or '?'}")
+            click.echo(printable(f"{'':<21}webhook {letter.url}{tries}: {letter.error or '?'}"))
