@@ -42,8 +42,8 @@ class BacklogStats(msgspec.Struct, frozen=True):
 
 async def backlog_stats(conn: Connection, *, most: int | None = None) -> BacklogStats:
     """Where the work is now. With ``most``, at most that many capabilities are shown by
-    name (more only if instances serve more), those served first, then those with the most
-    waiting, and the rest in one row named ``_other``:
+    name, those served first, then those with the most waiting, and the rest in one row
+    named ``_other``:
     anyone who may send work may name any number of capabilities, and every capability
     shown costs its own looks (the oldest wait, the assignment rate) at every reading."""
     store = MessageStore(conn)
@@ -104,15 +104,13 @@ def _deepest(
     *,
     served: set[str],
 ) -> tuple[list[str], list[str]]:
-    """The capabilities to show by name (in name order) and those to fold into one row:
-    every one an instance serves (the registry bounds them), then the deepest of the rest."""
+    """The capabilities to show by name (in name order, at most ``most``) and those to fold
+    into one row: served ones first (a card may list any number: they rank by depth too),
+    then the deepest of the rest."""
     if most is None or len(capabilities) <= most:
         return capabilities, []
-    unserved = sorted(
-        (c for c in capabilities if c not in served), key=lambda c: (-depths[c][0], c)
-    )
-    room = max(0, most - len(served))
-    return sorted([*served & set(capabilities), *unserved[:room]]), unserved[room:]
+    ranked = sorted(capabilities, key=lambda c: (c not in served, -depths[c][0], c))
+    return sorted(ranked[:most]), ranked[most:]
 
 
 def _age_s(now: int, since_ms: int | None) -> float | None:

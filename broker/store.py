@@ -434,6 +434,8 @@ def _record(message_id: str, flat: Any) -> MessageRecord | None:
     """A record from its ``HGETALL``; ``None`` for none, or (logged) for a key of another
     type, which a sidecar's user may make: never a failure of the batch it was read in."""
     if isinstance(flat, RedisReplyError):
+        if flat.permission_refused:  # our own user may not: no record is no answer
+            raise flat
         log.error("record of %r cannot be read, left alone: %s", message_id, flat)
         return None
     return readable_record(message_id, pairs(flat)) if flat else None
@@ -442,4 +444,7 @@ def _record(message_id: str, flat: Any) -> MessageRecord | None:
 def stages_read(replies: list[Any]) -> list[Stage | None]:
     """The answers of :meth:`MessageStore.stage_commands`: each stage, or ``None`` (also
     for a record key of another type: see :func:`_record`)."""
+    refused = [r for r in replies if isinstance(r, RedisReplyError) and r.permission_refused]
+    if refused:
+        raise refused[0]
     return [STAGE_OF.get(r) if isinstance(r, bytes) else None for r in errors_in_place(replies)]

@@ -313,6 +313,12 @@ class WaitingSets:
             m.decode() for m in readable.get("every capability", []) if _CAPABILITY.match(m)
         )
 
+    async def remove_index(self) -> None:
+        """Delete an index someone made another type: every park fails on it until then
+        (parks, and the reaper's looks at what waits, index again)."""
+        log.error("%s is not a set: deleted, the parks index again", self.keys.waiting_index)
+        errors_in_place(await self.conn.call_many([("DEL", self.keys.waiting_index)]))
+
     async def depth(self, capability: str) -> int:
         """Messages waiting for ``capability``: for a credit, and for any instance at all."""
         keys = (self.keys.waiting(capability), self.keys.unmatched(capability))

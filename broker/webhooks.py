@@ -345,6 +345,10 @@ def _allow_hint(address: IPAddress) -> str:
 # -- callback URLs ---------------------------------------------------------------------------
 
 
+def _shown(url: str) -> str:
+    return repr(url) if len(url) <= 130 else f"{url[:120]!r}… ({len(url)} characters)"
+
+
 def callback_url_problem(url: str) -> str | None:
     """Why ``url`` is no http(s) URL with a host, or ``None``: the part of
     :func:`callback_problem` that needs no settings (``send`` checks it before it sends)."""
@@ -352,9 +356,9 @@ def callback_url_problem(url: str) -> str | None:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - parsed only to be checked: out of range raises
     except ValueError as exc:
-        return f"callback_url {url!r} is not a valid URL: {exc}"
+        return f"callback_url {_shown(url)} is not a valid URL: {exc}"
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        return f"callback_url {url!r} must be an http:// or https:// URL with a host"
+        return f"callback_url {_shown(url)} must be an http:// or https:// URL with a host"
     return None
 
 

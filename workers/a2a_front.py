@@ -19,7 +19,6 @@ from typing import Any
 
 from broker.envelope import capability_problem
 from broker.stages import Stage
-from broker.webhooks import callback_url_problem
 
 VERSION = "1.0"
 API_KEY_HEADER = "X-API-Key"
@@ -101,8 +100,6 @@ def send_request(params: Any) -> SendRequest | str:
     configuration = configuration if isinstance(configuration, dict) else {}
     push = configuration.get("taskPushNotificationConfig")
     url = push.get("url") if isinstance(push, dict) else None
-    if isinstance(url, str) and (problem := callback_url_problem(url)):
-        return f"configuration.taskPushNotificationConfig.url: {problem}"
     if problem := capability_problem(capability):
         return f"message.metadata.capability: {problem}"
     return SendRequest(

@@ -32,6 +32,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from adapters.asgi import serve_app
 from adapters.callbacks import Answer, read_body
@@ -39,10 +40,12 @@ from broker.client import Client
 from broker.connection import Connection
 from broker.envelope import Envelope
 from broker.errors import ReachError, RequestTimeout
+from broker.jsondepth import depth_problem
 from broker.operator import Operator
 from broker.registry import Registry
 from broker.stages import TERMINAL, Stage
 from broker.store import MessageStore
+from broker.webhooks import callback_problem
 
 from .a2a_front import (
     API_KEY_HEADER,
@@ -55,6 +58,7 @@ from .a2a_front import (
     TASK_NOT_CANCELABLE,
     TASK_NOT_FOUND,
     UNSUPPORTED,
+    SendRequest,
     agent_card,
     rpc_error,
     rpc_result,
@@ -137,8 +141,9 @@ class Gateway:
         body: bytes | Answer = Answer(408, {"error": "the body did not arrive in time"})
         with anyio.move_on_after(self.body_timeout_s):
             body = await read_body(request, MAX_BODY_BYTES)
-        if isinstance(body, Answer):
-            return JSONResponse(body.body, status_code=body.status, headers=CLOSE)
+        if isinstance(body, Answer):  # a 413 keeps it: a client still sending would see a reset
+            close = CLOSE if body.status != 413 else None
+            return JSONResponse(body.body, status_code=body.status, headers=close)
         try:
             call = msgspec.json.decode(body)
         except (msgspec.DecodeError, RecursionError):
@@ -173,8 +178,24 @@ class Gateway:
 
     # -- methods -------------------------------------------------------------------------------
 
-    async def send(self, request_id: Any, params: Any) -> dict[str, Any]:
+    def _asked(self, params: Any) -> SendRequest | str:
+        """What a send asks for, or why the dispatcher would refuse it: said now, in every
+        mode, rather than as a task that is WORKING and then REJECTED."""
         asked = send_request(params)
+        if isinstance(asked, str):
+            return asked
+        settings = self.conn.settings
+        url = asked.callback_url
+        if url and (
+            problem := callback_problem(url, settings.callback_hosts, settings.webhook_secret)
+        ):
+            return f"configuration.taskPushNotificationConfig.url: {problem}"
+        if problem := depth_problem(msgspec.json.encode(asked.payload)):
+            return f"the message's data: {problem}"
+        return asked
+
+    async def send(self, request_id: Any, params: Any) -> dict[str, Any]:
+        asked = self._asked(params)
         if isinstance(asked, str):
             return rpc_error(request_id, INVALID_PARAMS, asked)
         fields: dict[str, Any] = {"callback_url": asked.callback_url} if asked.callback_url else {}
@@ -247,29 +268,27 @@ class Gateway:
         return rpc_error(request_id, UNSUPPORTED, why)
 
     async def send_streaming(self, request_id: Any, params: Any) -> dict[str, Any] | Response:
-        asked = send_request(params)
+        asked = self._asked(params)
         if isinstance(asked, str):
             return rpc_error(request_id, INVALID_PARAMS, asked)
         if self.streams >= self.max_streams:  # each one looks at Redis until its task ends
             busy = rpc_error(request_id, SERVER_BUSY, f"{self.streams} streams are open: later")
             return JSONResponse(busy, status_code=503, headers={"Retry-After": "1"})
-        fields: dict[str, Any] = {"callback_url": asked.callback_url} if asked.callback_url else {}
-        message_id = await self._submit(asked.capability, asked.payload, fields)
-        return StreamingResponse(
-            self._events(request_id, message_id), media_type="text/event-stream"
-        )
-
-    async def _events(self, request_id: Any, message_id: str) -> AsyncIterator[bytes]:
-        """The task, then a status update for each state its timeline passes through (every
-        stage is on the timeline, however fast it moved), the result, and the end."""
-        self.streams += 1
+        self.streams += 1  # taken before any await: requests at once see each other's
         try:
-            async for event in self._updates(request_id, message_id):
-                yield event
-        finally:
+            fields = {"callback_url": asked.callback_url} if asked.callback_url else {}
+            message_id = await self._submit(asked.capability, asked.payload, fields)
+        except BaseException:
             self.streams -= 1
+            raise
+        return _Stream(self._updates(request_id, message_id), self._stream_ended)
+
+    def _stream_ended(self) -> None:
+        self.streams -= 1
 
     async def _updates(self, request_id: Any, message_id: str) -> AsyncIterator[bytes]:
+        """The task, then a status update for each state its timeline passes through (every
+        stage is on the timeline, however fast it moved), the result, and the end."""
         yield _event(request_id, {"task": task_json(message_id, Stage.ACCEPTED)})
         seen, said, pause = 0, STATE_OF[Stage.ACCEPTED], STREAM_POLL_S
         with anyio.move_on_after(BLOCKING_TIMEOUT_S):
@@ -300,6 +319,21 @@ class Gateway:
             update = {"taskId": message_id, "contextId": message_id, "artifact": artifact}
             yield _event(request_id, {"artifactUpdate": update})
         yield _event(request_id, status_update(message_id, record.stage, record.error))
+
+
+class _Stream(StreamingResponse):
+    """An event stream that gives its place back when it is over, however it ends (its
+    task's end, the client gone, or never begun)."""
+
+    def __init__(self, events: AsyncIterator[bytes], ended: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._ended = ended
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._ended()
 
 
 def _event(request_id: Any, result: dict[str, Any]) -> bytes:

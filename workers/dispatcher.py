@@ -202,6 +202,7 @@ class Dispatcher:
         with none left, and so is this dispatcher's memory of them."""
         waiting = await self.store.waiting.capabilities()
         if self.store.waiting.index_unreadable:  # any capability served may have work
+            await self.store.waiting.remove_index()
             return sorted(self.table.index.by_capability)
         now = anyio.current_time()
         if now < self._next_prune:

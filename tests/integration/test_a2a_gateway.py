@@ -272,6 +272,12 @@ async def test_without_a_key_only_json_from_no_other_site_to_loopback_is_served(
             {"capability": "text.echo"},
             "must be an http:// or https:// URL",
         ),
+        (  # the test's settings allow no callback host
+            "SendStreamingMessage",
+            {"taskPushNotificationConfig": {"url": "http://127.0.0.1:9/hook"}},
+            {"capability": "text.echo"},
+            "is not allowed",
+        ),
     ],
 )
 async def test_a_send_the_dispatcher_would_refuse_is_invalid_params_in_every_mode(
@@ -365,3 +371,37 @@ async def test_a_batch_or_a_body_that_is_no_request_object_is_an_invalid_request
             for body in ([call], 7, "GetTask")
         ]
     assert [a.json()["error"]["code"] for a in answers] == [-32600] * 3
+
+
+async def test_streams_asked_for_at_once_are_held_to_the_cap(conn: Connection) -> None:
+    """The cap was counted once a stream began, after its message was sent: 40 asked for
+    at once, against a cap of 2, all got a stream."""
+    message = {"messageId": "m-1", "role": "ROLE_USER", "parts": [{"text": "hi"}]}
+    params = {"message": {**message, "metadata": {"capability": "nobody.here"}}}
+    body = {"jsonrpc": "2.0", "id": 1, "method": "SendStreamingMessage", "params": params}
+    statuses: list[int] = []
+    all_answered = anyio.Event()
+
+    async def ask(http: httpx.AsyncClient, url: str) -> None:
+        async with http.stream("POST", url, json=body, headers={"X-API-Key": API_KEY}) as r:
+            statuses.append(r.status_code)
+            if len(statuses) == 20:
+                all_answered.set()
+            await all_answered.wait()  # held open until every one has its answer
+
+    async with (
+        gateway_endpoint(conn, "127.0.0.1", 0, API_KEY, max_streams=2) as url,
+        httpx.AsyncClient(timeout=20) as http,
+        anyio.create_task_group() as tg,
+    ):
+        for _ in range(20):
+            tg.start_soon(ask, http, url)
+    assert sorted(statuses) == [200] * 2 + [503] * 18
+
+
+async def test_a_body_over_the_limit_is_413_to_a_client_still_sending_it(
+    conn: Connection,
+) -> None:
+    async with gateway_endpoint(conn, "127.0.0.1", 0, API_KEY) as url, httpx.AsyncClient() as http:
+        answer = await http.post(url, content=b"x" * 8_000_000, headers={"X-API-Key": API_KEY})
+    assert answer.status_code == 413

@@ -139,3 +139,8 @@ async def test_a_served_capability_is_never_folded_and_a_spoiled_stream_reads_as
     assert [row.capability for row in stats.capabilities] == ["made.up1", "text.echo", "_other"]
     assert [(i.instance_id, i.stream) for i in stats.instances] == [("a-1", 0)]
     assert 'agent_reach_waiting_messages{capability="text.echo"} 0.0' in page
+    # a card may list any number of capabilities: served first, but never past the cap
+    many = tuple(f"served.n{n:02d}" for n in range(50))
+    await Registry(conn).register(card("b-1", many), credits=1)
+    rows = [row.capability for row in (await backlog_stats(conn, most=10)).capabilities]
+    assert len(rows) == 11 and rows[-1] == "_other" and "made.up1" not in rows

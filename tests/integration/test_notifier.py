@@ -20,7 +20,7 @@ import anyio
 import msgspec
 import pytest
 from starlette.applications import Starlette
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from adapters.asgi import serve_app
@@ -773,3 +773,22 @@ async def test_a_receiver_s_body_is_never_read(settings: Settings) -> None:
         attempt = await poster.attempt(msgspec.structs.replace(delivery, url=url + "hook"))
     # read, the body ran past the deadline: "no answer within 5 s", and a retry
     assert attempt.delivered and attempt.detail == "answered 200"
+
+
+async def test_deliveries_to_a_receiver_with_a_short_answer_share_a_connection(
+    settings: Settings,
+) -> None:
+    """Closing every answer unread dropped every connection: a TLS handshake a delivery."""
+    ports: list[int] = []
+
+    async def short(request: Any) -> JSONResponse:
+        ports.append(request.client.port)
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route("/hook", short, methods=["POST"])])
+    delivery = OutboxEntry(message_id="m-1", webhook_id="w-1", url="", body=b"{}")
+    async with serve_app(app) as url, WebhookPoster(hook_settings(settings)) as poster:
+        for _ in range(5):
+            attempt = await poster.attempt(msgspec.structs.replace(delivery, url=url + "hook"))
+            assert attempt.delivered
+    assert len(ports) == 5 and len(set(ports)) == 1
