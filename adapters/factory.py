@@ -12,13 +12,13 @@ import importlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from broker.envelope import MESSAGE_ID_PATTERN, capability_problem
 from broker.errors import ReachError
 from broker.events import printable
 from broker.ids import new_message_id
 from broker.records import MAX_DESCRIPTION_CHARS, MAX_EXAMPLE_CHARS, MAX_EXAMPLES, InstanceCard
+from broker.webhooks import http_url_parts
 
 from .a2a_wire import AgentCardView, skill_capabilities
 from .http import HttpAsyncTransport, HttpTransport
@@ -101,11 +101,10 @@ def check_http_url(url: str, option: str) -> None:
     """Refuse what is no ``http://`` or ``https://`` URL of a host with a port that parses:
     taken, it registered an instance whose every call failed ("agent unreachable")."""
     try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - parsed only to be checked: out of range raises
+        parts = http_url_parts(url)
     except ValueError as exc:
         raise SidecarOptionError(f"{url!r}: not a URL ({exc})", option) from exc
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if parts is None:
         raise SidecarOptionError(f"{url!r}: an http:// or https:// URL with a host", option)
 
 

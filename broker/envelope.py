@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from .errors import InvalidEnvelope
+from .errors import InvalidEnvelope, quoted
 from .headers import (
     headers_problem,
     idempotency_key_problem,
@@ -125,8 +125,7 @@ def capability_problem(value: str) -> str | None:
     try:
         msgspec.convert(value, Capability)
     except msgspec.ValidationError:
-        shown = repr(value) if len(value) <= 130 else f"{value[:120]!r}… ({len(value)} characters)"
-        return f"{shown}: {CAPABILITY_RULE}"
+        return f"{quoted(value)}: {CAPABILITY_RULE}"
     return None
 
 

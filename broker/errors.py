@@ -33,6 +33,12 @@ import re
 from typing import Any
 
 
+def quoted(value: str) -> str:
+    """``value`` as a message quotes it: its ``repr``, cut to 120 characters past 130, with
+    its length (a refusal repeats what it refuses; an attacker chooses how long that is)."""
+    return repr(value) if len(value) <= 130 else f"{value[:120]!r}… ({len(value)} characters)"
+
+
 class ReachError(Exception):
     """Root of every error raised by Agent-Reach."""
 

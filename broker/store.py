@@ -444,7 +444,7 @@ def _record(message_id: str, flat: Any) -> MessageRecord | None:
 def stages_read(replies: list[Any]) -> list[Stage | None]:
     """The answers of :meth:`MessageStore.stage_commands`: each stage, or ``None`` (also
     for a record key of another type: see :func:`_record`)."""
-    refused = [r for r in replies if isinstance(r, RedisReplyError) and r.permission_refused]
-    if refused:
-        raise refused[0]
-    return [STAGE_OF.get(r) if isinstance(r, bytes) else None for r in errors_in_place(replies)]
+    for reply in errors_in_place(replies):
+        if isinstance(reply, RedisReplyError) and reply.permission_refused:
+            raise reply
+    return [STAGE_OF.get(r) if isinstance(r, bytes) else None for r in replies]

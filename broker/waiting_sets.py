@@ -198,18 +198,18 @@ class WaitingSets:
     ) -> dict[str, list[tuple[str, int]]]:
         """``(message_id, priority)`` in each capability's waiting set from ``(start, count)``,
         in waiting order: one round trip. A set that cannot be read is left out
-        (:meth:`_readable`), and a member no park writes is removed (:meth:`_sorted_out`)."""
+        (:meth:`_readable`), and a member no park writes (no message id, or a score that is
+        not finite) is removed."""
         replies = await self._windows(self.keys.waiting, windows, "WITHSCORES")
         heads: dict[str, list[tuple[str, int]]] = {}
         junk: list[tuple[str, bytes]] = []
         for capability, flat in replies.items():
-            scored = [(flat[i], float(flat[i + 1])) for i in range(0, len(flat), 2)]
-            ids = self._sorted_out(
-                capability, [m for m, score in scored if math.isfinite(score)], junk
-            )
-            junk += [(capability, m) for m, score in scored if not math.isfinite(score)]
-            scores = dict(scored)
-            heads[capability] = [(i, split_score(scores[i.encode()])[0]) for i in ids]
+            head = heads[capability] = []
+            for member, score in zip(flat[::2], map(float, flat[1::2]), strict=True):
+                if math.isfinite(score) and _ID.match(member):
+                    head.append((member.decode(), split_score(score)[0]))
+                else:
+                    junk.append((capability, member))
         await self._remove(self.keys.waiting, junk)
         return heads
 

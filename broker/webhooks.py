@@ -35,7 +35,9 @@ import ipaddress
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
+
+from .errors import quoted
 
 # Standard Webhooks: what counts
 WEBHOOK_ID_HEADER = "webhook-id"
@@ -345,20 +347,24 @@ def _allow_hint(address: IPAddress) -> str:
 # -- callback URLs ---------------------------------------------------------------------------
 
 
-def _shown(url: str) -> str:
-    return repr(url) if len(url) <= 130 else f"{url[:120]!r}… ({len(url)} characters)"
+def http_url_parts(url: str) -> SplitResult | None:
+    """``url`` split, when it is an ``http://`` or ``https://`` URL of a host whose port
+    parses, else ``None``: every URL the broker and its sidecars call out to. What does not
+    parse at all raises ``ValueError``."""
+    parts = urlsplit(url)
+    parts.port  # noqa: B018 - read only to be checked: a port out of range raises
+    return parts if parts.scheme in ("http", "https") and parts.hostname else None
 
 
 def callback_url_problem(url: str) -> str | None:
     """Why ``url`` is no http(s) URL with a host, or ``None``: the part of
     :func:`callback_problem` that needs no settings (``send`` checks it before it sends)."""
     try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - parsed only to be checked: out of range raises
+        parts = http_url_parts(url)
     except ValueError as exc:
-        return f"callback_url {_shown(url)} is not a valid URL: {exc}"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return f"callback_url {_shown(url)} must be an http:// or https:// URL with a host"
+        return f"callback_url {quoted(url)} is not a valid URL: {exc}"
+    if parts is None:
+        return f"callback_url {quoted(url)} must be an http:// or https:// URL with a host"
     return None
 
 
