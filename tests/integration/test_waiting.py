@@ -101,12 +101,16 @@ async def test_saturated_work_waits_bounded_and_completes_in_priority_order(
         timeline = await store.get_timeline(message_id)
         stages = [e.stage for e in timeline]
         if Stage.WAITING in stages:
-            # when the drain first offered it a credit: its first ROUTED (it was accepted into
-            # WAITING). The offer may be refused (the dispatcher's view of a credit is a hint a
-            # late notification can outdate): it waits again at the head, and a younger
-            # message offered in the same pass to another instance may go first. Its delivery
-            # follows a ROUTED all the same.
-            offered[message_id] = timeline[stages.index(Stage.ROUTED)].ts_ms
+            # when the drain first offered it a credit: its first ROUTED after it first
+            # waited. (A message the dispatcher routed on arrival, to an instance whose credits
+            # were all taken meanwhile, was refused and sent to WAITING: that ROUTED came
+            # before it waited, before the urgent one existed, and is not the drain's.) The
+            # drain's offer may be refused too (its view of a credit is a hint a late
+            # notification can outdate): it waits again at the head, and a younger message
+            # offered in the same pass to another instance may go first. Its delivery follows
+            # a ROUTED all the same.
+            first_wait = stages.index(Stage.WAITING)
+            offered[message_id] = timeline[stages.index(Stage.ROUTED, first_wait)].ts_ms
             assert stages[stages.index(Stage.RECEIVED) - 1] is Stage.ROUTED
             accepted[message_id] = record.accepted_ms
     assert len(offered) == n - 3  # the four that never waited are not part of the order
