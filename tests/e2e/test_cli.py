@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tomllib
 from pathlib import Path
 
 import anyio
@@ -415,3 +416,28 @@ def test_a_sidecar_refuses_addresses_and_words_it_cannot_use(extra: list[str], s
 
     assert result.exit_code == 2, result.output
     assert says in result.output
+
+
+def test_config_hides_secrets_unless_asked() -> None:
+    """The webhook secret and URL passwords never reach the output by default; a TOML line
+    holding one is a comment (the output still loads back); --show-secrets prints them."""
+    env = {
+        "AGENT_REACH_REDIS_URL": "redis://app:s3cret-pw@127.0.0.1:6379/0",
+        "AGENT_REACH_WEBHOOK_SECRET": "whsec_" + "k" * 32,
+        "AGENT_REACH_EMBEDDING_URL": "http://:tok3n@127.0.0.1:8000/v1",
+    }
+    text = CliRunner().invoke(main, ["config"], env=env)
+    assert text.exit_code == 0, text.output
+    assert "s3cret-pw" not in text.output and "k" * 32 not in text.output
+    assert "tok3n" not in text.output
+    assert '# redis_url = "redis://app:<hidden>@127.0.0.1:6379/0"' in text.output
+    assert "# webhook_secret = " in text.output
+    loaded = tomllib.loads(text.output)
+    assert "redis_url" not in loaded and "webhook_secret" not in loaded
+    assert loaded["load_cut"] == 0.9
+    as_json = json.loads(CliRunner().invoke(main, ["config", "--json"], env=env).output)
+    assert as_json["redis_url"] == "redis://app:<hidden>@127.0.0.1:6379/0"
+    assert as_json["webhook_secret"] == "<hidden>"
+    shown = CliRunner().invoke(main, ["config", "--show-secrets", "--json"], env=env).output
+    assert json.loads(shown)["redis_url"] == env["AGENT_REACH_REDIS_URL"]
+    assert json.loads(shown)["webhook_secret"] == env["AGENT_REACH_WEBHOOK_SECRET"]

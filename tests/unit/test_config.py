@@ -20,6 +20,7 @@ from broker.config import (
     load_settings,
 )
 from broker.errors import ConfigError
+from broker.redaction import url_without_password
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -311,7 +312,7 @@ def test_governance_keys_load_from_toml_and_print_back(tmp_path: Path) -> None:
     assert settings.rate_limits.tenant["team-a"].burst == 5
     assert settings.intent_rules[0].priority == 99
     assert settings.intent_rules[1].match == "\U0001f4b8|caf\u00e9\x7f"  # past U+FFFF, DEL
-    printed = CliRunner().invoke(main, ["config", "--config", str(path)], env={})
+    printed = CliRunner().invoke(main, ["config", "--config", str(path), "--show-secrets"], env={})
     assert printed.exit_code == 0, printed.output
     shown = tomllib.loads(
         "\n".join(line for line in printed.output.splitlines() if not line.startswith("#"))
@@ -441,3 +442,18 @@ def test_json_in_an_environment_variable_nested_too_deeply_is_refused() -> None:
     assert error.key == "intent_rules" and "nested 30000 levels deep" in error.problem
     said = config_error(environ={"AGENT_REACH_BUDGETS": "{"}).problem
     assert said.startswith("expected JSON: ")
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379"),
+        ("redis://user@h:1", "redis://user@h:1"),
+        ("redis://:pw@h:1/2?x=1", "redis://:<hidden>@h:1/2?x=1"),
+        ("rediss://u:p:w@h", "rediss://u:<hidden>@h"),
+        ("http://u:p@[::1", "http://u:p@[::1"),  # malformed: left to validation
+        ("not a url", "not a url"),
+    ],
+)
+def test_url_without_password(url: str, shown: str) -> None:
+    assert url_without_password(url) == shown

@@ -26,6 +26,7 @@ PURE = [
     "acl_commands",
     "config",
     "redis_url",
+    "redaction",
     "governance",
     "usage",
     "budgets",

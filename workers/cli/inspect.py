@@ -18,6 +18,7 @@ from broker.errors import UnknownMessage
 from broker.events import printable
 from broker.health import observed_state
 from broker.records import InstanceView
+from broker.redaction import hide_secrets
 from broker.registry import Registry
 from broker.routing import factors
 from broker.stats import BacklogStats, backlog_stats
@@ -51,15 +52,25 @@ def redis_url_command() -> None:
 @click.command()
 @redis_options
 @click.option("--json", "as_json", is_flag=True, help="The effective configuration as JSON.")
-def config(settings: Settings, as_json: bool) -> None:
-    """Print the effective configuration (defaults < file < environment < flags)."""
+@click.option(
+    "--show-secrets",
+    is_flag=True,
+    help="Print the webhook secret and URL passwords too (hidden by default).",
+)
+def config(settings: Settings, as_json: bool, show_secrets: bool) -> None:
+    """Print the effective configuration (defaults < file < environment < flags). Secrets are
+    hidden unless --show-secrets: in TOML, a line holding one is printed as a comment, so the
+    output still loads back (without that key)."""
     values = msgspec.to_builtins(settings)
+    shown = values if show_secrets else hide_secrets(values)
     if as_json:
-        click.echo(json.dumps(values, indent=2))
+        click.echo(json.dumps(shown, indent=2))
         return
-    for key, value in values.items():
+    for key, value in shown.items():
         if value is None:
             click.echo(f"# {key} is not set")
+        elif value != values[key]:
+            click.echo(f"# {key} = {toml_value(value)}  (secret hidden; --show-secrets prints it)")
         else:
             click.echo(f"{key} = {toml_value(value)}")
 
