@@ -129,3 +129,23 @@ def test_a_full_page_none_of_it_read_is_followed_from_its_oldest() -> None:
     where, lost = resume_point("5-0", READ, tail, "1-0")
     assert where == just_before(tail[-1]) and lost is not None and tail[-1] in lost
     assert just_before("7-3") == "7-2" and just_before("7-0") == f"6-{2**64 - 1}"
+
+
+@pytest.mark.parametrize(
+    ("stored", "shown"),
+    [
+        ("ok\u2028fake line", "ok\\u2028fake line"),
+        ("ok\u2029para", "ok\\u2029para"),
+        ("pay \u202eusd 001\u202c", "pay \\u202eusd 001\\u202c"),  # right-to-left override
+        ("\u2066isolate\u2069 \u200fmark\u200e", "\\u2066isolate\\u2069 \\u200fmark\\u200e"),
+        ("zero\u200bwidth\ufeff\u061c", "zero\\u200bwidth\\ufeff\\u061c"),
+        (
+            "caf\u00e9 \U0001f468\u200d\U0001f469 \u4e2d",
+            "caf\u00e9 \U0001f468\u200d\U0001f469 \u4e2d",
+        ),
+    ],
+)
+def test_printable_escapes_what_would_reorder_or_break_a_line(stored: str, shown: str) -> None:
+    from broker.events import printable
+
+    assert printable(stored) == shown
