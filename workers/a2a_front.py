@@ -165,3 +165,21 @@ def rpc_result(request_id: Any, result: Any) -> dict[str, Any]:
 
 def rpc_error(request_id: Any, code: int, message: str) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
+
+
+def is_request_id(value: Any) -> bool:
+    """A JSON-RPC id: a string, a number or null (never a boolean, an object, a list)."""
+    return value is None or (isinstance(value, str | int | float) and not isinstance(value, bool))
+
+
+def request_problem(call: Any) -> tuple[int, str] | None:
+    """Why ``call`` is no JSON-RPC 2.0 request object (code and message), or ``None``."""
+    if not isinstance(call, dict):  # a batch, too: A2A sends one request a POST
+        return INVALID_REQUEST, "a JSON-RPC request object"
+    if call.get("jsonrpc") != "2.0":
+        return INVALID_REQUEST, 'a JSON-RPC 2.0 request: "jsonrpc" must be "2.0"'
+    if not is_request_id(call.get("id")):
+        return INVALID_REQUEST, '"id" must be a string, a number or null'
+    if not isinstance(call.get("method"), str):
+        return INVALID_REQUEST, '"method" must be a string'
+    return None

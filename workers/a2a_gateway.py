@@ -20,6 +20,7 @@ gateway refuses to listen off loopback without one. Bodies over 1 MB are 413.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -50,7 +51,6 @@ from broker.webhooks import callback_problem
 from .a2a_front import (
     API_KEY_HEADER,
     INVALID_PARAMS,
-    INVALID_REQUEST,
     METHOD_NOT_FOUND,
     PARSE_ERROR,
     SERVER_BUSY,
@@ -60,6 +60,8 @@ from .a2a_front import (
     UNSUPPORTED,
     SendRequest,
     agent_card,
+    is_request_id,
+    request_problem,
     rpc_error,
     rpc_result,
     send_request,
@@ -85,6 +87,8 @@ MAX_CONNECTIONS = 1024
 # A refusal sent before the body is read closes the connection: kept open, the server would
 # go on reading whatever body the refused client trickles in.
 CLOSE = {"Connection": "close"}
+# methods that answer with a stream: sent as a notification, there is no one to stream to
+STREAMING = frozenset({"SendStreamingMessage"})
 BLOCKING_TIMEOUT_S = 300.0  # a blocking send's deadline, when the client gives none
 
 Handler = Callable[[Any, Any], Awaitable[dict[str, Any] | Response]]
@@ -148,10 +152,18 @@ class Gateway:
             call = msgspec.json.decode(body)
         except (msgspec.DecodeError, RecursionError):
             return JSONResponse(rpc_error(None, PARSE_ERROR, "the body is not JSON"))
-        if not isinstance(call, dict):  # a batch, too: A2A sends one request a POST
-            return JSONResponse(rpc_error(None, INVALID_REQUEST, "a JSON-RPC request object"))
-        request_id, method = call.get("id"), call.get("method")
-        handler = self._methods.get(method) if isinstance(method, str) else None
+        if problem := request_problem(call):
+            request_id = call.get("id") if isinstance(call, dict) else None
+            return JSONResponse(
+                rpc_error(request_id if is_request_id(request_id) else None, *problem)
+            )
+        request_id, method = call.get("id"), call["method"]
+        handler = self._methods.get(method)
+        if "id" not in call:  # a notification: run, never answered (JSON-RPC 2.0, section 4.1)
+            if handler is not None and method not in STREAMING:  # a stream has no reader
+                with contextlib.suppress(ReachError):
+                    await handler(None, call.get("params"))
+            return Response(status_code=204)
         if handler is None:
             return JSONResponse(rpc_error(request_id, METHOD_NOT_FOUND, f"no method {method!r}"))
         try:

@@ -365,12 +365,53 @@ async def test_a_batch_or_a_body_that_is_no_request_object_is_an_invalid_request
     conn: Connection,
 ) -> None:
     call = {"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": "x"}}
+    no_version = {k: v for k, v in call.items() if k != "jsonrpc"}
+    bodies = [
+        [call],
+        7,
+        "GetTask",
+        no_version,
+        {**call, "jsonrpc": "1.0"},
+        {**call, "id": {"a": 1}},
+        {**call, "id": True},
+        {**call, "method": ["GetTask"]},
+    ]
     async with gateway_endpoint(conn, "127.0.0.1", 0, API_KEY) as url, httpx.AsyncClient() as http:
         answers = [
-            await http.post(url, json=body, headers={"X-API-Key": API_KEY})
-            for body in ([call], 7, "GetTask")
+            await http.post(url, json=body, headers={"X-API-Key": API_KEY}) for body in bodies
         ]
-    assert [a.json()["error"]["code"] for a in answers] == [-32600] * 3
+    assert [a.json()["error"]["code"] for a in answers] == [-32600] * len(bodies)
+    # the id is echoed where it is one, null where it is not
+    assert [a.json()["id"] for a in answers[3:]] == [1, 1, None, None, 1]
+
+
+async def test_a_notification_is_run_and_never_answered(conn: Connection) -> None:
+    """A request without an id is a notification: JSON-RPC 2.0 says the server must not
+    reply. It is run (a send is sent) and the POST gets an empty 204; one the gateway cannot
+    run (no such method, bad params) is not answered either."""
+    message = {"messageId": "m-1", "role": "ROLE_USER", "parts": [{"text": "hi"}]}
+    send = {
+        "message": {**message, "metadata": {"capability": "text.echo"}},
+        "configuration": {"returnImmediately": True},
+    }
+    calls = [
+        {"jsonrpc": "2.0", "method": "SendMessage", "params": send},
+        {"jsonrpc": "2.0", "method": "GetTask", "params": {"id": "x"}},
+        {"jsonrpc": "2.0", "method": "NoSuchMethod"},
+        {"jsonrpc": "2.0", "method": "SendMessage", "params": {"message": 7}},
+        {"jsonrpc": "2.0", "method": "SendStreamingMessage", "params": send},
+    ]
+    async with (
+        running_dispatcher(conn),
+        gateway_endpoint(conn, "127.0.0.1", 0, API_KEY) as url,
+        httpx.AsyncClient() as http,
+    ):
+        answers = [
+            await http.post(url, json=call, headers={"X-API-Key": API_KEY}) for call in calls
+        ]
+    assert [(a.status_code, a.content) for a in answers] == [(204, b"")] * len(calls)
+    records = await conn.call("KEYS", conn.keys.record("*"))
+    assert len(records) == 1  # the send's; the stream was never started
 
 
 async def test_streams_asked_for_at_once_are_held_to_the_cap(conn: Connection) -> None:
