@@ -25,7 +25,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -38,6 +38,7 @@ from starlette.types import Receive, Scope, Send
 from adapters.asgi import serve_app
 from adapters.callbacks import Answer, read_body
 from broker.client import Client
+from broker.config import answer_grace_s
 from broker.connection import Connection
 from broker.envelope import Envelope
 from broker.errors import ReachError, RequestTimeout
@@ -73,6 +74,7 @@ from .gateway_ids import gateway_secret, mint_task_id, minted_here
 from .task_cancel import cancel_agent_task
 
 log = logging.getLogger("agent_reach.a2a_gateway")
+T = TypeVar("T")
 
 MAX_BODY_BYTES = 1024 * 1024
 CARD_FRESH_S = 2.0
@@ -105,6 +107,7 @@ class Gateway:
         self.url = url
         self.api_key = api_key
         self.body_timeout_s = BODY_TIMEOUT_S
+        self.task_timeout_s = BLOCKING_TIMEOUT_S  # a task's deadline (tests shorten it)
         self.streams = 0  # open now
         self.max_streams = MAX_STREAMS
         self._card: tuple[float, dict[str, Any]] | None = None
@@ -157,19 +160,27 @@ class Gateway:
             return JSONResponse(
                 rpc_error(request_id if is_request_id(request_id) else None, *problem)
             )
+        return await self._answer(request, call)
+
+    async def _answer(self, request: Request, call: dict[str, Any]) -> Response:
+        """Run a valid request object's method; a notification (no ``id``) is run and never
+        answered (JSON-RPC 2.0, section 4.1) but for a stream, which no one would read."""
         request_id, method = call.get("id"), call["method"]
         handler = self._methods.get(method)
-        if "id" not in call:  # a notification: run, never answered (JSON-RPC 2.0, section 4.1)
-            if handler is not None and method not in STREAMING:  # a stream has no reader
+        if "id" not in call:
+            if handler is not None and method not in STREAMING:
                 with contextlib.suppress(ReachError):
-                    await handler(None, call.get("params"))
+                    await until_gone(request, lambda: handler(None, call.get("params")))
             return Response(status_code=204)
         if handler is None:
             return JSONResponse(rpc_error(request_id, METHOD_NOT_FOUND, f"no method {method!r}"))
         try:
-            answer = await handler(request_id, call.get("params"))
+            answer = await until_gone(request, lambda: handler(request_id, call.get("params")))
         except ReachError as exc:  # an envelope refused, Redis unavailable: said as it is
             answer = rpc_error(request_id, INVALID_PARAMS, str(exc))
+        if answer is None:
+            log.info("the client went away: %s %r no longer answered", method, request_id)
+            return Response(status_code=499)  # no one reads it
         return answer if isinstance(answer, Response) else JSONResponse(answer)
 
     def _browser_refusal(self, request: Request) -> str | None:
@@ -219,7 +230,7 @@ class Gateway:
             result = await self.client.request(
                 asked.capability,
                 asked.payload,
-                timeout=BLOCKING_TIMEOUT_S,
+                timeout=self.task_timeout_s,
                 id=mint_task_id(self.secret),
                 **fields,
             )
@@ -233,7 +244,7 @@ class Gateway:
             id=mint_task_id(self.secret),
             capability=capability,
             payload=msgspec.Raw(msgspec.json.encode(payload)),
-            timeout_s=BLOCKING_TIMEOUT_S,
+            timeout_s=self.task_timeout_s,
             **fields,
         )
         return await self.client.submit(envelope)
@@ -303,7 +314,8 @@ class Gateway:
         stage is on the timeline, however fast it moved), the result, and the end."""
         yield _event(request_id, {"task": task_json(message_id, Stage.ACCEPTED)})
         seen, said, pause = 0, STATE_OF[Stage.ACCEPTED], STREAM_POLL_S
-        with anyio.move_on_after(BLOCKING_TIMEOUT_S):
+        # the task's deadline and the reaper's grace past it: its EXPIRED ends the stream
+        with anyio.move_on_after(self.task_timeout_s + answer_grace_s(self.conn.settings)):
             while True:
                 timeline = await self.store.get_timeline(message_id)
                 # looked at again soon while it moves, and less often while it waits
@@ -348,6 +360,31 @@ class _Stream(StreamingResponse):
             self._ended()
 
 
+async def until_gone(request: Request, call: Callable[[], Awaitable[T]]) -> T | None:
+    """``call()``'s answer, or ``None`` once the client has gone away: a blocking send whose
+    caller hung up stops waiting for an outcome no one will read (the message itself goes
+    on; ``GetTask`` finds it)."""
+    answered: list[T] = []
+    failed: list[Exception] = []
+
+    async def answer(scope: anyio.CancelScope) -> None:
+        try:
+            answered.append(await call())
+        except Exception as exc:  # raised as itself below, not in a group
+            failed.append(exc)
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(answer, tg.cancel_scope)
+        # the body is read: the next message a server sends the app is the disconnect
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        tg.cancel_scope.cancel()
+    if failed:
+        raise failed[0]
+    return answered[0] if answered else None
+
+
 def _event(request_id: Any, result: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(rpc_result(request_id, result)) + b"\n\n"
 
@@ -361,6 +398,7 @@ async def gateway_endpoint(
     public_url: str | None = None,
     *,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    task_timeout_s: float = BLOCKING_TIMEOUT_S,
     max_streams: int = MAX_STREAMS,
 ) -> AsyncIterator[str]:
     """Serve the gateway for the block's life; yields the URL it announces in its card."""
@@ -368,6 +406,7 @@ async def gateway_endpoint(
         secret = await gateway_secret(conn)
         gateway = Gateway(conn, client, url="", api_key=api_key, secret=secret)
         gateway.body_timeout_s, gateway.max_streams = body_timeout_s, max_streams
+        gateway.task_timeout_s = task_timeout_s
         async with serve_app(
             gateway.app(),
             host,

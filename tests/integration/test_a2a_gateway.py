@@ -3,6 +3,7 @@ a real dispatcher, sidecars and HTTP agents behind it on real Redis."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -446,3 +447,50 @@ async def test_a_body_over_the_limit_is_413_to_a_client_still_sending_it(
     async with gateway_endpoint(conn, "127.0.0.1", 0, API_KEY) as url, httpx.AsyncClient() as http:
         answer = await http.post(url, content=b"x" * 8_000_000, headers={"X-API-Key": API_KEY})
     assert answer.status_code == 413
+
+
+async def test_a_blocking_send_stops_waiting_when_its_client_hangs_up(
+    conn: Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A blocking send waited up to 300 s for an outcome after its caller had gone: the
+    connection's slot was free again, the wait was not, so a client that hung up at once
+    could pile up waits without bound. The message itself goes on."""
+    caplog.set_level(logging.INFO, logger="agent_reach.a2a_gateway")
+    message = {"messageId": "m-1", "role": "ROLE_USER", "parts": [{"text": "hi"}]}
+    params = {"message": {**message, "metadata": {"capability": "text.nobody"}}}
+    body = {"jsonrpc": "2.0", "id": 9, "method": "SendMessage", "params": params}
+    async with (
+        running_dispatcher(conn),
+        gateway_endpoint(conn, "127.0.0.1", 0, API_KEY) as url,
+        httpx.AsyncClient() as http,
+    ):
+        with pytest.raises(httpx.ReadTimeout):  # no one serves text.nobody: it waits
+            await http.post(url, json=body, headers={"X-API-Key": API_KEY}, timeout=1.0)
+
+        async def gave_up() -> bool:
+            return "SendMessage 9 no longer answered" in caplog.text
+
+        await eventually(gave_up, timeout_s=10)
+    records = await conn.call("KEYS", conn.keys.record("*"))
+    assert len(records) == 1  # sent all the same, and left to run
+
+
+async def test_a_stream_whose_task_expires_ends_with_that_state(conn: Connection) -> None:
+    """A stream gave up at the task's deadline, just before the reaper wrote EXPIRED: it
+    ended with the task still SUBMITTED, and no final state. It waits the reaper's grace
+    too, so its last event is the task's end."""
+    message = {"messageId": "m-1", "role": "ROLE_USER", "parts": [{"text": "hi"}]}
+    params = {"message": {**message, "metadata": {"capability": "nobody.here"}}}
+    body = {"jsonrpc": "2.0", "id": 1, "method": "SendStreamingMessage", "params": params}
+    async with (
+        running_dispatcher(conn),
+        gateway_endpoint(conn, "127.0.0.1", 0, API_KEY, task_timeout_s=1.0) as url,
+        httpx.AsyncClient(timeout=30) as http,
+        http.stream("POST", url, json=body, headers={"X-API-Key": API_KEY}) as stream,
+    ):
+        lines = [line async for line in stream.aiter_lines()]
+    events = [msgspec.json.decode(line[6:])["result"] for line in lines if line[:6] == "data: "]
+    last = events[-1]["statusUpdate"]["status"]
+    assert last["state"] == "TASK_STATE_FAILED", events
+    # EXPIRED, with why nothing served it
+    assert "no instance serves 'nobody.here'" in msgspec.json.encode(last).decode(), last
