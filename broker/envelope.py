@@ -23,6 +23,7 @@ from .headers import (
 )
 from .ids import new_message_id
 from .jsondepth import MAX_JSON_DEPTH, decode_error_text, depth_problem
+from .webhooks import MAX_URL_LENGTH
 
 # `(?!\n)$`: Python's `$` also matches before a final newline; ECMA's (the schema's) does not.
 CAPABILITY_PATTERN = r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)+(?!\n)$"
@@ -43,7 +44,7 @@ TagText = Annotated[str, msgspec.Meta(max_length=256)]
 Tags = Annotated[dict[TagText, TagText], msgspec.Meta(max_length=64)]
 ReplyTo = Annotated[str, msgspec.Meta(max_length=MAX_REPLY_TO)]
 Target = Annotated[str, msgspec.Meta(pattern=MESSAGE_ID_PATTERN)]
-CallbackUrl = Annotated[str, msgspec.Meta(max_length=2048)]
+CallbackUrl = Annotated[str, msgspec.Meta(max_length=MAX_URL_LENGTH)]
 # Tenants label counters and name budget keys: a short printable word.
 # printable ASCII, no spaces; not "-", which stands for no tenant in usage (broker.usage)
 TENANT_PATTERN = r"^(?!-$)[\x21-\x7e]{1,128}$"

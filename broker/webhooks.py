@@ -346,6 +346,9 @@ def _allow_hint(address: IPAddress) -> str:
 
 # -- callback URLs ---------------------------------------------------------------------------
 
+# the longest URL results or events are POSTed to (an envelope's callback_url, a subscription)
+MAX_URL_LENGTH = 2048
+
 
 def http_url_parts(url: str) -> SplitResult | None:
     """``url`` split, when it is an ``http://`` or ``https://`` URL of a host whose port
@@ -357,8 +360,11 @@ def http_url_parts(url: str) -> SplitResult | None:
 
 
 def callback_url_problem(url: str) -> str | None:
-    """Why ``url`` is no http(s) URL with a host, or ``None``: the part of
-    :func:`callback_problem` that needs no settings (``send`` checks it before it sends)."""
+    """Why ``url`` is no http(s) URL with a host of at most :data:`MAX_URL_LENGTH`
+    characters, or ``None``: the part of :func:`callback_problem` that needs no settings
+    (``send`` checks it before it sends)."""
+    if len(url) > MAX_URL_LENGTH:
+        return f"callback_url {quoted(url)} is longer than {MAX_URL_LENGTH} characters"
     try:
         parts = http_url_parts(url)
     except ValueError as exc:

@@ -362,6 +362,9 @@ async def test_subscribe_refuses_a_bad_url_an_unknown_type_and_no_secret(
     assert bad_url.exit_code == 2 and "not allowed" in bad_url.output
     not_http = await cli(hooks, "subscribe", "--url", "ftp://127.0.0.1/x")
     assert not_http.exit_code == 2 and "http://" in not_http.output
+    too_long = await cli(hooks, "subscribe", "--url", "http://127.0.0.1:9/" + "a" * 2100)
+    assert too_long.exit_code == 2 and "longer than 2048 characters" in too_long.output
+    assert len(too_long.output) < 600  # the URL is quoted cut short
     unknown = await cli(hooks, "subscribe", "--url", "http://127.0.0.1:9/h", "--event", "x.y")
     assert unknown.exit_code == 2 and "instance.state_changed" in unknown.output
     secretless = msgspec.structs.replace(hooks, webhook_secret=None)

@@ -77,6 +77,9 @@ def test_a_subscription_is_checked_like_a_callback_url() -> None:
         subscription_problem("http://127.0.0.1/", [], ["127.0.0.1"], None) or ""
     )
     assert subscription_problem("http://127.0.0.1/", ["message.dead"], ["127.0.0.1"], "k") is None
+    longest = "http://127.0.0.1/" + "a" * (2048 - 17)
+    assert subscription_problem(longest, [], ["127.0.0.1"], "k") is None
+    assert "longer than 2048" in (subscription_problem(longest + "a", [], ["127.0.0.1"], "k") or "")
 
 
 def test_no_message_id_passes_for_an_event_delivery() -> None:
