@@ -30,7 +30,7 @@ from tests.support.harness import (
 )
 from tests.support.processes import AGENT_REACH, process_env
 from workers.cli import main
-from workers.cli.common import FiniteRange
+from workers.cli.common import FiniteRange, ListenHost
 
 
 def all_commands() -> list[list[str]]:
@@ -213,6 +213,8 @@ async def test_weight_drain_and_agents_show_the_reach_factors(
             await sidecar.stopped.wait()  # it saw DRAINING on its heartbeat and stopped
     code, out = await cli(settings, "weight", "nobody-1", "1")
     assert code == 1 and "unknown instance 'nobody-1'" in out
+    code, out = await cli(settings, "weight", "a-1", "-1")  # a value, not an option
+    assert code == 2 and "-1.0 is not in the range 0<=x<=1000" in out
     code, out = await cli(settings, "drain", "nobody-1")
     assert code == 1 and "unknown instance 'nobody-1'" in out
 
@@ -282,6 +284,8 @@ async def test_stats_shows_waiting_work_and_credits(conn: Connection, settings: 
 async def test_an_error_inside_a_command_is_one_line_not_a_traceback(settings: Settings) -> None:
     code, out = await cli(settings, "weight", "nobody-1", "1")
     assert code == 1 and "unknown instance 'nobody-1'" in out
+    code, out = await cli(settings, "weight", "a-1", "-1")  # a value, not an option
+    assert code == 2 and "-1.0 is not in the range 0<=x<=1000" in out
     assert "Traceback" not in out and "ExceptionGroup" not in out
 
 
@@ -371,6 +375,29 @@ def test_every_number_an_option_takes_is_bounded_and_finite() -> None:
         )
     ]
     assert not unbounded, unbounded
+
+
+def test_every_address_to_listen_on_is_named() -> None:
+    """`demo-agent --host ''` listened on every interface: a server binds an empty address
+    to all of them. Each listening address refuses one that names nothing."""
+    hosts = [
+        (name, param.name)
+        for name, command in commands(main)
+        for param in command.params
+        if param.name in ("host", "callback_host")
+    ]
+    assert len(hosts) >= 4, hosts  # console, a2a-gateway, demo-agent, sidecar
+    assert [h for h in hosts if not isinstance(param_of(*h).type, ListenHost)] == []
+    for argv in (["demo-agent", "--host", ""], ["console", "--host", " "]):
+        result = CliRunner().invoke(main, argv)
+        assert result.exit_code == 2 and "0.0.0.0 or :: to listen on every" in result.output
+    result = CliRunner().invoke(main, ["a2a-gateway", "--host", "a\nb"])
+    assert result.exit_code == 2 and "is no host name or IP address" in result.output
+
+
+def param_of(command_name: str, param_name: str | None) -> click.Parameter:
+    command = dict(commands(main))[command_name]
+    return next(p for p in command.params if p.name == param_name)
 
 
 @pytest.mark.parametrize(

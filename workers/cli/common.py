@@ -114,6 +114,21 @@ class FiniteRange(click.FloatRange):
         return number
 
 
+class ListenHost(click.types.StringParamType):
+    """An address to listen on, named: an empty one would listen on every interface (a
+    server binds ``""`` to all of them), which must be asked for as such."""
+
+    name = "address"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        text = super().convert(value, param, ctx)
+        if not text.strip():
+            self.fail("give an address (0.0.0.0 or :: to listen on every interface)", param, ctx)
+        if not text.isprintable() or " " in text or len(text) > 255:
+            self.fail(f"{text[:60]!r} is no host name or IP address", param, ctx)
+        return text
+
+
 def utc_text(ms: int, fmt: str | None = "%Y-%m-%d %H:%M:%S") -> str:
     """A time in ms since the epoch as UTC text (``fmt`` ``None``: ISO 8601 to the ms); one
     no calendar holds (anyone who may write a dead letter or an event writes its time) as

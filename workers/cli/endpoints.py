@@ -14,7 +14,7 @@ from broker.config import Settings
 from broker.connection import Connection
 
 from ..runtime import connected, stop_on_signals
-from .common import run
+from .common import ListenHost, run
 
 Opener = Callable[[AsyncExitStack, Connection], Awaitable[None]]
 
@@ -31,7 +31,11 @@ def listen_options(default_port: int) -> Callable[[Callable[..., Any]], Callable
             help="The port (0: any).",
         )(command)
         return click.option(
-            "--host", default="127.0.0.1", show_default=True, help="The address to listen on."
+            "--host",
+            type=ListenHost(),
+            default="127.0.0.1",
+            show_default=True,
+            help="The address to listen on.",
         )(command)
 
     return decorate

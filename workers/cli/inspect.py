@@ -278,7 +278,8 @@ def print_stats(found: BacklogStats) -> None:
         )
 
 
-@click.command()
+# a negative weight is read as the value it is ("not in the range"), not as an option
+@click.command(context_settings={"ignore_unknown_options": True})
 @redis_options
 @click.argument("instance_id")
 @click.argument("weight", type=FiniteRange(0, 1000))

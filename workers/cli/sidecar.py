@@ -30,7 +30,7 @@ from adapters.transport import Transport
 from broker.config import Settings
 from broker.governance import parse_rate
 
-from .common import FiniteRange, parse_tags, redis_options, run
+from .common import FiniteRange, ListenHost, parse_tags, redis_options, run
 from .processes import metrics_options, serve_sidecar
 
 
@@ -275,6 +275,7 @@ SIDECAR_OPTIONS = (
     ),
     click.option(
         "--callback-host",
+        type=ListenHost(),
         default="127.0.0.1",
         show_default=True,
         help="http-async: the address the callback endpoint listens on.",
