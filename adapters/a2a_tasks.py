@@ -9,8 +9,8 @@ FAILED; a question — INPUT_REQUIRED, AUTH_REQUIRED — parks the message for a
   ``X-A2A-Notification-Token`` is the callback token handed out with the request (checked
   before the body is read, as callbacks are). Its body (a task, or a status update, in the
   A2A 1.0 JSON) says only that the task changed: the task itself, with its artifacts, is
-  read with ``GetTask``. A notification that does not end the task is answered 200 and
-  noted nowhere;
+  read with ``GetTask`` — when it is the task the record names (another is 409). A
+  notification that does not end the task is answered 200 and noted nowhere;
 - asking ``GetTask`` for every awaited task, at every sweep for an agent without push
   notifications, with a back-off per task from 0.2 s up to 5 s — and, as a safety net for a
   lost notification, every 30 s for one with them.
@@ -86,11 +86,23 @@ class A2ATasks:
         task_id, state = said
         if state not in TERMINAL_STATES | PARKED_STATES:
             return _json(Answer(200, {"id": message_id, "state": state}))
+        if not await self._is_current_task(message_id, task_id):
+            # another task's outcome (an earlier attempt's, another message's) is not this
+            # message's: the token proves who sends, not which task it speaks of
+            error = f"task {task_id[:200]!r} is not the message's current task"
+            return _json(Answer(409, {"error": error}))
         view = await self.transport.task(task_id)
         if not isinstance(view, TaskView):
             return _json(Answer(502, {"error": f"GetTask {task_id}: {view}"}))
         self.ended_by["push"] += 1
         return _json(await self._ended(message_id, token, view))
+
+    async def _is_current_task(self, message_id: str, task_id: str) -> bool:
+        """Whether ``task_id`` is the task the message's record names (``agent_task``); a
+        record that names none yet (the agent's answer still on its way) takes any."""
+        keys = self.desk.conn.keys
+        recorded = await self.desk.conn.call("HGET", keys.record(message_id), "agent_task")
+        return not recorded or recorded == task_id.encode()
 
     async def ask_loop(self) -> None:
         """Ask ``GetTask`` for the awaited tasks that are due, at every sweep."""

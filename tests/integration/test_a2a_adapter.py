@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import httpx
 import msgspec
 import pytest
 from a2a.helpers import (
@@ -27,7 +28,9 @@ from a2a.server.tasks import (
 from a2a.types import TaskState
 from click.testing import CliRunner
 
-from adapters.a2a import A2ATransport, CardError, fetch_card, status_url
+from adapters.a2a import A2A_PATH, A2ATransport, CardError, fetch_card, status_url
+from adapters.a2a_tasks import TOKEN_HEADER
+from adapters.callbacks import CallbackTokens
 from adapters.factory import SidecarOptionError, a2a_card_parts
 from adapters.sidecar import Sidecar
 from broker.client import Client
@@ -439,3 +442,41 @@ async def test_usage_in_the_metadata_of_a_streamed_task_is_charged(conn: Connect
     [row] = (await todays(conn, "capability")).values()
     assert (row["requests"], row["succeeded"], row["reported"]) == (2, 2, 2)
     assert (row["input_tokens"], row["output_tokens"], row["cost"]) == (45, 54, 0.8125)
+
+
+async def test_a_push_naming_another_task_does_not_end_the_message(conn: Connection) -> None:
+    """A push notification's token proves who sends it, not which task it speaks of: one
+    for message A naming message B's completed task ended A with B's result. It is 409 now,
+    and A ends with its own."""
+    async with (
+        a2a_agent(push=True) as agent,
+        behind_a_sidecar(conn, agent) as (client, sidecar),
+        httpx.AsyncClient() as http,
+    ):
+        reply_to = client.new_reply_stream()
+        payload = msgspec.Raw(b'{"do":"slow","s":3.0,"n":1}')
+        first = await client.submit(
+            Envelope(capability=CAPABILITY, payload=payload, reply_to=reply_to)
+        )
+        second = await client.request(CAPABILITY, {"do": "slow", "s": 0.2, "n": 2}, timeout=20)
+        store = MessageStore(conn)
+
+        async def awaited() -> bool:
+            record = await store.get_record(first)
+            return record is not None and bool(record.agent_task)
+
+        await eventually(awaited)
+        other = await store.get_record(second.id)
+        assert other is not None and other.agent_task and second.ok
+        tokens = CallbackTokens(await conn.call("GET", conn.keys.callback_key("echo-1")))
+        forged = await http.post(
+            f"{sidecar.callback_url}{A2A_PATH}{first}",
+            json={"task": {"id": other.agent_task, "status": {"state": "TASK_STATE_COMPLETED"}}},
+            headers={TOKEN_HEADER: tokens.token(first, 1)},
+        )
+        assert forged.status_code == 409, forged.text
+        assert "is not the message's current task" in forged.json()["error"]
+        ended = await client.wait_reply(reply_to, first, timeout_s=20)
+
+    assert ended is not None and ended.ok
+    assert ended.result["artifacts"][0]["parts"][0]["data"]["echo"]["n"] == 1
