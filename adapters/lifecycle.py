@@ -51,6 +51,7 @@ TRIM_EVERY_BEATS = 12
 DRAIN_POLL_S = 0.05
 STOP_RETRY_FIRST_S, STOP_RETRY_MAX_S = 0.1, 1.0  # a stop's pauses while Redis is away
 STOP_LAST_TRY_S = 1.0  # how long past the stop's deadline its last try may take
+WITHDRAW_TIMEOUT_S = 2.0  # a failed start: how long the card may take to be written DOWN
 
 
 class Lifecycle:
@@ -99,6 +100,20 @@ class Lifecycle:
         log.info(
             "instance %s registered for %s", self.instance_id, ",".join(self.card.capabilities)
         )
+
+    async def withdraw(self) -> None:
+        """A start that failed after the card was written (the stream's group refused, the
+        callback port taken): the card DOWN at once, so that no dispatcher routes to an
+        instance no one serves; a restart writes it UP again and reads what was assigned.
+        One try, never long: the start's error is what the operator must see."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(WITHDRAW_TIMEOUT_S):
+            try:
+                await self.registry.set_state(self.instance_id, InstanceState.DOWN)
+                log.warning("instance %s did not start: its card is DOWN", self.instance_id)
+            except (RedisUnavailable, RedisReplyError) as exc:
+                log.warning(
+                    "instance %s did not start; its card is left: %s", self.instance_id, exc
+                )
 
     async def deregister(self) -> None:
         await self.registry.deregister(self.instance_id)

@@ -143,8 +143,9 @@ class Sidecar:
         # stream with no card is an instance gone for good). Work assigned meanwhile waits in
         # the stream, which the group, made at 0, reads whole.
         await self.lifecycle.register()
-        await ensure_group(self.conn, self.conn.keys.queue(self.instance_id), SIDECAR_GROUP)
+        started = False
         try:
+            await ensure_group(self.conn, self.conn.keys.queue(self.instance_id), SIDECAR_GROUP)
             silence_s = read_silence_s(self.conn.settings)
             async with (
                 self.conn.reader(silence_s=silence_s) as reader,
@@ -161,6 +162,7 @@ class Sidecar:
                 if self.a2a_tasks is not None:
                     outer.start_soon(self.a2a_tasks.ask_loop)
                 task_status.started()
+                started = True
                 async with anyio.create_task_group() as work:
                     pool = self.lifecycle.pool = WorkPool(work, self.card.max_inflight)
                     # first what this instance's pending list holds (a restart after a
@@ -170,6 +172,10 @@ class Sidecar:
                     await self.lifecycle.drain(pool, work)
                 await self.lifecycle.settle(self.finisher.finish_now)
                 outer.cancel_scope.cancel()
+        except BaseException:
+            if not started:  # the card is UP and nothing serves it: routing must skip it
+                await self.lifecycle.withdraw()
+            raise
         finally:
             with anyio.CancelScope(shield=True):
                 await self.runner.status.aclose()

@@ -5,14 +5,16 @@ a call."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
+import anyio.abc
 import msgspec
 import pytest
 
+from adapters.http import HttpAsyncTransport
 from adapters.python import Agent
 from adapters.runner import NEVER_CALLED
 from adapters.sidecar import Sidecar
@@ -222,3 +224,31 @@ def count_reads(sidecar: Sidecar, reads: dict[str, int]) -> None:
     intake.read = counted_read  # type: ignore[method-assign]
     intake.take_next = counted_take_next  # type: ignore[method-assign]
     intake._start = noted_start  # type: ignore[method-assign]
+
+
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
+@pytest.mark.parametrize("blocker", ["stream", "callback port"])
+async def test_a_sidecar_that_cannot_start_writes_its_card_down(
+    conn: Connection, blocker: str
+) -> None:
+    """Its card was written UP, then the start failed (its stream's group refused, its
+    callback port taken): the card stayed UP for down_after_s with no one serving it, and
+    dispatchers routed work there. The card is DOWN before the error comes out."""
+    async with AsyncExitStack() as stack:
+        port = 0
+        if blocker == "stream":
+            await conn.call("SET", conn.keys.queue("w-1"), "not a stream")
+        else:
+            taken = await stack.enter_async_context(
+                await anyio.create_tcp_listener(local_host="127.0.0.1")
+            )
+            port = taken.extra(anyio.abc.SocketAttribute.local_port)
+        transport = HttpAsyncTransport("http://127.0.0.1:9/", timeout_s=1.0, max_connections=1)
+        with pytest.raises(BaseException) as raised:
+            async with running_sidecar(
+                conn, "w-1", ("text.echo",), transport=transport, callback_port=port
+            ):
+                pass
+    said = repr(raised.value)
+    assert ("WRONGTYPE" in said) if blocker == "stream" else ("address" in said.lower()), said
+    assert await conn.call("HGET", conn.keys.card("w-1"), "state") == b"DOWN"
