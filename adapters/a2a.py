@@ -65,6 +65,8 @@ from .transport import reach_headers
 
 A2A_PATH = "/a2a/"  # the sidecar's push-notification endpoint: <base>/a2a/<message id>
 CARD_LIMIT_BYTES = 1024 * 1024
+# a call's streamed status updates noted on the timeline; past them, one note says so
+MAX_NOTED_UPDATES = 100
 
 
 class CardError(Exception):
@@ -200,12 +202,21 @@ class A2ATransport:
         return outcome_of(view) if isinstance(view, TaskView) else Accepted(settled)
 
     def _noter(self, message_id: str) -> Update | None:
+        """What notes a call's status updates on the timeline: the first
+        :data:`MAX_NOTED_UPDATES` of them, then one note that the rest were not (each is a
+        write to Redis; an agent that streams thousands must not make thousands)."""
         on_update = self.on_update
         if on_update is None:
             return None
+        noted = 0
 
         async def note(words: str) -> None:
-            await on_update(message_id, words)
+            nonlocal noted
+            noted += 1
+            if noted <= MAX_NOTED_UPDATES:
+                await on_update(message_id, words)
+            elif noted == MAX_NOTED_UPDATES + 1:
+                await on_update(message_id, f"more status updates: not noted past {noted - 1}")
 
         return note
 

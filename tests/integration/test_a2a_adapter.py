@@ -28,7 +28,14 @@ from a2a.server.tasks import (
 from a2a.types import TaskState
 from click.testing import CliRunner
 
-from adapters.a2a import A2A_PATH, A2ATransport, CardError, fetch_card, status_url
+from adapters.a2a import (
+    A2A_PATH,
+    MAX_NOTED_UPDATES,
+    A2ATransport,
+    CardError,
+    fetch_card,
+    status_url,
+)
 from adapters.a2a_tasks import TOKEN_HEADER
 from adapters.callbacks import CallbackTokens
 from adapters.factory import SidecarOptionError, a2a_card_parts
@@ -253,6 +260,26 @@ async def test_a_streaming_agent_is_read_to_its_end_with_its_updates_noted(
     assert [str(e.stage) for e in timeline][-1] == "SUCCEEDED"  # no callback: the stream ended it
     assert quick.ok and failed.stage is Stage.FAILED
     assert sidecar.a2a_tasks is not None and sidecar.a2a_tasks.ended_by == {"push": 0, "asking": 0}
+
+
+async def test_a_stream_of_many_updates_notes_a_bounded_number(conn: Connection) -> None:
+    """Each status update a streaming agent sends was a write to Redis, however many it
+    sent. The first MAX_NOTED_UPDATES are noted, then one note says the rest were not."""
+    steps = MAX_NOTED_UPDATES + 150
+    async with (
+        a2a_agent(push=False, streaming=True) as agent,
+        behind_a_sidecar(conn, agent) as (client, _),
+    ):
+        result = await client.request(
+            CAPABILITY, {"do": "slow", "s": 0.5, "steps": steps}, timeout=30
+        )
+    timeline = await MessageStore(conn).get_timeline(result.id)
+
+    assert result.ok
+    notes = [e.reason for e in timeline if e.stage == "AGENT_UPDATE"]
+    assert len(notes) == MAX_NOTED_UPDATES + 1, len(notes)
+    assert notes[0] == f"working: step 1 of {steps}"
+    assert notes[-1] == f"more status updates: not noted past {MAX_NOTED_UPDATES}"
 
 
 async def test_an_agent_with_a_0_3_card_is_spoken_to_in_0_3(conn: Connection) -> None:

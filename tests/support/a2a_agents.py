@@ -4,7 +4,8 @@ loopback for the adapter's tests. The executor does what the message's data part
 - ``{"do": "complete", ...}``: a COMPLETED task, the data echoed in a ``result`` artifact;
 - ``{"do": "fail"}``: FAILED with "something went wrong";
 - ``{"do": "ask"}``: INPUT_REQUIRED, asking "Which city?";
-- ``{"do": "slow", "s": 0.5}``: WORKING at once, COMPLETED after ``s`` seconds;
+- ``{"do": "slow", "s": 0.5}``: WORKING at once, COMPLETED after ``s`` seconds (with
+  ``"steps": n`` status updates on the way, 2 by default);
 - ``{"do": "message"}``: a direct message, no task.
 
 A text part is echoed as a direct message. Every execution is counted by message id.
@@ -86,9 +87,11 @@ class Executor(AgentExecutor):
             await updater.requires_input(updater.new_agent_message([new_text_part("Which city?")]))
         else:
             if what == "slow":
-                for step in range(2):  # progress a streaming client sees
-                    await anyio.sleep(float(order.get("s", 0.5)) / 2)
-                    said = updater.new_agent_message([new_text_part(f"step {step + 1} of 2")])
+                steps = int(order.get("steps", 2))
+                for step in range(steps):  # progress a streaming client sees
+                    await anyio.sleep(float(order.get("s", 0.5)) / steps)
+                    words = f"step {step + 1} of {steps}"
+                    said = updater.new_agent_message([new_text_part(words)])
                     await updater.update_status(TaskState.TASK_STATE_WORKING, said)
             await updater.add_artifact([new_data_part({"echo": order})], name="result")
             await updater.complete()
