@@ -40,7 +40,14 @@ from .config import Settings, answer_grace_s, load_settings
 from .connection import Connection, open_connection
 from .embedded import embedded_redis
 from .envelope import Envelope, check_envelope, complete, encode_envelope, request_digest
-from .errors import ClientNotOpen, InvalidEnvelope, RedisReplyError, RequestTimeout, UnknownMessage
+from .errors import (
+    ClientNotOpen,
+    InvalidEnvelope,
+    RedisReplyError,
+    RequestTimeout,
+    UnknownMessage,
+    UnreadableRecord,
+)
 from .feedback import record_feedback
 from .keyspace import ingress_for
 from .records import MessageRecord, TimelineEntry
@@ -282,7 +289,13 @@ class Client:
         )
 
     async def trace(self, message_id: str) -> Trace:
+        """The record and its timeline; raises :class:`UnknownMessage` when there is no
+        record, :class:`UnreadableRecord` when what is there does not read as one."""
         record = await self.store.get_record(message_id)
+        if record is None and await self.conn.call("EXISTS", self.conn.keys.record(message_id)):
+            record = await self.store.get_record(message_id)  # made just now, perhaps
+            if record is None:
+                raise UnreadableRecord(message_id)
         if record is None:
             raise UnknownMessage(message_id)
         return Trace(record, await self.store.get_timeline(message_id))

@@ -83,6 +83,20 @@ class UnknownMessage(ReachError):
         self.message_id = message_id
 
 
+class UnreadableRecord(UnknownMessage):
+    """Raised where a message id's record key holds what does not read as a record (a key
+    of another type, or fields that are no record): there is something, and it is not a
+    message an operator can follow."""
+
+    def __init__(self, message_id: str) -> None:
+        ReachError.__init__(
+            self,
+            f"message id {message_id!r}: its record cannot be read (a key of another type, or"
+            " fields that are no record)",
+        )
+        self.message_id = message_id
+
+
 class RedisUnavailable(ReachError):
     """Raised when Redis cannot be reached, drops the connection, stays silent, or answers that
     it cannot serve now; ``code`` is that answer's code (``LOADING``, ``OOM``, ``READONLY``,

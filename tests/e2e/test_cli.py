@@ -24,6 +24,7 @@ from broker.store import MessageStore
 from tests.support.agents import Gate, http_agent
 from tests.support.harness import (
     collect_replies,
+    connected,
     eventually,
     running_dispatcher,
     running_sidecar,
@@ -149,6 +150,17 @@ async def test_send_wait_reports_a_failed_message_with_a_non_zero_exit(
 async def test_trace_of_an_unknown_id_says_so(settings: Settings) -> None:
     code, out = await cli(settings, "trace", "no-such-id")
     assert code == 1 and "unknown message id 'no-such-id'" in out
+
+
+async def test_trace_of_an_unreadable_record_says_so(settings: Settings) -> None:
+    """A record key of another type, or a hash that is no record, read as "unknown message
+    id": an operator looked for a message that was not there when something was."""
+    async with connected(settings) as conn:
+        await conn.call("SET", conn.keys.record("m-string"), "junk")
+        await conn.call("HSET", conn.keys.record("m-hash"), "stage", "NOT-A-STAGE")
+    for message_id in ("m-string", "m-hash"):
+        code, out = await cli(settings, "trace", message_id)
+        assert code == 1 and f"{message_id!r}: its record cannot be read" in out, out
 
 
 async def test_unreachable_redis_is_a_clear_error(settings: Settings) -> None:
