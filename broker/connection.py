@@ -25,7 +25,7 @@ from .cluster_map import SlotMap
 from .cluster_pipeliner import ClusterPipeliner
 from .cluster_setup import detect, preload, without_db
 from .config import Settings
-from .errors import RedisReplyError, RedisUnavailable
+from .errors import RedisReplyError, RedisUnavailable, SetUpDropped
 from .keyspace import FleetKeys, Keyspace
 from .metric_fields import Counting, capped, count_value, counter_keys
 from .pipeliner import Pipeliner
@@ -212,6 +212,10 @@ async def wait_until_ready(
     try:
         # SELECT is refused by a cluster node: connect without it, to say so clearly
         conn = await RespConnection.open(without_db(url) if db else url)
+    except SetUpDropped as exc:
+        assert isinstance(exc.__cause__, OSError)
+        reason = _dropped(url, exc.__cause__)
+        raise RedisUnavailable(f"cannot connect to redis at {where}: {reason}") from exc
     except RedisUnavailable as exc:
         reason = describe(exc.__cause__) if exc.__cause__ is not None else str(exc)
         raise RedisUnavailable(f"cannot connect to redis at {where}: {reason}") from exc

@@ -107,6 +107,12 @@ class RedisUnavailable(ReachError):
         self.code = code
 
 
+class SetUpDropped(RedisUnavailable):
+    """Raised where a server took the connection and dropped it during the set-up (its
+    ``__cause__`` the ``OSError``): over TLS, often a server that wants a client
+    certificate and says nothing but a reset."""
+
+
 class RedisReplyError(ReachError):
     """Raised when Redis answers a command with an error reply. ``code`` is the reply's first
     word (``NOGROUP``, ``BUSYGROUP``, ``NOSCRIPT``, ``WRONGTYPE``, ``NOPERM``, ``ERR``, …; for

@@ -35,7 +35,13 @@ from typing import Any, NoReturn
 
 import hiredis
 
-from .errors import ConfigError, RedisReplyError, RedisUnavailable, script_error_code
+from .errors import (
+    ConfigError,
+    RedisReplyError,
+    RedisUnavailable,
+    SetUpDropped,
+    script_error_code,
+)
 from .redis_url import RedisAddress, TlsOptions, parse_redis_url
 
 Command = tuple[Any, ...]
@@ -171,30 +177,38 @@ class RespConnection:
             raise RedisUnavailable(f"cannot connect to {address.where}: {describe(exc)}") from exc
         conn = cls(reader, writer)
         try:
-            await conn._set_up(address)
+            await conn._set_up(address, timeout_s)
         except BaseException:
             await conn.close()
             raise
         return conn
 
-    async def _set_up(self, address: RedisAddress) -> None:
+    async def _set_up(self, address: RedisAddress, timeout_s: float) -> None:
+        """AUTH and SELECT as the URL says, or a PING: a server that takes the connection
+        and never answers (a hung process, a port some other service holds) fails the open
+        within ``timeout_s``, not the first call's 30 s later."""
         setup: list[Command] = []
         if address.password:
             user = address.username
             setup.append(("AUTH", user, address.password) if user else ("AUTH", address.password))
         if address.db:
             setup.append(("SELECT", address.db))
-        if not setup:
-            return
         try:
-            replies = await self.execute(setup)
+            replies = await self.execute(setup or [("PING",)], timeout_s=timeout_s)
         except RedisUnavailable as exc:
-            if not isinstance(exc.__cause__, OSError):
+            cause = exc.__cause__
+            if isinstance(cause, TimeoutError):
+                raise RedisUnavailable(
+                    f"redis at {address.where} did not answer within {timeout_s:g} s"
+                ) from cause
+            if not isinstance(cause, OSError):
                 raise
-            raise RedisUnavailable(
-                f"redis at {address.where} dropped the connection set-up: {describe(exc.__cause__)}"
-            ) from exc.__cause__
-        for reply in replies:
+            raise SetUpDropped(
+                f"redis at {address.where} dropped the connection set-up: {describe(cause)}"
+            ) from cause
+        # a PING refused (NOAUTH, a user without it) is an answer all the same: the first
+        # call says what is wrong, as it did before there was a PING
+        for reply in replies if setup else []:
             if isinstance(reply, Exception):
                 raise RedisUnavailable(f"redis refused the connection set-up: {reply}")
 

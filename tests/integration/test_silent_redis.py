@@ -52,6 +52,20 @@ async def test_a_silent_redis_fails_a_call_after_its_timeout(server: RedisServer
         assert describe(failed.__cause__) == "no answer in time"
 
 
+async def test_a_redis_that_takes_the_connection_and_never_answers_fails_the_open(
+    server: RedisServer,
+) -> None:
+    """The kernel takes a connection for a stopped (hung) server: the open succeeded and
+    only the first call failed, 30 s later. The open asks for an answer within its own
+    timeout."""
+    server.process.send_signal(signal.SIGSTOP)
+    started = time.monotonic()
+    with anyio.fail_after(BOUND_S), pytest.raises(RedisUnavailable) as failed:
+        await RespConnection.open(server.url, timeout_s=0.3)
+    assert time.monotonic() - started < 5
+    assert str(failed.value) == f"redis at 127.0.0.1:{server.port} did not answer within 0.3 s"
+
+
 async def test_a_call_out_when_its_connection_is_closed_ends_there(server: RedisServer) -> None:
     """Closed while a call's write waits for a peer that stopped reading: the call ends at
     once, unavailable, rather than wait for a write that never goes (or its timeout)."""
@@ -124,11 +138,14 @@ async def test_a_connection_given_up_on_is_reset_not_closed_in_order() -> None:
     """The watchdog resets the connection under a call it gave up on (``SO_LINGER`` 0): the
     peer sees a reset, not an orderly end — so what the call wrote and the peer's host had
     not acknowledged (a partition) is dropped rather than sent on for minutes after the
-    caller decided. A loopback peer that takes the connection and answers nothing."""
+    caller decided. A loopback peer that takes the connection, answers the open's PING and
+    then nothing."""
     accepted: list[anyio.abc.SocketStream] = []
     arrived = anyio.Event()
 
     async def hold(stream: anyio.abc.SocketStream) -> None:
+        assert await stream.receive() == b"*1\r\n$4\r\nPING\r\n"  # the open's
+        await stream.send(b"+PONG\r\n")
         accepted.append(stream)
         arrived.set()
         await anyio.sleep_forever()
