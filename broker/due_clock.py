@@ -56,12 +56,26 @@ class DueClock:
         replies = await self.conn.call_many(commands)
         for due, reply in zip(due_sets(self.conn.keys), replies, strict=True):
             ids = message_ids(raised(reply))
-            claimed += ids
             if len(ids) < len(reply):  # not the broker's: anyone who may park may add to it
                 junk = [i for i in reply if not _ID.match(i)]
                 log.error("%s held %d members that are no message id: removed", due, len(junk))
                 await self.conn.call("ZREM", due, *junk)
+            misplaced = [i for i in ids if due_for(self.conn.keys, i) != due]
+            if misplaced:
+                await self._move_home(due, misplaced, now)
+                ids = [i for i in ids if i not in set(misplaced)]
+            claimed += ids
         return claimed
+
+    async def _move_home(self, due: str, misplaced: list[str], now: int) -> None:
+        """Ids in a partition not theirs (the broker writes none; a sidecar's user may): the
+        lease just taken there would never be rescheduled — every reschedule writes to the
+        id's own partition — so the id came due again at every lease's end, for good. Each
+        goes to its own partition, due now unless it already has a deadline there."""
+        log.error("%s held %d ids of other partitions: moved to theirs", due, len(misplaced))
+        commands: list[tuple[Any, ...]] = [("ZREM", due, *misplaced)]
+        commands += [("ZADD", due_for(self.conn.keys, i), "NX", now, i) for i in misplaced]
+        await self.conn.run_all(commands)
 
     async def reschedule(self, lease_score: int, verdicts: list[tuple[str, int | None]]) -> int:
         """Write each leased message's next look (``None``: it ended, forget it), only where

@@ -544,6 +544,30 @@ async def test_every_partition_of_the_due_set_is_claimed(settings: Settings) -> 
     assert {due_for(conn.keys, i) for i in ids} == set(sets) and len(sets) == 3
 
 
+async def test_an_id_in_a_partition_not_its_own_is_moved_to_its_own(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sidecar's user may add to the due index. An id in another partition than its own
+    was leased there and, every reschedule writing to the id's own partition, leased again
+    at every lease's end, for good. It goes home, and is handled there like any other."""
+    partitioned = msgspec.structs.replace(settings, ingress_partitions=2, sweep_interval_s=0.1)
+    assert partitioned.redis_url is not None
+    async with open_connection(partitioned, partitioned.redis_url) as conn:
+        home, other = due_sets(conn.keys)
+        stray = next(f"m-{n}" for n in range(100) if due_for(conn.keys, f"m-{n}") == home)
+        await conn.call("ZADD", other, 0, stray)
+
+        async def gone_from_both() -> bool:
+            scores = [await conn.call("ZSCORE", key, stray) for key in (home, other)]
+            return scores == [None, None]  # home, then forgotten there: it has no record
+
+        async with anyio.create_task_group() as tg:
+            await tg.start(Reaper(conn).run)
+            await eventually(gone_from_both, timeout_s=10)
+            tg.cancel_scope.cancel()
+    assert any("ids of other partitions: moved" in r.getMessage() for r in caplog.records)
+
+
 # -- dead processes ------------------------------------------------------------------------
 
 
