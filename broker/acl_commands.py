@@ -114,6 +114,7 @@ BROKER_COMMANDS = (
     "scard",
     "sismember",
     "smembers",
+    "sscan",  # the credit audit reads an in-flight set a chunk at a time
     "srem",
     "zadd",
     "zcard",

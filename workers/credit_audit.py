@@ -30,27 +30,50 @@ from .takeover import credits_by_message, stale_credits
 log = logging.getLogger("agent_reach.janitor")
 
 PENDING_READ = 10_000  # an instance's pending entries read at most; more: nothing returned
+CHUNK = 1_000  # credits read (with their records) and returned in one round trip
+AUDITED_MAX = 100_000  # credits judged per instance and audit
 
 
 async def orphaned_credits(conn: Connection, store: MessageStore, instance_id: str) -> list[bytes]:
     """The credits of ``instance_id`` that no attempt and no pending entry holds, as stored.
-    Where the pending list cannot be read whole, none: a credit is kept when in doubt."""
-    raw = await conn.call("SMEMBERS", conn.keys.inflight(instance_id))
+    Where the pending list cannot be read whole, none: a credit is kept when in doubt.
+
+    The set is read :data:`CHUNK` members at a time (``SSCAN``), their records with them:
+    whoever may write it (a sidecar's user) may fill it with a million members, and one
+    ``SMEMBERS`` and a million record reads in one round trip held the janitor's memory
+    and Redis for as long. At most :data:`AUDITED_MAX` are judged per audit: the next one
+    goes on from a set the returns have shrunk."""
+    orphaned: list[bytes] = []
+    pending: set[str] | None = None
+    cursor, judged = b"0", 0
+    while judged < AUDITED_MAX:
+        cursor, raw = await conn.call(
+            "SSCAN", conn.keys.inflight(instance_id), cursor, "COUNT", CHUNK
+        )
+        judged += len(raw)
+        stale = await _stale(store, instance_id, raw)
+        if stale:
+            if pending is None:
+                pending = await _pending_members(conn, instance_id)
+                if pending is None:
+                    return []
+            orphaned += [member for text, member in stale.items() if text not in pending]
+        if cursor in (b"0", 0, "0"):
+            break
+    return sorted(set(orphaned))
+
+
+async def _stale(store: MessageStore, instance_id: str, raw: list[bytes]) -> dict[str, bytes]:
+    """Of these stored credits, those whose attempt's record has moved on, by their text."""
     stored = {m.decode(errors="replace"): m for m in raw}
     by_id = credits_by_message(set(stored))
     ids = sorted(by_id)
     records = await store.get_records(ids) if ids else []
-    stale = {
-        member
+    return {
+        member: stored[member]
         for message_id, record in zip(ids, records, strict=True)
         for member in stale_credits(message_id, record, instance_id, by_id[message_id])
     }
-    if not stale:
-        return []
-    pending = await _pending_members(conn, instance_id)
-    if pending is None:
-        return []
-    return sorted(stored[m] for m in stale - pending)
 
 
 async def _pending_members(conn: Connection, instance_id: str) -> set[str] | None:
@@ -90,8 +113,9 @@ async def return_orphaned_credits(
     for instance_id in instance_ids:
         try:
             orphaned = await orphaned_credits(conn, store, instance_id)
-            if orphaned:
-                returned += int(await conn.call(*return_command(conn, instance_id, orphaned)))
+            for i in range(0, len(orphaned), CHUNK):
+                chunk = orphaned[i : i + CHUNK]
+                returned += int(await conn.call(*return_command(conn, instance_id, chunk)))
         except RedisUnavailable:
             raise
         except Exception:  # one instance's defect stays its own

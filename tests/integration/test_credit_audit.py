@@ -6,6 +6,7 @@ from __future__ import annotations
 import anyio
 import msgspec
 
+from bench.profile import commandstats
 from broker.config import Settings
 from broker.connection import Connection, open_connection
 from broker.credits import return_command
@@ -18,6 +19,7 @@ from broker.store import MessageStore
 from broker.timekeeping import now_ms
 from tests.support.harness import eventually
 from tests.support.repair import record_in
+from workers.credit_audit import return_orphaned_credits
 from workers.janitor import Janitor
 
 
@@ -154,3 +156,27 @@ async def test_returning_credits_announces_what_was_returned_and_nothing_else(
     assert (returned, again) == (1, 0)
     assert first is not None and first[1] == b"live-1 1"
     assert held == [b"b:1"]
+
+
+async def test_a_flooded_in_flight_set_is_audited_in_chunks(conn: Connection) -> None:
+    """Whoever may write an instance's in-flight set (a sidecar's user) may fill it with
+    members no attempt holds: 25,000 of them were read in one SMEMBERS and their records in
+    one round trip. They are read, judged and returned a thousand at a time; a credit a
+    running attempt holds is kept."""
+    key = conn.keys.inflight("live-1")
+    queue = conn.keys.queue("live-1")
+    await conn.call("XGROUP", "CREATE", queue, SIDECAR_GROUP, "0", "MKSTREAM")
+    running = await record_in(conn, Stage.PROCESSING, instance="live-1")
+    await assigned(conn, running, read=True, acknowledged=False)
+    for start in range(0, 25_000, 5_000):
+        await conn.call("SADD", key, *(f"junk-{i}:1" for i in range(start, start + 5_000)))
+    before = commandstats((await conn.call("INFO", "commandstats")).decode())
+
+    returned = await return_orphaned_credits(conn, MessageStore(conn), ["live-1"])
+
+    after = commandstats((await conn.call("INFO", "commandstats")).decode())
+    assert returned == 25_000
+    assert await conn.call("SMEMBERS", key) == [f"{running}:1".encode()]
+    calls = {name: after[name][0] - before.get(name, (0, 0))[0] for name in after}
+    assert calls.get("smembers", 0) == 0 and calls["sscan"] >= 25
+    assert calls["evalsha"] >= 25  # returned in chunks too
