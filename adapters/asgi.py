@@ -75,6 +75,10 @@ async def serve_app(
             server.should_exit = True
 
 
+# bytes a client may send ahead while its request is being answered (HTTP/1.1 pipelining)
+PIPELINED_MAX = 64 * 1024
+
+
 class HeaderDeadlineProtocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline on request headers.
 
@@ -95,6 +99,21 @@ class HeaderDeadlineProtocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._watch_headers()
+        self._read_on_while_answering()
+
+    def _read_on_while_answering(self) -> None:
+        """Bytes that come while a request is being answered (a pipelined request, or just
+        junk) make uvicorn stop reading the socket until the answer is out, and with it the
+        client's hang-up: an app that waits long for its answer (a blocking A2A send) would
+        then wait on for no one. Reading goes on; what comes is kept in h11's buffer, up to
+        :data:`PIPELINED_MAX` bytes, past which the connection is closed."""
+        if self.conn.their_state is not h11.DONE or self.transport.is_closing():
+            return
+        buffered, _ = self.conn.trailing_data
+        if len(buffered) > PIPELINED_MAX:
+            self.transport.close()
+        else:
+            self.flow.resume_reading()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # may start the next request's wait

@@ -183,3 +183,13 @@ def request_problem(call: Any) -> tuple[int, str] | None:
     if not isinstance(call.get("method"), str):
         return INVALID_REQUEST, '"method" must be a string'
     return None
+
+
+def returning_at_once(params: Any) -> Any:
+    """A send's ``params`` with ``configuration.returnImmediately`` set: what a notification
+    (no one reads its answer) asks for, whatever it says."""
+    if not isinstance(params, dict):
+        return params
+    configuration = params.get("configuration")
+    configuration = configuration if isinstance(configuration, dict) else {}
+    return {**params, "configuration": {**configuration, "returnImmediately": True}}

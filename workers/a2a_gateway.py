@@ -63,6 +63,7 @@ from .a2a_front import (
     agent_card,
     is_request_id,
     request_problem,
+    returning_at_once,
     rpc_error,
     rpc_result,
     send_request,
@@ -168,9 +169,12 @@ class Gateway:
         request_id, method = call.get("id"), call["method"]
         handler = self._methods.get(method)
         if "id" not in call:
+            params = call.get("params")
+            if method == "SendMessage":  # returns at once: no one waits for its outcome
+                params = returning_at_once(params)
             if handler is not None and method not in STREAMING:
                 with contextlib.suppress(ReachError):
-                    await until_gone(request, lambda: handler(None, call.get("params")))
+                    await handler(None, params)
             return Response(status_code=204)
         if handler is None:
             return JSONResponse(rpc_error(request_id, METHOD_NOT_FOUND, f"no method {method!r}"))

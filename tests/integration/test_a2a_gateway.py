@@ -388,13 +388,11 @@ async def test_a_batch_or_a_body_that_is_no_request_object_is_an_invalid_request
 
 async def test_a_notification_is_run_and_never_answered(conn: Connection) -> None:
     """A request without an id is a notification: JSON-RPC 2.0 says the server must not
-    reply. It is run (a send is sent) and the POST gets an empty 204; one the gateway cannot
-    run (no such method, bad params) is not answered either."""
+    reply. It is run (a send is sent, and returns at once even when it asks to block: no
+    one waits for its outcome) and the POST gets an empty 204; one the gateway cannot run
+    (no such method, bad params) is not answered either."""
     message = {"messageId": "m-1", "role": "ROLE_USER", "parts": [{"text": "hi"}]}
-    send = {
-        "message": {**message, "metadata": {"capability": "text.echo"}},
-        "configuration": {"returnImmediately": True},
-    }
+    send = {"message": {**message, "metadata": {"capability": "text.echo"}}}  # blocking
     calls = [
         {"jsonrpc": "2.0", "method": "SendMessage", "params": send},
         {"jsonrpc": "2.0", "method": "GetTask", "params": {"id": "x"}},
@@ -473,6 +471,56 @@ async def test_a_blocking_send_stops_waiting_when_its_client_hangs_up(
         await eventually(gave_up, timeout_s=10)
     records = await conn.call("KEYS", conn.keys.record("*"))
     assert len(records) == 1  # sent all the same, and left to run
+
+
+async def test_a_hang_up_after_bytes_sent_ahead_is_noticed_too(
+    conn: Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bytes sent while the request is answered (a pipelined request, or junk) made the
+    server stop reading the socket until its answer was out, and with it the hang-up: the
+    blocking send waited on, its connection's slot held, for 300 s."""
+    caplog.set_level(logging.INFO, logger="agent_reach.a2a_gateway")
+    message = {"messageId": "m-1", "role": "ROLE_USER", "parts": [{"text": "hi"}]}
+    params = {"message": {**message, "metadata": {"capability": "text.nobody"}}}
+    body = msgspec.json.encode(
+        {"jsonrpc": "2.0", "id": 9, "method": "SendMessage", "params": params}
+    )
+    async with (
+        running_dispatcher(conn),
+        gateway_endpoint(conn, "127.0.0.1", 0, API_KEY) as url,
+    ):
+        address = httpx.URL(url)
+        assert address.port is not None
+        head = (
+            f"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-API-Key: {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        async with await anyio.connect_tcp(address.host, address.port) as stream:
+            await stream.send(head.encode() + body)
+
+            async def sent() -> bool:  # the gateway has the message: its wait has begun
+                return len(await conn.call("KEYS", conn.keys.record("*"))) == 1
+
+            await eventually(sent)
+            await stream.send(b"GET / HTTP/1.1\r\n")  # ahead of the answer
+            await anyio.wait_all_tasks_blocked()
+
+        async def gave_up() -> bool:
+            return "SendMessage 9 no longer answered" in caplog.text
+
+        await eventually(gave_up, timeout_s=10)
+        # what is sent ahead is kept up to 64 KiB: past it, the connection is closed
+        async with await anyio.connect_tcp(address.host, address.port) as stream:
+            await stream.send(head.encode() + body)
+            closed = False
+            with anyio.move_on_after(10):
+                try:
+                    await stream.send(b"x" * (256 * 1024))
+                    while True:
+                        await stream.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    closed = True
+        assert closed
 
 
 async def test_a_stream_whose_task_expires_ends_with_that_state(conn: Connection) -> None:
