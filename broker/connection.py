@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 
@@ -29,6 +28,7 @@ from .errors import RedisReplyError, RedisUnavailable, SetUpDropped
 from .keyspace import FleetKeys, Keyspace
 from .metric_fields import Counting, capped, count_value, counter_keys
 from .pipeliner import Pipeliner
+from .redaction import url_without_password
 from .redis_url import parse_redis_url
 from .resp import RespConnection, describe
 from .scripts import Script, ScriptName, load_scripts
@@ -145,15 +145,6 @@ class Connection:
             await reader.close()
 
 
-def redact(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 @asynccontextmanager
 async def open_connection(
     settings: Settings, url: str, *, loading_wait_s: float = LOADING_WAIT_S
@@ -207,7 +198,7 @@ async def wait_until_ready(
 
     A node of a Redis Cluster is recognised here (:func:`broker.cluster_setup.detect`): its
     slot map is returned, and said in the log; ``None`` for a single server."""
-    where = redact(url)
+    where = url_without_password(url)
     db = parse_redis_url(url).db
     try:
         # SELECT is refused by a cluster node: connect without it, to say so clearly
@@ -235,7 +226,7 @@ async def wait_until_ready(
 
 
 async def _ping_until_loaded(conn: RespConnection, url: str, wait_s: float) -> None:
-    where = redact(url)
+    where = url_without_password(url)
     told = False
     while True:
         try:
@@ -260,7 +251,7 @@ async def _ping_until_loaded(conn: RespConnection, url: str, wait_s: float) -> N
 async def _select(conn: RespConnection, url: str, db: int) -> None:
     (reply,) = await conn.execute([("SELECT", db)])
     if isinstance(reply, Exception):
-        raise RedisUnavailable(f"redis at {redact(url)} refused SELECT {db}: {reply}")
+        raise RedisUnavailable(f"redis at {url_without_password(url)} refused SELECT {db}: {reply}")
 
 
 def _dropped(url: str, exc: OSError) -> str:

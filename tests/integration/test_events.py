@@ -379,6 +379,18 @@ async def test_subscribe_refuses_a_bad_url_an_unknown_type_and_no_secret(
 
 
 @pytest.mark.timeout(90)
+async def test_a_subscription_s_password_is_not_printed(settings: Settings) -> None:
+    """A URL may carry its endpoint's password: `subscribe` and `subscribe --list` printed
+    it as stored, where `config` hides it."""
+    hooks = hooked(settings)
+    made = await cli(hooks, "subscribe", "--url", "http://hook:s3cret@127.0.0.1:9/h")
+    assert made.exit_code == 0 and "s3cret" not in made.output, made.output
+    for argv in (["--list"], ["--list", "--json"]):
+        listed = await cli(hooks, "subscribe", *argv)
+        assert "http://hook:<hidden>@127.0.0.1:9/h" in listed.output, listed.output
+        assert "s3cret" not in listed.output
+
+
 async def test_subscribers_get_matching_events_signed_and_retried(settings: Settings) -> None:
     hooks = hooked(settings)
     receiver = Receiver(answers=[500])  # the first POST fails: the delivery is retried

@@ -20,7 +20,7 @@ from broker.config import (
     load_settings,
 )
 from broker.errors import ConfigError
-from broker.redaction import url_without_password
+from broker.redaction import hide_secrets, url_without_password
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -451,9 +451,27 @@ def test_json_in_an_environment_variable_nested_too_deeply_is_refused() -> None:
         ("redis://user@h:1", "redis://user@h:1"),
         ("redis://:pw@h:1/2?x=1", "redis://:<hidden>@h:1/2?x=1"),
         ("rediss://u:p:w@h", "rediss://u:<hidden>@h"),
-        ("http://u:p@[::1", "http://u:p@[::1"),  # malformed: left to validation
+        ("https://u:key@[::1", "https://u:<hidden>@[::1"),  # does not split: hidden all the same
         ("not a url", "not a url"),
     ],
 )
 def test_url_without_password(url: str, shown: str) -> None:
     assert url_without_password(url) == shown
+
+
+def test_only_the_settings_that_hold_secrets_are_hidden() -> None:
+    """A tenant called ``webhook_secret`` or an intent rule that reads like a URL is no
+    secret: hidden, its whole line would be left out of what loads back."""
+    values = {
+        "webhook_secret": "whsec_x",
+        "budgets": {"webhook_secret": {"daily": 1.0}},
+        "intent_rules": [{"match": "//x:y@", "capability": "a.b"}],
+        "event_subscriptions": [{"url": "https://hook:pw@h.example/e", "events": []}],
+        "redis_url": "redis://127.0.0.1:6379",
+    }
+    shown, hidden = hide_secrets(values)
+    assert hidden == {"webhook_secret", "event_subscriptions"}
+    assert shown["event_subscriptions"][0]["url"] == "https://hook:<hidden>@h.example/e"
+    assert {k: shown[k] for k in ("budgets", "intent_rules", "redis_url")} == {
+        k: values[k] for k in ("budgets", "intent_rules", "redis_url")
+    }

@@ -9,11 +9,12 @@ import anyio
 import click
 
 from broker.config import Settings
-from broker.connection import Connection, redact
+from broker.connection import Connection
 from broker.errors import RedisUnavailable
 from broker.event_follow import EventFollower
 from broker.event_log import recent_events
 from broker.events import EVENT_TYPES, Event, detail_text, event_body, printable
+from broker.redaction import url_without_password
 from broker.subscription_store import SubscriptionStore
 from broker.subscriptions import STATIC_PREFIX, Subscription, subscription_problem
 
@@ -82,7 +83,8 @@ async def _follow(conn: Connection, last: str, types: tuple[str, ...], as_json: 
                 pause_s = min(pause_s * 2, RETRY_MAX_S)
                 continue
             if away:
-                back = f"Redis at {redact(conn.url)} is back; following after {follower.last}"
+                where = url_without_password(conn.url)
+                back = f"Redis at {where} is back; following after {follower.last}"
                 click.echo(back, err=True)
                 if lost:
                     click.echo(f"note: {lost}", err=True)
@@ -93,10 +95,11 @@ async def _follow(conn: Connection, last: str, types: tuple[str, ...], as_json: 
 
 def subscription_line(sub_id: str, sub: Subscription, *, as_json: bool) -> str:
     source = "config" if sub_id.startswith(STATIC_PREFIX) else "stored"
+    url = url_without_password(sub.url)  # listed, as in `config`, without its password
     if as_json:
-        fields = {"id": sub_id, "source": source, "url": sub.url, "events": list(sub.events)}
+        fields = {"id": sub_id, "source": source, "url": url, "events": list(sub.events)}
         return json.dumps(fields | {"created_ms": sub.created_ms})
-    return f"{sub_id}  {source:<6}  {sub.url}  {','.join(sub.events) or 'all events'}"
+    return f"{sub_id}  {source:<6}  {url}  {','.join(sub.events) or 'all events'}"
 
 
 @click.command()

@@ -62,14 +62,14 @@ def config(settings: Settings, as_json: bool, show_secrets: bool) -> None:
     hidden unless --show-secrets: in TOML, a line holding one is printed as a comment, so the
     output still loads back (without that key)."""
     values = msgspec.to_builtins(settings)
-    shown = values if show_secrets else hide_secrets(values)
+    shown, hidden = (values, set()) if show_secrets else hide_secrets(values)
     if as_json:
         click.echo(json.dumps(shown, indent=2))
         return
     for key, value in shown.items():
         if value is None:
             click.echo(f"# {key} is not set")
-        elif value != values[key]:
+        elif key in hidden:
             click.echo(f"# {key} = {toml_value(value)}  (secret hidden; --show-secrets prints it)")
         else:
             click.echo(f"{key} = {toml_value(value)}")
