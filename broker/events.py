@@ -148,19 +148,16 @@ def detail_text(detail: bytes) -> str:
     return printable(" ".join(f"{key}={_word(value)}" for key, value in decoded.items()))
 
 
-# C0 and C1 controls (ESC sequences, CR, ...); the line and paragraph separators (a new line
-# to many terminals and viewers); the bidirectional overrides, embeddings, isolates and marks
-# that reorder what follows them on screen ("Trojan Source"); zero-width space and BOM
-_CONTROL = re.compile(
-    "[\x00-\x1f\x7f-\x9f\u061c\u200b\u200e\u200f\u2028-\u202e\u2066-\u2069\ufeff]"
-)
-
-
 def printable(text: str) -> str:
-    """``text`` with control characters (ESC sequences, CR, line separators, bidirectional
-    overrides, ...) written as escapes: stored text an operator reads is shown as it is, not
-    as it would have the screen look."""
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+    """``text`` with every character Python does not count as printable written as an
+    escape: C0 and C1 controls (ESC sequences, CR), line and paragraph separators (a new
+    line to many terminals), the bidirectional overrides and isolates that reorder what
+    follows them on screen ("Trojan Source"), zero-width and other invisible format
+    characters, unassigned code points. Stored text an operator reads is shown as it is, not
+    as it would have the screen look. (Joiners inside emoji sequences are escaped too.)"""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def _word(value: object) -> str:

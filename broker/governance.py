@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from .webhooks import MAX_URL_LENGTH
+
 Money = Annotated[float, msgspec.Meta(ge=0, le=1e12)]
 Burst = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
 
@@ -62,7 +64,7 @@ class EventSubscription(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     """Events of the named types (all of them when none are named) POSTed to ``url`` as
     signed webhooks (:mod:`broker.events`)."""
 
-    url: Annotated[str, msgspec.Meta(pattern=r"^https?://", max_length=2048)]
+    url: Annotated[str, msgspec.Meta(pattern=r"^https?://", max_length=MAX_URL_LENGTH)]
     events: list[str] = msgspec.field(default_factory=list)
 
 

@@ -396,11 +396,18 @@ def test_every_address_to_listen_on_is_named() -> None:
         (name, param.name)
         for name, command in commands(main)
         for param in command.params
-        if param.name in ("host", "callback_host")
+        if param.name is not None and param.name.endswith("host")
     ]
-    assert len(hosts) >= 4, hosts  # console, a2a-gateway, demo-agent, sidecar
+    # console, a2a-gateway, demo-agent, sidecar's callbacks, up's console and gateway, every
+    # metrics endpoint
+    assert len(hosts) >= 8, hosts
     assert [h for h in hosts if not isinstance(param_of(*h).type, ListenHost)] == []
-    for argv in (["demo-agent", "--host", ""], ["console", "--host", " "]):
+    for argv in (
+        ["demo-agent", "--host", ""],
+        ["console", "--host", " "],
+        ["up", "--metrics-host", ""],
+        ["up", "--console-host", ""],
+    ):
         result = CliRunner().invoke(main, argv)
         assert result.exit_code == 2 and "0.0.0.0 or :: to listen on every" in result.output
     result = CliRunner().invoke(main, ["a2a-gateway", "--host", "a\nb"])

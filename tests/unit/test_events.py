@@ -142,9 +142,12 @@ def test_a_full_page_none_of_it_read_is_followed_from_its_oldest() -> None:
         ("pay \u202eusd 001\u202c", "pay \\u202eusd 001\\u202c"),  # right-to-left override
         ("\u2066isolate\u2069 \u200fmark\u200e", "\\u2066isolate\\u2069 \\u200fmark\\u200e"),
         ("zero\u200bwidth\ufeff\u061c", "zero\\u200bwidth\\ufeff\\u061c"),
+        ("soft\u00adhy\u2060phen", "soft\\xadhy\\u2060phen"),
+        ("tag\U000e0041 nbsp\u00a0", "tag\\U000e0041 nbsp\\xa0"),
+        ("\U0001f468\u200d\U0001f469", "\U0001f468\\u200d\U0001f469"),
         (
-            "caf\u00e9 \U0001f468\u200d\U0001f469 \u4e2d",
-            "caf\u00e9 \U0001f468\u200d\U0001f469 \u4e2d",
+            "caf\u00e9 \u4e2d \u0645\u0631\u062d\u0628\u0627 ok",
+            "caf\u00e9 \u4e2d \u0645\u0631\u062d\u0628\u0627 ok",
         ),
     ],
 )

@@ -14,7 +14,7 @@ from broker.connection import Connection
 
 from ..console.app import console_endpoint
 from ..console.security import TOKEN_ENV, bind_refusal, token_problem
-from .common import redis_options
+from .common import ListenHost, redis_options
 from .endpoints import listen_options, serve_endpoint
 
 DEFAULT_PORT = 8700
@@ -49,7 +49,11 @@ def up_console_options(command: Callable[..., Any]) -> Callable[..., Any]:
     options = (
         click.option("--console", "console", is_flag=True, help="Also serve the web console."),
         click.option(
-            "--console-host", default="127.0.0.1", show_default=True, help="The console's address."
+            "--console-host",
+            type=ListenHost(),
+            default="127.0.0.1",
+            show_default=True,
+            help="The console's address.",
         ),
         click.option(
             "--console-port",

@@ -38,6 +38,7 @@ METRICS_OPTIONS = (
     ),
     click.option(
         "--metrics-host",
+        type=ListenHost(),
         default="127.0.0.1",
         show_default=True,
         help="The address the metrics endpoint listens on.",
