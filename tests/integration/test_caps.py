@@ -25,6 +25,7 @@ from tests.support.harness import (
     running_dispatcher,
     running_sidecar,
 )
+from tests.support.repair import record_in
 from workers.janitor import Janitor
 from workers.reaper import Reaper
 
@@ -179,7 +180,11 @@ async def test_instances_gone_for_good_are_forgotten_and_live_work_is_kept(
     async with open_connection(swept, swept.redis_url) as conn:
         await _register_silent(conn, "gone-1", silent_ms=120_000)  # gone, holds nothing
         await _register_silent(conn, "gone-2", silent_ms=120_000)  # gone, but holds a credit
-        await conn.call("SADD", conn.keys.inflight("gone-2"), "m:1")
+        # ... that a running attempt holds: the janitor's own credit audit keeps it (one no
+        # attempt held, it returned, and then forgot gone-2 too if its stream came later in
+        # the pass: the order of a SCAN)
+        running = await record_in(conn, Stage.PROCESSING, instance="gone-2")
+        await conn.call("SADD", conn.keys.inflight("gone-2"), f"{running}:1")
         await _register_silent(conn, "fresh-1", silent_ms=0)  # alive
         # a sidecar that deregistered (card and registry entry gone) left its stream
         await conn.call("XGROUP", "CREATE", conn.keys.queue("left-1"), "sidecar", "0", "MKSTREAM")
