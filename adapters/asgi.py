@@ -77,6 +77,8 @@ async def serve_app(
 
 # bytes a client may send ahead while its request is being answered (HTTP/1.1 pipelining)
 PIPELINED_MAX = 64 * 1024
+# the client's states while its request is answered (an Upgrade or CONNECT: might switch)
+_ANSWERING = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)  # type: ignore[attr-defined]
 
 
 class HeaderDeadlineProtocol(H11Protocol):
@@ -106,13 +108,12 @@ class HeaderDeadlineProtocol(H11Protocol):
         junk) make uvicorn stop reading the socket until the answer is out, and with it the
         client's hang-up: an app that waits long for its answer (a blocking A2A send) would
         then wait on for no one. Reading goes on; what comes is kept in h11's buffer, up to
-        :data:`PIPELINED_MAX` bytes, past which the connection is closed."""
-        if self.conn.their_state is not h11.DONE or self.transport.is_closing():
+        :data:`PIPELINED_MAX` bytes; past them reading stays paused (as uvicorn left it: the
+        answer under way is still given, the requests sent ahead served after it)."""
+        if self.conn.their_state not in _ANSWERING or self.transport.is_closing():
             return
         buffered, _ = self.conn.trailing_data
-        if len(buffered) > PIPELINED_MAX:
-            self.transport.close()
-        else:
+        if len(buffered) <= PIPELINED_MAX:
             self.flow.resume_reading()
 
     def on_response_complete(self) -> None:

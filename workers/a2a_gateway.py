@@ -165,21 +165,26 @@ class Gateway:
 
     async def _answer(self, request: Request, call: dict[str, Any]) -> Response:
         """Run a valid request object's method; a notification (no ``id``) is run and never
-        answered (JSON-RPC 2.0, section 4.1) but for a stream, which no one would read."""
+        answered (JSON-RPC 2.0, section 4.1) but for a stream, which no one would read. Only
+        a send's wait for its outcome ends when the client hangs up: what changes state (a
+        cancel, a submit) runs to its end, its client there or not."""
         request_id, method = call.get("id"), call["method"]
         handler = self._methods.get(method)
         if "id" not in call:
-            params = call.get("params")
-            if method == "SendMessage":  # returns at once: no one waits for its outcome
-                params = returning_at_once(params)
-            if handler is not None and method not in STREAMING:
-                with contextlib.suppress(ReachError):
-                    await handler(None, params)
+            with contextlib.suppress(ReachError):
+                if method == "SendMessage":
+                    await self.notified_send(call.get("params"))
+                elif handler is not None and method not in STREAMING:
+                    await handler(None, call.get("params"))
             return Response(status_code=204)
         if handler is None:
             return JSONResponse(rpc_error(request_id, METHOD_NOT_FOUND, f"no method {method!r}"))
+        params = call.get("params")
         try:
-            answer = await until_gone(request, lambda: handler(request_id, call.get("params")))
+            if method == "SendMessage":
+                answer = await until_gone(request, lambda: handler(request_id, params))
+            else:
+                answer = await handler(request_id, params)
         except ReachError as exc:  # an envelope refused, Redis unavailable: said as it is
             answer = rpc_error(request_id, INVALID_PARAMS, str(exc))
         if answer is None:
@@ -242,6 +247,14 @@ class Gateway:
             return await self.get_task(request_id, {"id": exc.message_id})
         task = task_json(result.id, result.stage, result=result.result, error=result.error)
         return rpc_result(request_id, {"task": task})
+
+    async def notified_send(self, params: Any) -> None:
+        """A send as a notification: submitted if it may be, nothing awaited (no one reads
+        its outcome, nor whether the dispatcher has its record yet)."""
+        asked = self._asked(returning_at_once(params))
+        if not isinstance(asked, str):
+            fields = {"callback_url": asked.callback_url} if asked.callback_url else {}
+            await self._submit(asked.capability, asked.payload, fields)
 
     async def _submit(self, capability: str, payload: Any, fields: dict[str, Any]) -> str:
         envelope = Envelope(
