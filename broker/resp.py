@@ -146,6 +146,10 @@ def describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+# error replies to the set-up's PING that still say the server is there and serving
+_PING_ANSWERS = frozenset({"NOAUTH", "NOPERM", "LOADING"})
+
+
 class RespConnection:
     """One connection to Redis: commands out in one write, replies back in order."""
 
@@ -206,10 +210,14 @@ class RespConnection:
             raise SetUpDropped(
                 f"redis at {address.where} dropped the connection set-up: {describe(cause)}"
             ) from cause
-        # a PING refused (NOAUTH, a user without it) is an answer all the same: the first
-        # call says what is wrong, as it did before there was a PING
-        for reply in replies if setup else []:
-            if isinstance(reply, Exception):
+        # a PING refused for want of a password or a right, or while loading, is an answer
+        # all the same: the first call says what is wrong (or waits for the data), as it did
+        # before there was a PING. Any other refusal (protected mode, too many clients) is
+        # said now: the server closes the connection after it.
+        for reply in replies:
+            if isinstance(reply, Exception) and (
+                setup or getattr(reply, "code", None) not in _PING_ANSWERS
+            ):
                 raise RedisUnavailable(f"redis refused the connection set-up: {reply}")
 
     async def execute(self, commands: list[Command], *, timeout_s: float = 30.0) -> list[Any]:

@@ -167,3 +167,43 @@ async def test_a_connection_given_up_on_is_reset_not_closed_in_order() -> None:
                 while True:
                     await peer.receive()  # the PING, then the reset
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio  # parametrized: the marker must be there before collection ends
+@pytest.mark.parametrize(
+    ("answer", "opens"),
+    [
+        (b"-DENIED Redis is running in protected mode\r\n", False),
+        (b"-ERR max number of clients reached\r\n", False),
+        (b"-NOAUTH Authentication required.\r\n", True),  # the first call says so
+        (b"-LOADING Redis is loading the dataset in memory\r\n", True),  # waited for after
+    ],
+)
+async def test_the_open_s_ping_refused_says_why_or_lets_the_first_call_say(
+    answer: bytes, opens: bool
+) -> None:
+    """A server that refuses a client and closes (protected mode, too many clients) sends
+    why first: the open says it, where it said only that the connection was lost. A PING
+    refused for want of a password, or while loading, leaves that to the first call."""
+
+    async def answer_once(stream: anyio.abc.SocketStream) -> None:
+        async with stream:  # closed however this ends (cancelled, for the servers that stay)
+            await stream.receive()
+            await stream.send(answer)
+            if opens:
+                await anyio.sleep_forever()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, answer_once)
+        with anyio.fail_after(BOUND_S):
+            if opens:
+                conn = await RespConnection.open(f"redis://127.0.0.1:{port}", timeout_s=2)
+                await conn.close()
+            else:
+                with pytest.raises(RedisUnavailable) as refused:
+                    await RespConnection.open(f"redis://127.0.0.1:{port}", timeout_s=2)
+                said = answer[1:].decode().strip()
+                assert str(refused.value) == f"redis refused the connection set-up: {said}"
+        tg.cancel_scope.cancel()
