@@ -30,6 +30,7 @@ class ScriptName(StrEnum):
     UNLIST_GONE = "unlist_gone"
     GCRA = "gcra"
     CARD_SET = "card_set"
+    RENEW_OWN = "renew_own"
 
 
 @dataclass(frozen=True, slots=True)

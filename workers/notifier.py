@@ -39,7 +39,10 @@ only the entries of a notifier that stopped, however long their back-off. A noti
 at any point loses nothing: its entries stay pending, and its restart (same consumer name)
 reads them back at once, or another notifier claims them after ``claim_idle_s``. One that
 stalled longer than that finds at its next renewal what was taken over and lets go of it;
-a POST it had already sent is sent again by the new holder (at least once, as promised).
+and right before each POST it renews that one entry only if it is still its own
+(``lua/renew_own.lua``), so a stall that lost it meanwhile does not POST it beside the new
+holder. A POST already sent when the stall began is sent again by the new holder (at least
+once, as promised).
 
 It also relays fleet events to their subscriptions (:mod:`workers.event_relay`): each as
 outbox entries like the ones above, so they are delivered the same way.
@@ -58,6 +61,7 @@ from broker.connection import Connection, ensure_group
 from broker.errors import RedisReplyError, RedisUnavailable
 from broker.idle_claims import IdleClaim
 from broker.keyspace import NOTIFY_GROUP, outboxes
+from broker.scripts import ScriptName
 from broker.streams import GroupReader, StreamEntry, parse_entries
 from broker.timekeeping import now_ms
 
@@ -262,6 +266,8 @@ class Notifier:
                 wait_ms = min(delivery.not_before_ms - now_ms(), self._longest_wait_ms())
                 if wait_ms > 0:
                     await anyio.sleep(wait_ms / 1000)
+                if not await self._still_mine(outbox, entry_id):
+                    return
                 attempt = await self.poster.attempt(delivery)
                 await self._settle_shielded(self.settlement.settle(delivery, attempt))
         except (RedisUnavailable, RedisReplyError, TimeoutError) as exc:
@@ -269,6 +275,16 @@ class Notifier:
             log.warning("webhook delivery %s not settled, retried later: %s", entry_id, exc)
         finally:
             self._let_go((outbox, entry_id))
+
+    async def _still_mine(self, outbox: str, entry_id: str) -> bool:
+        """Renew the entry's claim right before its POST, if it is still this notifier's: a
+        loop stalled past ``claim_idle_s`` (its renewals late) may have lost it to another
+        notifier, which POSTs it too; the renewal loop would say so only at its next turn."""
+        keys, args = (outbox,), (NOTIFY_GROUP, self.consumer, entry_id)
+        if await self.conn.evalsha(ScriptName.RENEW_OWN, keys, args):
+            return True
+        log.info("webhook delivery %s was taken over meanwhile: left to its new holder", entry_id)
+        return False
 
     def _longest_wait_ms(self) -> int:
         """The longest wait a retry is ever written with (:mod:`workers.webhook_settlement`)."""

@@ -54,6 +54,7 @@ from tests.support.webhooks import (
     serving,
     signature_ok,
 )
+from workers.notifier import Notifier
 from workers.webhook_post import WebhookPoster
 from workers.webhook_settlement import backoff_ms
 
@@ -665,6 +666,44 @@ async def test_a_held_entry_is_not_stolen_while_its_holder_lives(settings: Setti
 
     assert [h.headers["x-reach-delivery-attempt"] for h in receiver.hits] == ["1", "2"]
     assert one.handled.get("delivered", 0) + two.handled.get("delivered", 0) == 1
+
+
+async def test_a_holder_that_lost_its_entry_while_stalled_does_not_post_it_too(
+    settings: Settings,
+) -> None:
+    """A holder whose renewals are late (its loop stalled: here, it renews every 10 s) loses
+    its held retry to a notifier that claims what is idle 0.3 s. Waking to POST, it went on
+    and POSTed beside the new holder: attempt 2 twice. It now renews that entry only if it
+    is still its own, right before the POST, and leaves it to the new holder."""
+    receiver = Receiver(answers=[500])
+    backoff = {"webhook_backoff_ms": 1500, "webhook_backoff_max_ms": 1500}
+    with anyio.fail_after(30):
+        async with (
+            connected(hook_settings(settings, **backoff, claim_idle_s=30.0)) as late,
+            connected(hook_settings(settings, **backoff, claim_idle_s=0.3)) as quick,
+            serving(receiver) as url,
+            running_notifier(late, "late") as holder,
+        ):
+            await ended_message(late, url)
+
+            async def held() -> bool:
+                return len(receiver.hits) == 1 and holder.holding == 1
+
+            await eventually(held)  # attempt 1 failed; the retry waits with its holder
+            async with running_notifier(quick, "quick") as thief:
+
+                async def all_settled() -> bool:
+                    return bool(receiver.accepted) and await outbox_settled(late)
+
+                await eventually(all_settled, timeout_s=20)
+                await eventually(lambda: _none_held(holder, thief))
+
+    assert [h.headers["x-reach-delivery-attempt"] for h in receiver.hits] == ["1", "2"]
+    assert thief.handled.get("delivered", 0) == 1 and holder.handled.get("delivered", 0) == 0
+
+
+async def _none_held(*notifiers: Notifier) -> bool:
+    return all(n.holding == 0 for n in notifiers)
 
 
 async def test_a_sigkilled_notifier_process_loses_nothing(
