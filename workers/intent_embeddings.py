@@ -23,6 +23,7 @@ import httpx
 import msgspec
 
 from broker.intent import MAX_INTENT_CHARS, CapabilityProfile, cosine
+from broker.redaction import url_without_password
 
 MAX_ANSWER_BYTES = 32 * 1024 * 1024
 MAX_DIMENSIONS = 16_384
@@ -81,6 +82,7 @@ class EmbeddingScorer:
 
     def __init__(self, url: str, model: str, timeout_s: float) -> None:
         self.url = endpoint_url(url)
+        self.where = url_without_password(self.url)  # for messages and logs
         self.model = model
         self.timeout_s = timeout_s
         self._client = httpx.AsyncClient(timeout=timeout_s, follow_redirects=False)
@@ -115,14 +117,14 @@ class EmbeddingScorer:
                     "POST", self.url, content=body, headers=headers
                 ) as response:
                     if not response.is_success:
-                        raise EmbeddingFailure(f"{self.url} answered {response.status_code}")
+                        raise EmbeddingFailure(f"{self.where} answered {response.status_code}")
                     answer = bytearray()
                     async for chunk in response.aiter_bytes():
                         answer += chunk
                         if len(answer) > MAX_ANSWER_BYTES:
                             raise EmbeddingFailure(f"answer over {MAX_ANSWER_BYTES} bytes")
         except TimeoutError as exc:
-            raise EmbeddingFailure(f"no answer from {self.url} in {self.timeout_s}s") from exc
+            raise EmbeddingFailure(f"no answer from {self.where} in {self.timeout_s}s") from exc
         except httpx.HTTPError as exc:
-            raise EmbeddingFailure(f"{self.url}: {type(exc).__name__}: {exc}") from exc
+            raise EmbeddingFailure(f"{self.where}: {type(exc).__name__}: {exc}") from exc
         return vectors_of(bytes(answer), len(texts))

@@ -26,6 +26,7 @@ import httpx
 from adapters.http import retry_after_s
 from broker.config import Settings
 from broker.errors import ConfigError
+from broker.redaction import url_without_password
 from broker.webhooks import Allowlist, Signer, callback_problem
 from broker.wire import OutboxEntry
 
@@ -127,7 +128,10 @@ class WebhookPoster:
                 return Attempt(False, f"{type(exc).__name__}: {exc}".rstrip(": "))
             except (httpx.InvalidURL, ValueError) as exc:  # a URL httpx cannot send to: final
                 return Attempt(
-                    False, f"cannot POST to {delivery.url!r}: {exc}", posted=False, final=True
+                    False,
+                    f"cannot POST to {url_without_password(delivery.url)!r}: {exc}",
+                    posted=False,
+                    final=True,
                 )
         return Attempt(False, f"no answer within {timeout_s:g} s")
 

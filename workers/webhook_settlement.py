@@ -25,6 +25,7 @@ from broker.entries import fields_as_bytes
 from broker.events import is_event_delivery
 from broker.keyspace import NOTIFY_GROUP
 from broker.metric_fields import field
+from broker.redaction import url_without_password
 from broker.retry import retry_delay_ms
 from broker.streams import field_bytes
 from broker.timekeeping import now_ms
@@ -85,7 +86,8 @@ class Settlement:
             await self._dead_letter(delivery, attempt)
 
     async def _delivered(self, delivery: Delivery, attempt: Attempt) -> None:
-        reason = f"webhook {delivery.url} {attempt.detail} (attempt {delivery.attempt})"
+        shown = url_without_password(delivery.url)  # the timeline and the log: no password
+        reason = f"webhook {shown} {attempt.detail} (attempt {delivery.attempt})"
         done = self._done(delivery.stream, delivery.entry_id, "delivered")
         if not is_event_delivery(delivery.message_id):  # an event's has no timeline
             note = note_command(
@@ -121,7 +123,7 @@ class Settlement:
         log.warning(
             "message %s: webhook %s %s (attempt %d of %d), next in %d ms",
             delivery.message_id,
-            delivery.url,
+            url_without_password(delivery.url),
             attempt.detail,
             delivery.attempt,
             s.webhook_attempts,
@@ -145,7 +147,7 @@ class Settlement:
         log.warning(
             "message %s: webhook %s undeliverable after %d attempt(s), dead-lettered: %s",
             delivery.message_id,
-            delivery.url,
+            url_without_password(delivery.url),
             posts,
             attempt.detail,
         )

@@ -9,6 +9,7 @@ verify what they get with the README's snippet, through the ``standardwebhooks``
 
 from __future__ import annotations
 
+import logging
 import random
 import signal
 import time
@@ -157,6 +158,31 @@ async def held_attempts(conn: Connection, consumer: str) -> list[str]:
 
 
 # -- the tests -------------------------------------------------------------------------------
+
+
+async def test_a_webhook_url_s_password_stays_off_the_timeline_and_the_log(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A callback URL may carry the receiver's password: the delivery's note on the
+    timeline (shown by `trace` and the console) and the log lines wrote it out."""
+    caplog.set_level(logging.INFO, logger="agent_reach.notifier")
+    receiver = Receiver(answers=[500])
+    with anyio.fail_after(30):
+        async with connected(hook_settings(settings)) as conn:
+            async with serving(receiver) as url, running_notifier(conn):
+                with_password = url.replace("http://", "http://hook:s3cret@", 1)
+                message_id, _ = await ended_message(conn, with_password)
+
+                async def noted() -> bool:
+                    return CALLBACK_DELIVERED in await events(conn, message_id)
+
+                await eventually(noted, timeout_s=20)
+            timeline = await MessageStore(conn).get_timeline(message_id)
+
+    assert len(receiver.hits) == 2  # the password went where it belongs: the request
+    assert "http://hook:<hidden>@127.0.0.1:" in timeline[-1].reason
+    assert "s3cret" not in timeline[-1].reason and "s3cret" not in caplog.text
+    assert "hook:<hidden>@" in caplog.text  # the retry's line, and the delivery's
 
 
 async def test_receiver_failing_three_times_gets_the_fourth_signed(settings: Settings) -> None:

@@ -23,6 +23,7 @@ from broker.errors import ReachError
 from broker.events import printable
 from broker.jsondepth import json_problem
 from broker.operator import Action, Operator, ReplayPlan, StuckMessage
+from broker.redaction import url_without_password
 from broker.stages import TERMINAL, Stage
 
 from ..runtime import connected
@@ -313,4 +314,5 @@ def dlq(settings: Settings, as_json: bool, count: int) -> None:
         click.echo(printable(line))  # stored text, any byte: escaped for the terminal
         if letter.url is not None:
             tries = f" after {letter.attempts} attempts" if letter.attempts else ""
-            click.echo(printable(f"{'':<21}webhook {letter.url}{tries}: {letter.error or '?'}"))
+            url = url_without_password(letter.url)
+            click.echo(printable(f"{'':<21}webhook {url}{tries}: {letter.error or '?'}"))
