@@ -18,12 +18,12 @@ local function assign_credit(card_key, inflight, queue, rate, id, attempt, now_m
     -- At the limit: a repeat of an assignment already made is still an answer of its own.
     return redis.call('SISMEMBER', inflight, member) == 1 and 2 or 0
   end
+  if redis.call('SISMEMBER', inflight, member) == 1 then
+    return 2  -- a repeat of an assignment already made
+  end
   local interval = tonumber(card[4] or '0') or 0
   local new_tat
   if interval > 0 and rate then
-    if redis.call('SISMEMBER', inflight, member) == 1 then
-      return 2
-    end
     local now = tonumber(now_ms)
     local burst = tonumber(card[5] or '1') or 1
     local tat = tonumber(redis.call('GET', rate) or '0') or 0
@@ -34,11 +34,15 @@ local function assign_credit(card_key, inflight, queue, rate, id, attempt, now_m
     if new_tat - now - burst * interval > 0.001 then
       return -4
     end
+  end
+  -- The stream first: a key of another type (whoever may park work may make one) refuses
+  -- the XADD before anything is written. A script is not rolled back: a credit taken first
+  -- stayed held, for no entry, until the janitor's hourly audit.
+  redis.call('XADD', queue, '*', 'id', id, 'attempt', attempt)
+  redis.call('SADD', inflight, member)
+  if new_tat then
+    local now = tonumber(now_ms)
     redis.call('SET', rate, string.format('%.3f', new_tat), 'PX', math.ceil(new_tat - now) + 1000)
   end
-  if redis.call('SADD', inflight, member) == 0 then
-    return 2
-  end
-  redis.call('XADD', queue, '*', 'id', id, 'attempt', attempt)
   return 1
 end

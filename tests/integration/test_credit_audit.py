@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import anyio
 import msgspec
+import pytest
 
 from bench.profile import commandstats
 from broker.config import Settings
 from broker.connection import Connection, open_connection
-from broker.credits import return_command
+from broker.credits import assign_command, return_command
+from broker.errors import RedisReplyError
 from broker.keyspace import SIDECAR_GROUP
 from broker.notifications import MISSED, Notifications, credit_announcement
 from broker.records import InstanceCard
@@ -21,6 +23,10 @@ from tests.support.harness import eventually
 from tests.support.repair import record_in
 from workers.credit_audit import return_orphaned_credits
 from workers.janitor import Janitor
+
+LIVE_CARD = InstanceCard(
+    agent_id="live", instance_id="live-1", capabilities=("text.echo",), endpoint="", max_inflight=8
+)
 
 
 async def assigned(conn: Connection, message_id: str, *, read: bool, acknowledged: bool) -> None:
@@ -54,14 +60,7 @@ async def test_a_credit_nobody_will_return_is_returned_on_a_live_instance(
     swept = msgspec.structs.replace(settings, orphan_sweep_s=0.2)
     assert swept.redis_url is not None
     async with open_connection(swept, swept.redis_url) as conn:
-        card = InstanceCard(
-            agent_id="live",
-            instance_id="live-1",
-            capabilities=("text.echo",),
-            endpoint="",
-            max_inflight=8,
-        )
-        await Registry(conn).register(card, credits=8)  # alive: it has just beaten
+        await Registry(conn).register(LIVE_CARD, credits=8)  # alive: it has just beaten
         queue = conn.keys.queue("live-1")
         await conn.call("XGROUP", "CREATE", queue, SIDECAR_GROUP, "0", "MKSTREAM")
         # ended, its entry acknowledged: the process that was to return the credit stopped
@@ -180,3 +179,16 @@ async def test_a_flooded_in_flight_set_is_audited_in_chunks(conn: Connection) ->
     calls = {name: after[name][0] - before.get(name, (0, 0))[0] for name in after}
     assert calls.get("smembers", 0) == 0 and calls["sscan"] >= 25
     assert calls["evalsha"] >= 25  # returned in chunks too
+
+
+async def test_an_assignment_a_spoiled_stream_refuses_takes_no_credit(conn: Connection) -> None:
+    """The instance's stream made another type: the assignment's XADD is refused. The
+    credit was taken before it and stayed held, for no entry, until the hourly audit (a
+    script is not rolled back); the stream is now written first."""
+    await Registry(conn).register(LIVE_CARD, credits=8)
+    await conn.call("SET", conn.keys.queue("live-1"), "not a stream")
+    with pytest.raises(RedisReplyError) as refused:
+        await conn.call(*assign_command(conn, "live-1", "m-1", 1))
+
+    assert "WRONGTYPE" in str(refused.value)
+    assert await conn.call("SCARD", conn.keys.inflight("live-1")) == 0
