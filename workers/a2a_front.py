@@ -84,6 +84,11 @@ class SendRequest:
     callback_url: str | None
     message_id: str  # the client's messageId
 
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The envelope's fields besides its capability and payload: where to push the end."""
+        return {"callback_url": self.callback_url} if self.callback_url else {}
+
 
 def send_request(params: Any) -> SendRequest | str:
     """What a ``SendMessage`` asks for, or why it asks for nothing we can do."""
@@ -183,13 +188,3 @@ def request_problem(call: Any) -> tuple[int, str] | None:
     if not isinstance(call.get("method"), str):
         return INVALID_REQUEST, '"method" must be a string'
     return None
-
-
-def returning_at_once(params: Any) -> Any:
-    """A send's ``params`` with ``configuration.returnImmediately`` set: what a notification
-    (no one reads its answer) asks for, whatever it says."""
-    if not isinstance(params, dict):
-        return params
-    configuration = params.get("configuration")
-    configuration = configuration if isinstance(configuration, dict) else {}
-    return {**params, "configuration": {**configuration, "returnImmediately": True}}

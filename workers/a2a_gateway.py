@@ -63,7 +63,6 @@ from .a2a_front import (
     agent_card,
     is_request_id,
     request_problem,
-    returning_at_once,
     rpc_error,
     rpc_result,
     send_request,
@@ -230,9 +229,8 @@ class Gateway:
         asked = self._asked(params)
         if isinstance(asked, str):
             return rpc_error(request_id, INVALID_PARAMS, asked)
-        fields: dict[str, Any] = {"callback_url": asked.callback_url} if asked.callback_url else {}
         if not asked.blocking:
-            message_id = await self._submit(asked.capability, asked.payload, fields)
+            message_id = await self._submit(asked)
             await self._accepted(message_id)
             return rpc_result(request_id, {"task": task_json(message_id, Stage.PROCESSING)})
         try:
@@ -241,7 +239,7 @@ class Gateway:
                 asked.payload,
                 timeout=self.task_timeout_s,
                 id=mint_task_id(self.secret),
-                **fields,
+                **asked.fields,
             )
         except RequestTimeout as exc:
             return await self.get_task(request_id, {"id": exc.message_id})
@@ -251,18 +249,17 @@ class Gateway:
     async def notified_send(self, params: Any) -> None:
         """A send as a notification: submitted if it may be, nothing awaited (no one reads
         its outcome, nor whether the dispatcher has its record yet)."""
-        asked = self._asked(returning_at_once(params))
+        asked = self._asked(params)
         if not isinstance(asked, str):
-            fields = {"callback_url": asked.callback_url} if asked.callback_url else {}
-            await self._submit(asked.capability, asked.payload, fields)
+            await self._submit(asked)
 
-    async def _submit(self, capability: str, payload: Any, fields: dict[str, Any]) -> str:
+    async def _submit(self, asked: SendRequest) -> str:
         envelope = Envelope(
             id=mint_task_id(self.secret),
-            capability=capability,
-            payload=msgspec.Raw(msgspec.json.encode(payload)),
+            capability=asked.capability,
+            payload=msgspec.Raw(msgspec.json.encode(asked.payload)),
             timeout_s=self.task_timeout_s,
-            **fields,
+            **asked.fields,
         )
         return await self.client.submit(envelope)
 
@@ -316,8 +313,7 @@ class Gateway:
             return JSONResponse(busy, status_code=503, headers={"Retry-After": "1"})
         self.streams += 1  # taken before any await: requests at once see each other's
         try:
-            fields = {"callback_url": asked.callback_url} if asked.callback_url else {}
-            message_id = await self._submit(asked.capability, asked.payload, fields)
+            message_id = await self._submit(asked)
         except BaseException:
             self.streams -= 1
             raise
