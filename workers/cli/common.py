@@ -129,6 +129,11 @@ class ListenHost(click.types.StringParamType):
         return text
 
 
+def host_option(name: str, help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """An address to listen on: loopback unless asked, and a named one (:class:`ListenHost`)."""
+    return click.option(name, type=ListenHost(), default="127.0.0.1", show_default=True, help=help)
+
+
 def utc_text(ms: int, fmt: str | None = "%Y-%m-%d %H:%M:%S") -> str:
     """A time in ms since the epoch as UTC text (``fmt`` ``None``: ISO 8601 to the ms); one
     no calendar holds (anyone who may write a dead letter or an event writes its time) as

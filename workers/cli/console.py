@@ -14,7 +14,7 @@ from broker.connection import Connection
 
 from ..console.app import console_endpoint
 from ..console.security import TOKEN_ENV, bind_refusal, token_problem
-from .common import ListenHost, redis_options
+from .common import host_option, redis_options
 from .endpoints import listen_options, serve_endpoint
 
 DEFAULT_PORT = 8700
@@ -48,13 +48,7 @@ async def open_console(stack: AsyncExitStack, conn: Connection, at: ConsoleAt | 
 def up_console_options(command: Callable[..., Any]) -> Callable[..., Any]:
     options = (
         click.option("--console", "console", is_flag=True, help="Also serve the web console."),
-        click.option(
-            "--console-host",
-            type=ListenHost(),
-            default="127.0.0.1",
-            show_default=True,
-            help="The console's address.",
-        ),
+        host_option("--console-host", "The console's address."),
         click.option(
             "--console-port",
             type=click.IntRange(0, 65535),

@@ -14,7 +14,7 @@ from broker.config import Settings
 from broker.connection import Connection
 
 from ..runtime import connected, stop_on_signals
-from .common import ListenHost, run
+from .common import host_option, run
 
 Opener = Callable[[AsyncExitStack, Connection], Awaitable[None]]
 
@@ -30,13 +30,7 @@ def listen_options(default_port: int) -> Callable[[Callable[..., Any]], Callable
             show_default=True,
             help="The port (0: any).",
         )(command)
-        return click.option(
-            "--host",
-            type=ListenHost(),
-            default="127.0.0.1",
-            show_default=True,
-            help="The address to listen on.",
-        )(command)
+        return host_option("--host", "The address to listen on.")(command)
 
     return decorate
 

@@ -16,7 +16,7 @@ from broker.connection import Connection
 
 from ..a2a_gateway import gateway_endpoint
 from ..console.security import is_loopback
-from .common import ListenHost, redis_options
+from .common import host_option, redis_options
 from .endpoints import listen_options, serve_endpoint
 
 DEFAULT_PORT = 8701
@@ -66,13 +66,7 @@ def up_a2a_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
     options = (
         click.option("--a2a", is_flag=True, help="Also serve the A2A gateway."),
-        click.option(
-            "--a2a-host",
-            type=ListenHost(),
-            default="127.0.0.1",
-            show_default=True,
-            help="Its address.",
-        ),
+        host_option("--a2a-host", "Its address."),
         click.option(
             "--a2a-port",
             type=click.IntRange(0, 65535),

@@ -25,7 +25,7 @@ from ..metrics_page import metrics_endpoint
 from ..notifier import Notifier
 from ..reaper import Reaper
 from ..runtime import connected, stop_on_signals
-from .common import FiniteRange, ListenHost, redis_options, run
+from .common import FiniteRange, host_option, redis_options, run
 from .console import ConsoleAt, console_at, open_console, up_console_options
 from .gateway import GatewayAt, open_gateway, up_a2a_options
 
@@ -36,13 +36,7 @@ METRICS_OPTIONS = (
         default=None,
         help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off; 0: any port).",
     ),
-    click.option(
-        "--metrics-host",
-        type=ListenHost(),
-        default="127.0.0.1",
-        show_default=True,
-        help="The address the metrics endpoint listens on.",
-    ),
+    host_option("--metrics-host", "The address the metrics endpoint listens on."),
 )
 
 
@@ -222,7 +216,7 @@ def demo(settings: Settings, messages: int, timeout_s: float) -> None:
 
 @click.command(name="demo-agent")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
-@click.option("--host", type=ListenHost(), default="127.0.0.1", show_default=True)
+@host_option("--host", "The address to listen on.")
 @click.option("--delay-ms", type=FiniteRange(0, 3_600_000), default=20.0, show_default=True)
 @click.option("--fail-rate", type=FiniteRange(0, 1), default=0.0, show_default=True)
 def demo_agent(port: int, host: str, delay_ms: float, fail_rate: float) -> None:

@@ -30,7 +30,7 @@ from adapters.transport import Transport
 from broker.config import Settings
 from broker.governance import parse_rate
 
-from .common import FiniteRange, ListenHost, parse_tags, redis_options, run
+from .common import FiniteRange, host_option, parse_tags, redis_options, run
 from .processes import metrics_options, serve_sidecar
 
 
@@ -273,13 +273,7 @@ SIDECAR_OPTIONS = (
         help="adaptive: the credit limit follows the agent's latency, between 1 and "
         "--max-inflight; static: always --max-inflight.",
     ),
-    click.option(
-        "--callback-host",
-        type=ListenHost(),
-        default="127.0.0.1",
-        show_default=True,
-        help="http-async: the address the callback endpoint listens on.",
-    ),
+    host_option("--callback-host", "http-async: the address the callback endpoint listens on."),
     click.option(
         "--callback-port",
         type=click.IntRange(0, 65535),
