@@ -63,7 +63,8 @@ class DueClock:
             misplaced = [i for i in ids if due_for(self.conn.keys, i) != due]
             if misplaced:
                 await self._move_home(due, misplaced, now)
-                ids = [i for i in ids if i not in set(misplaced)]
+                away = set(misplaced)
+                ids = [i for i in ids if i not in away]
             claimed += ids
         return claimed
 
