@@ -9,31 +9,30 @@ secret: the TOML printer writes a line holding one as a comment.
 
 from __future__ import annotations
 
-import re
 from typing import Any
-from urllib.parse import urlsplit
 
 HIDDEN = "<hidden>"
 # settings whose whole value is a secret, and those holding a URL, which may name a password
 SECRET_KEYS = frozenset({"webhook_secret"})
 URL_KEYS = frozenset({"redis_url", "embedding_url"})
-# userinfo's password in what does not split as a URL: ``//user:password@``
-_USERINFO = re.compile(r"(//[^/@:]*:)[^/@]*@")
 
 
 def url_without_password(value: str) -> str:
     """``value`` with the password of its userinfo replaced by :data:`HIDDEN`; unchanged when
-    it names none."""
-    try:
-        parts = urlsplit(value)
-        password = parts.password
-    except ValueError:  # a malformed address: hidden all the same
-        return _USERINFO.sub(rf"\1{HIDDEN}@", value)
-    if not password:
+    it names none. Read on the raw text, not through ``urlsplit``: a password holding an
+    unencoded ``/``, ``?`` or ``#`` ends the authority there for a parser, which then finds
+    no password at all. Everything between ``://`` and the last ``@`` counts as userinfo when
+    it holds a ``:``, so a URL whose path or query has an ``@`` after a port is hidden too:
+    better too much than a password shown."""
+    begins = value.find("://")
+    ends = value.rfind("@")
+    if begins < 0 or ends < begins + 3:
         return value
-    userinfo, _, host = parts.netloc.rpartition("@")
-    user = userinfo.partition(":")[0]
-    return parts._replace(netloc=f"{user}:{HIDDEN}@{host}").geturl()
+    userinfo = value[begins + 3 : ends]
+    user, colon, _ = userinfo.partition(":")
+    if not colon:
+        return value
+    return f"{value[: begins + 3]}{user}:{HIDDEN}{value[ends:]}"
 
 
 def hide_secrets(values: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:

@@ -453,6 +453,10 @@ def test_json_in_an_environment_variable_nested_too_deeply_is_refused() -> None:
         ("rediss://u:p:w@h", "rediss://u:<hidden>@h"),
         ("https://u:key@[::1", "https://u:<hidden>@[::1"),  # does not split: hidden all the same
         ("not a url", "not a url"),
+        # a password with an unencoded / ? or # ends the authority for a URL parser
+        ("redis://u:pa/ss@h:1/0", "redis://u:<hidden>@h:1/0"),
+        ("redis://u:pa#ss@h", "redis://u:<hidden>@h"),
+        ("https://u:pa?ss@h/v1", "https://u:<hidden>@h/v1"),
     ],
 )
 def test_url_without_password(url: str, shown: str) -> None:
