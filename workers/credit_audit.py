@@ -42,25 +42,26 @@ async def orphaned_credits(conn: Connection, store: MessageStore, instance_id: s
     whoever may write it (a sidecar's user) may fill it with a million members, and one
     ``SMEMBERS`` and a million record reads in one round trip held the janitor's memory
     and Redis for as long. At most :data:`AUDITED_MAX` are judged per audit: the next one
-    goes on from a set the returns have shrunk."""
-    orphaned: list[bytes] = []
-    pending: set[str] | None = None
+    goes on from a set the returns have shrunk. The pending list is read once, after every
+    record: read before one of them, an entry delivered in between (its record moved on by
+    the reaper since) would be missing from it, and a credit its sidecar still works under
+    returned."""
+    stale: dict[str, bytes] = {}
     cursor, judged = b"0", 0
     while judged < AUDITED_MAX:
         cursor, raw = await conn.call(
             "SSCAN", conn.keys.inflight(instance_id), cursor, "COUNT", CHUNK
         )
         judged += len(raw)
-        stale = await _stale(store, instance_id, raw)
-        if stale:
-            if pending is None:
-                pending = await _pending_members(conn, instance_id)
-                if pending is None:
-                    return []
-            orphaned += [member for text, member in stale.items() if text not in pending]
+        stale |= await _stale(store, instance_id, raw)
         if cursor in (b"0", 0, "0"):
             break
-    return sorted(set(orphaned))
+    if not stale:
+        return []
+    pending = await _pending_members(conn, instance_id)
+    if pending is None:
+        return []
+    return sorted(member for text, member in stale.items() if text not in pending)
 
 
 async def _stale(store: MessageStore, instance_id: str, raw: list[bytes]) -> dict[str, bytes]:
