@@ -180,7 +180,10 @@ class Client:
         message_id = envelope.message_id
         waited = timeout + answer_grace_s(self.conn.settings) if wait_s is None else wait_s
         with inbox.expecting(message_id, request_digest(envelope)) as waiter:
-            await self.submit(envelope)
+            # a cancel waits for the submit's one round trip: cut in the middle, the write is
+            # sent or not (no one can tell) and the connection it was on is dropped
+            with anyio.CancelScope(shield=True):
+                await self.submit(envelope)
             with anyio.move_on_after(waited):
                 await waiter.done.wait()
         if waiter.result is not None:

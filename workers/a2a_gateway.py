@@ -261,7 +261,9 @@ class Gateway:
             timeout_s=self.task_timeout_s,
             **asked.fields,
         )
-        return await self.client.submit(envelope)
+        with anyio.CancelScope(shield=True):  # a hang-up ends the wait after it, not the write
+            message_id = await self.client.submit(envelope)
+        return message_id
 
     async def _accepted(self, message_id: str) -> None:
         """Until the dispatcher has made the message's record (so that ``GetTask`` and
