@@ -74,9 +74,12 @@ class DueClock:
         id's own partition — so the id came due again at every lease's end, for good. Each
         goes to its own partition, due now unless it already has a deadline there."""
         log.error("%s held %d ids of other partitions: moved to theirs", due, len(misplaced))
-        commands: list[tuple[Any, ...]] = [("ZREM", due, *misplaced)]
-        commands += [("ZADD", due_for(self.conn.keys, i), "NX", now, i) for i in misplaced]
-        await self.conn.run_all(commands)
+        # home first, then out of here: on a cluster these are other nodes, so two round
+        # trips; a stop between leaves an id in both, and the next claim here moves it again
+        await self.conn.run_all(
+            [("ZADD", due_for(self.conn.keys, i), "NX", now, i) for i in misplaced]
+        )
+        await self.conn.run_all([("ZREM", due, *misplaced)])
 
     async def reschedule(self, lease_score: int, verdicts: list[tuple[str, int | None]]) -> int:
         """Write each leased message's next look (``None``: it ended, forget it), only where
