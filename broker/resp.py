@@ -146,8 +146,9 @@ def describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-# error replies to the set-up's PING that still say the server is there and serving
-_PING_ANSWERS = frozenset({"NOAUTH", "NOPERM", "LOADING"})
+# error replies to the set-up's PING that still say the server is there and serving: for want
+# of a password or a right, or for a while (loading its data, running a long script)
+_PING_ANSWERS = frozenset({"NOAUTH", "NOPERM", "LOADING", "BUSY"})
 
 
 class RespConnection:
@@ -171,26 +172,29 @@ class RespConnection:
         """Connect to a ``redis://``, ``rediss://`` or ``unix://`` URL (see the module's
         docstring), then AUTH and SELECT as it says. A URL that says something wrong is a
         :class:`ConfigError`; a server that cannot be reached, or refuses the handshake or
-        the set-up, is :class:`RedisUnavailable`."""
+        the set-up, is :class:`RedisUnavailable`. ``timeout_s`` bounds the whole open: the
+        connection (with its TLS handshake) and the set-up together."""
         address = parse_redis_url(url)
         context = tls_context(address.tls) if address.tls is not None else None
+        deadline = asyncio.get_running_loop().time() + timeout_s
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout_at(deadline):
                 reader, writer = await _connect(address, context)
         except (OSError, TimeoutError) as exc:
             raise RedisUnavailable(f"cannot connect to {address.where}: {describe(exc)}") from exc
         conn = cls(reader, writer)
         try:
-            await conn._set_up(address, timeout_s)
+            await conn._set_up(address, timeout_s, deadline)
         except BaseException:
             await conn.close()
             raise
         return conn
 
-    async def _set_up(self, address: RedisAddress, timeout_s: float) -> None:
+    async def _set_up(self, address: RedisAddress, timeout_s: float, deadline: float) -> None:
         """AUTH and SELECT as the URL says, or a PING: a server that takes the connection
         and never answers (a hung process, a port some other service holds) fails the open
-        within ``timeout_s``, not the first call's 30 s later."""
+        by its ``deadline`` (loop time; ``timeout_s`` after it began), not the first call's
+        30 s later."""
         setup: list[Command] = []
         if address.password:
             user = address.username
@@ -198,7 +202,8 @@ class RespConnection:
         if address.db:
             setup.append(("SELECT", address.db))
         try:
-            replies = await self.execute(setup or [("PING",)], timeout_s=timeout_s)
+            left_s = max(_TIMER_SLACK_S, deadline - self._loop.time())
+            replies = await self.execute(setup or [("PING",)], timeout_s=left_s)
         except RedisUnavailable as exc:
             cause = exc.__cause__
             if isinstance(cause, TimeoutError):
@@ -210,10 +215,11 @@ class RespConnection:
             raise SetUpDropped(
                 f"redis at {address.where} dropped the connection set-up: {describe(cause)}"
             ) from cause
-        # a PING refused for want of a password or a right, or while loading, is an answer
-        # all the same: the first call says what is wrong (or waits for the data), as it did
-        # before there was a PING. Any other refusal (protected mode, too many clients) is
-        # said now: the server closes the connection after it.
+        # a PING refused for want of a password or a right, or for a while (_PING_ANSWERS),
+        # is an answer all the same: the first call says what is wrong (or is retried, as
+        # any call the server refuses for a while), as it did before there was a PING. Any
+        # other refusal (protected mode, too many clients) is said now: the server closes
+        # the connection after it.
         for reply in replies:
             if isinstance(reply, Exception) and (
                 setup or getattr(reply, "code", None) not in _PING_ANSWERS

@@ -177,6 +177,7 @@ async def test_a_connection_given_up_on_is_reset_not_closed_in_order() -> None:
         (b"-ERR max number of clients reached\r\n", False),
         (b"-NOAUTH Authentication required.\r\n", True),  # the first call says so
         (b"-LOADING Redis is loading the dataset in memory\r\n", True),  # waited for after
+        (b"-BUSY Redis is busy running a script.\r\n", True),  # for a while, as LOADING
     ],
 )
 async def test_the_open_s_ping_refused_says_why_or_lets_the_first_call_say(
@@ -207,3 +208,41 @@ async def test_the_open_s_ping_refused_says_why_or_lets_the_first_call_say(
                 said = answer[1:].decode().strip()
                 assert str(refused.value) == f"redis refused the connection set-up: {said}"
         tg.cancel_scope.cancel()
+
+
+async def test_a_redis_busy_with_a_script_opens_and_the_call_is_refused_for_a_while(
+    server: RedisServer,
+) -> None:
+    """A real server running a long script answers every new client ``BUSY``: the open's
+    PING is answered all the same (the server is there), and a call is refused as
+    unavailable for now, not as a broken set-up."""
+    busy = await RespConnection.open(server.url)
+    watcher = await RespConnection.open(server.url)
+    (said,) = await busy.execute([("CONFIG", "SET", "lua-time-limit", "50")])
+    assert said == b"OK"
+    ended: list[object] = []
+
+    async def run_for_ever() -> None:
+        ended.extend(await busy.execute([("EVAL", "while true do end", "0")], timeout_s=BOUND_S))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_for_ever)
+            with anyio.fail_after(BOUND_S):
+                while True:  # until the script has run past the limit: BUSY from then on
+                    (reply,) = await watcher.execute([("PING",)])
+                    if reply != b"PONG":
+                        break
+                assert isinstance(reply, RedisUnavailable) and reply.code == "BUSY"
+                conn = await RespConnection.open(server.url, timeout_s=BOUND_S)
+                try:
+                    (refused,) = await conn.execute([("PING",)])
+                    assert isinstance(refused, RedisUnavailable) and refused.code == "BUSY"
+                finally:
+                    await conn.close()
+                (killed,) = await watcher.execute([("SCRIPT", "KILL")])
+                assert killed == b"OK"
+    finally:
+        await watcher.close()
+        await busy.close()
+    assert len(ended) == 1 and isinstance(ended[0], Exception)

@@ -6,6 +6,7 @@ checks client certificates (certificates from ``trustme``). And what a Redis URL
 from __future__ import annotations
 
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -14,9 +15,11 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 import anyio
+import anyio.abc
 import msgspec
 import pytest
 import trustme
+from anyio.streams.tls import TLSStream
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -184,6 +187,37 @@ async def test_without_a_client_certificate_a_server_that_wants_one_refuses_clea
     said = str(caught.value)
     assert "cannot connect to redis at" in said
     assert "client certificate" in said and "ssl_certfile" in said
+
+
+async def test_one_timeout_bounds_the_open_handshake_and_set_up_together(tmp_path: Path) -> None:
+    """A server slow to finish its TLS handshake that then never answers: the open fails
+    once its timeout has passed since it began, not the handshake's time plus a whole
+    timeout more for the set-up."""
+    pki = write_pki(tmp_path, trustme.CA(), "127.0.0.1")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(pki.server_cert, pki.server_key)
+    handshake_delay_s, timeout_s = 1.0, 1.5
+
+    async def slow_then_silent(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await anyio.sleep(handshake_delay_s)  # the fault: a slow handshake
+            tls = await TLSStream.wrap(stream, server_side=True, ssl_context=context)
+            await tls.receive()  # the set-up's PING, never answered
+            await anyio.sleep_forever()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    url = f"rediss://127.0.0.1:{port}/0?{urlencode({'ssl_ca_certs': str(pki.ca)})}"
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, slow_then_silent)
+        started = time.monotonic()
+        with anyio.fail_after(10), pytest.raises(RedisUnavailable) as silent:
+            await RespConnection.open(url, timeout_s=timeout_s)
+        took_s = time.monotonic() - started
+        tg.cancel_scope.cancel()
+    assert "did not answer within 1.5 s" in str(silent.value)
+    # the set-up had what was left of 1.5 s (0.5 s), not 1.5 s more (2.5 s in all)
+    assert timeout_s <= took_s < handshake_delay_s + timeout_s - 0.3
 
 
 async def test_optional_verifies_the_chain_but_not_the_host_name(
