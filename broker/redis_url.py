@@ -23,6 +23,7 @@ from typing import Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from .errors import ConfigError
+from .redaction import split_problem
 
 DEFAULT_PORT = 6379
 CertReqs = Literal["required", "optional", "none"]
@@ -71,7 +72,7 @@ def parse_redis_url(url: str) -> RedisAddress:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:  # a port that is not a number, a malformed IPv6 host
-        raise _url_error(f"not a usable Redis URL: {exc}") from exc
+        raise _url_error(f"not a usable Redis URL: {split_problem(exc)}") from exc
     scheme = parts.scheme.lower()
     if scheme not in ("redis", "rediss", "unix"):
         raise _url_error(

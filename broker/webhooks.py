@@ -38,6 +38,7 @@ from functools import lru_cache
 from urllib.parse import SplitResult, urlsplit
 
 from .errors import quoted
+from .redaction import split_problem, url_without_password
 
 # Standard Webhooks: what counts
 WEBHOOK_ID_HEADER = "webhook-id"
@@ -363,14 +364,15 @@ def callback_url_problem(url: str) -> str | None:
     """Why ``url`` is no http(s) URL with a host of at most :data:`MAX_URL_LENGTH`
     characters, or ``None``: the part of :func:`callback_problem` that needs no settings
     (``send`` checks it before it sends)."""
+    shown = quoted(url_without_password(url))  # said back, kept, logged: no password in it
     if len(url) > MAX_URL_LENGTH:
-        return f"callback_url {quoted(url)} is longer than {MAX_URL_LENGTH} characters"
+        return f"callback_url {shown} is longer than {MAX_URL_LENGTH} characters"
     try:
         parts = http_url_parts(url)
     except ValueError as exc:
-        return f"callback_url {quoted(url)} is not a valid URL: {exc}"
+        return f"callback_url {shown} is not a valid URL: {split_problem(exc)}"
     if parts is None:
-        return f"callback_url {quoted(url)} must be an http:// or https:// URL with a host"
+        return f"callback_url {shown} must be an http:// or https:// URL with a host"
     return None
 
 

@@ -270,10 +270,19 @@ def test_a_url_that_says_something_wrong_is_a_config_error_naming_it(url: str, s
     assert said in str(caught.value)
 
 
-def test_a_url_error_never_repeats_the_password() -> None:
+@pytest.mark.parametrize(
+    "url",
+    [
+        "rediss://user:hunter2@h:1/0?nope=1",
+        # an unencoded / ends the authority: urllib then takes "hunter2" for the port
+        "redis://user:hunter2/x@h:1/0",
+        "redis://user:hunter2:99999999/x@h/0",  # ... or 99999999, out of range
+    ],
+)
+def test_a_url_error_never_repeats_the_password(url: str) -> None:
     with pytest.raises(ConfigError) as caught:
-        parse_redis_url("rediss://user:hunter2@h:1/0?nope=1")
-    assert "hunter2" not in str(caught.value)
+        parse_redis_url(url)
+    assert "hunter2" not in str(caught.value) and "99999999" not in str(caught.value)
 
 
 def test_a_url_is_read_as_it_says() -> None:

@@ -9,6 +9,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from broker.config import (
     FIELDS,
@@ -384,9 +386,9 @@ def test_every_variable_the_project_reads_is_a_setting_or_known_to_be_none() -> 
 @pytest.mark.parametrize(
     ("url", "says"),
     [
-        ("redis://[::1", "Invalid IPv6 URL"),
+        ("redis://[::1", "a malformed IPv6 host"),
         ("redis://127.0.0.1:0/0", "port 0 is no server's port"),
-        ("redis://h:99999", "Port out of range"),
+        ("redis://h:99999", "the port is out of range 0-65535"),
         ("ftp://h", "unsupported scheme ftp://"),
     ],
 )
@@ -457,10 +459,39 @@ def test_json_in_an_environment_variable_nested_too_deeply_is_refused() -> None:
         ("redis://u:pa/ss@h:1/0", "redis://u:<hidden>@h:1/0"),
         ("redis://u:pa#ss@h", "redis://u:<hidden>@h"),
         ("https://u:pa?ss@h/v1", "https://u:<hidden>@h/v1"),
+        # query parameters named as secrets: their values, not their names nor the others
+        ("https://h/e?api_key=abc&x=1", "https://h/e?api_key=<hidden>&x=1"),
+        ("https://h/e?x=1&access_token=t#top", "https://h/e?x=1&access_token=<hidden>#top"),
+        (
+            "https://h/e?X-Amz-Signature=s&sig=2",
+            "https://h/e?X-Amz-Signature=<hidden>&sig=<hidden>",
+        ),
+        ("https://u:pw@h/e?token=t", "https://u:<hidden>@h/e?token=<hidden>"),
+        ("https://h/e?api%5Fkey=abc", "https://h/e?api%5Fkey=<hidden>"),
+        ("https://h/e?keyboard=qwerty&monkey=1", "https://h/e?keyboard=qwerty&monkey=1"),
+        (
+            "rediss://h/0?ssl_keyfile=/k&ssl_certfile=/c",
+            "rediss://h/0?ssl_keyfile=/k&ssl_certfile=/c",
+        ),
+        ("https://h/e?token", "https://h/e?token"),  # no value to hide
+        ("https://h/e?to=a@b&token=t", "https://h/e?to=a@b&token=<hidden>"),
     ],
 )
 def test_url_without_password(url: str, shown: str) -> None:
     assert url_without_password(url) == shown
+
+
+_SECRET_TEXT = st.text(
+    st.characters(blacklist_characters="@&#=", blacklist_categories=("Cs",)), min_size=1
+).map(lambda t: f"Z9{t}Q7")  # never a piece of the URL around it
+
+
+@given(password=_SECRET_TEXT, token=_SECRET_TEXT, name=st.sampled_from(["token", "Api-Key"]))
+def test_no_password_nor_secret_parameter_is_shown(password: str, token: str, name: str) -> None:
+    url = f"https://user:{password}@h.example/e?x=1&{name}={token}"
+    shown = url_without_password(url)
+    assert password not in shown and token not in shown
+    assert shown.startswith("https://user:<hidden>@")
 
 
 def test_only_the_settings_that_hold_secrets_are_hidden() -> None:

@@ -82,6 +82,20 @@ def test_a_subscription_is_checked_like_a_callback_url() -> None:
     assert "longer than 2048" in (subscription_problem(longest + "a", [], ["127.0.0.1"], "k") or "")
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://hook:hunter2@h.example/" + "a" * 2048,  # too long
+        "ftp://hook:hunter2@h.example/",  # not http(s)
+        "http://hook:hunter2/x@h.example/",  # an unencoded / in it: "hunter2" is the port
+        "http://h.example/e?token=hunter2&x=" + "a" * 2048,  # a secret parameter
+    ],
+)
+def test_a_refused_url_is_said_without_its_password(url: str) -> None:
+    said = subscription_problem(url, [], ["h.example"], "k")
+    assert said is not None and "hunter2" not in said and "<hidden>" in said
+
+
 def test_no_message_id_passes_for_an_event_delivery() -> None:
     import re as _re
 
