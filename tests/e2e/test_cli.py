@@ -298,6 +298,8 @@ async def test_an_error_inside_a_command_is_one_line_not_a_traceback(settings: S
     assert code == 1 and "unknown instance 'nobody-1'" in out
     code, out = await cli(settings, "weight", "a-1", "-1")  # a value, not an option
     assert code == 2 and "-1.0 is not in the range 0<=x<=1000" in out
+    code, out = await cli(settings, "weight", "--bogus", "5")  # an option, not an instance
+    assert code == 2 and "No such option '--bogus'" in out
     assert "Traceback" not in out and "ExceptionGroup" not in out
 
 
