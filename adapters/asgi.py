@@ -93,6 +93,9 @@ class HeaderDeadlineProtocol(H11Protocol):
 
     header_timeout_s: ClassVar[float] = 10.0
     _header_timer: asyncio.TimerHandle | None = None
+    # at most this many bytes are in h11's buffer while a request is answered (None: not
+    # known; see _read_on_while_answering)
+    _buffered_at_most: int | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -101,22 +104,35 @@ class HeaderDeadlineProtocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._watch_headers()
-        self._read_on_while_answering()
+        self._read_on_while_answering(data)
 
-    def _read_on_while_answering(self) -> None:
+    def _read_on_while_answering(self, data: bytes) -> None:
         """Bytes that come while a request is being answered (a pipelined request, or just
         junk) make uvicorn stop reading the socket until the answer is out, and with it the
         client's hang-up: an app that waits long for its answer (a blocking A2A send) would
         then wait on for no one. Reading goes on; what comes is kept in h11's buffer, up to
         :data:`PIPELINED_MAX` bytes; past them reading stays paused (as uvicorn left it: the
-        answer under way is still given, the requests sent ahead served after it)."""
+        answer under way is still given, the requests sent ahead served after it).
+
+        h11 only adds to its buffer while it answers, so the bytes that came bound it from
+        above; its exact length (``trailing_data`` copies the buffer) is read only when that
+        bound passes the limit: a client dribbling bytes a few at a time would otherwise cost
+        the server a copy of all it sent ahead for every few."""
         if self.conn.their_state not in _ANSWERING or self.transport.is_closing():
+            self._buffered_at_most = None  # h11 reads its buffer between answers
             return
-        buffered, _ = self.conn.trailing_data
-        if len(buffered) <= PIPELINED_MAX:
+        at_most = self._buffered_at_most
+        if at_most is not None:
+            at_most += len(data)
+        if at_most is None or at_most > PIPELINED_MAX:
+            buffered, _ = self.conn.trailing_data
+            at_most = len(buffered)
+        self._buffered_at_most = at_most
+        if at_most <= PIPELINED_MAX:
             self.flow.resume_reading()
 
     def on_response_complete(self) -> None:
+        self._buffered_at_most = None  # the next request is read from the buffer
         super().on_response_complete()  # may start the next request's wait
         self._watch_headers()
 
