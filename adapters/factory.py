@@ -14,10 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from broker.envelope import MESSAGE_ID_PATTERN, capability_problem
-from broker.errors import ReachError
+from broker.errors import ReachError, quoted
 from broker.events import printable
 from broker.ids import new_message_id
 from broker.records import MAX_DESCRIPTION_CHARS, MAX_EXAMPLE_CHARS, MAX_EXAMPLES, InstanceCard
+from broker.redaction import split_problem, url_without_password
 from broker.webhooks import http_url_parts
 
 from .a2a_wire import AgentCardView, skill_capabilities
@@ -100,12 +101,13 @@ def check_urls(given: Mapping[str, str | None]) -> None:
 def check_http_url(url: str, option: str) -> None:
     """Refuse what is no ``http://`` or ``https://`` URL of a host with a port that parses:
     taken, it registered an instance whose every call failed ("agent unreachable")."""
+    shown = quoted(url_without_password(url), length=len(url))  # said back: no secret
     try:
         parts = http_url_parts(url)
     except ValueError as exc:
-        raise SidecarOptionError(f"{url!r}: not a URL ({exc})", option) from exc
+        raise SidecarOptionError(f"{shown}: not a URL ({split_problem(exc)})", option) from exc
     if parts is None:
-        raise SidecarOptionError(f"{url!r}: an http:// or https:// URL with a host", option)
+        raise SidecarOptionError(f"{shown}: an http:// or https:// URL with a host", option)
 
 
 def capability_pairs(values: Sequence[str], option: str, left: str) -> dict[str, str]:

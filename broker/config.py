@@ -17,7 +17,7 @@ import msgspec.inspect
 
 from . import failpoints
 from .envelope import TENANT_PATTERN, capability_problem
-from .errors import ConfigError
+from .errors import ConfigError, quoted
 from .events import EVENT_TYPES
 from .governance import (
     BudgetMode,
@@ -29,6 +29,7 @@ from .governance import (
     rule_problem,
 )
 from .jsondepth import decode_error_text, depth_problem
+from .redaction import url_without_password
 from .redis_url import parse_redis_url
 from .subscriptions import subscription_problem
 from .webhooks import Allowlist, webhook_secret_problem
@@ -260,7 +261,8 @@ def _intent_problem(settings: Settings) -> tuple[str, str] | None:
         why = f"must not be above intent_hit ({settings.intent_hit})"
         return "intent_reject", f"{why}, got {settings.intent_reject}"
     if settings.embedding_url and not settings.embedding_url.startswith(("http://", "https://")):
-        return "embedding_url", f"{settings.embedding_url!r}: an http:// or https:// URL"
+        shown = quoted(url_without_password(settings.embedding_url))  # said back: no secret
+        return "embedding_url", f"{shown}: an http:// or https:// URL"
     return None
 
 

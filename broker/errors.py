@@ -33,10 +33,14 @@ import re
 from typing import Any
 
 
-def quoted(value: str) -> str:
+def quoted(value: str, *, length: int | None = None) -> str:
     """``value`` as a message quotes it: its ``repr``, cut to 120 characters past 130, with
-    its length (a refusal repeats what it refuses; an attacker chooses how long that is)."""
-    return repr(value) if len(value) <= 130 else f"{value[:120]!r}… ({len(value)} characters)"
+    its length (a refusal repeats what it refuses; an attacker chooses how long that is).
+    ``length``: the length to state, where ``value`` stands for a longer text (one with a
+    secret hidden)."""
+    if len(value) <= 130:
+        return repr(value)
+    return f"{value[:120]!r}… ({len(value) if length is None else length} characters)"
 
 
 class ReachError(Exception):

@@ -15,54 +15,55 @@ from typing import Any
 from urllib.parse import unquote
 
 HIDDEN = "<hidden>"
-# a query parameter whose name holds one of these words (split on _ - . and case) carries
-# a secret: ?api_key=, ?access_token=, ?X-Amz-Signature=, ?sig=, ?password=
+# a query (or fragment) parameter whose name holds one of these words carries a secret:
+# ?api_key=, ?access_token=, ?accessToken=, ?X-Amz-Signature=, ?sig=, #access_token=
 SECRET_PARAMETER_WORDS = frozenset(
     {"key", "apikey", "token", "secret", "password", "passwd", "pwd", "pass", "auth"}
-    | {"sig", "signature", "credential", "credentials", "session"}
+    | {"sig", "signature", "credential", "credentials", "session", "jwt", "hmac"}
 )
-_WORD_BREAK = re.compile(r"[_\-.\s]+")
+_CASE_BREAK = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+_WORD_BREAK = re.compile(r"[_\-.+\s]+")
+# name=value after ? # & or ; (the value up to the next of them)
+_PARAMETER = re.compile(r"([?#&;])([^=?#&;]*)=([^?#&;]*)")
 # settings whose whole value is a secret, and those holding a URL, which may name a password
 SECRET_KEYS = frozenset({"webhook_secret"})
 URL_KEYS = frozenset({"redis_url", "embedding_url"})
 
 
 def url_without_password(value: str) -> str:
-    """``value`` with the password of its userinfo replaced by :data:`HIDDEN`; unchanged when
-    it names none. Read on the raw text, not through ``urlsplit``: a password holding an
-    unencoded ``/``, ``?`` or ``#`` ends the authority there for a parser, which then finds
-    no password at all. Everything between ``://`` and the last ``@`` counts as userinfo when
-    it holds a ``:``, so a URL whose path or query has an ``@`` after a port is hidden too:
-    better too much than a password shown. The values of query parameters named as secrets
-    (:data:`SECRET_PARAMETER_WORDS`) after it are hidden too."""
-    begins = value.find("://")
-    if begins < 0:
-        return value
-    authority_at = begins + 3
+    """``value`` with the password of its userinfo replaced by :data:`HIDDEN`, and the
+    value of each query or fragment parameter named as a secret (:func:`secret_name`);
+    unchanged when it names neither. For display only: it never makes a URL to use.
+
+    Read on the raw text, not through ``urlsplit``: a password holding an unencoded ``/``,
+    ``?`` or ``#`` ends the authority there for a parser, which then finds no password at
+    all. Everything between the first ``//`` (the whole text's start, where it has none: a
+    URL mistyped, ``https:user:pw@h``) and the last ``@`` counts as userinfo when it holds a
+    ``:``, so a URL whose path or query has an ``@`` after a port is hidden too: better too
+    much than a password shown."""
+    slashes = value.find("//")
+    authority_at = 0 if slashes < 0 else slashes + 2
     ends = value.rfind("@")
     if ends >= authority_at:
         user, colon, _ = value[authority_at:ends].partition(":")
-        if colon:  # the query, if any, comes after the password
+        if colon:  # the parameters, if any, come after the password
             value = f"{value[:authority_at]}{user}:{HIDDEN}{value[ends:]}"
             authority_at += len(user) + 1 + len(HIDDEN)
-    return _query_without_secrets(value, authority_at)
+    rest = _PARAMETER.sub(_hidden_if_secret, value[authority_at:])
+    return value[:authority_at] + rest
 
 
-def _query_without_secrets(value: str, authority_at: int) -> str:
-    """``value`` with the value of each secret-named query parameter (after
-    ``authority_at``, before any ``#``) replaced by :data:`HIDDEN`."""
-    asks = value.find("?", authority_at)
-    if asks < 0:
-        return value
-    fragment = value.find("#", asks)
-    ends = len(value) if fragment < 0 else fragment
-    pairs = value[asks + 1 : ends].split("&")
-    for i, pair in enumerate(pairs):
-        name, equals, _ = pair.partition("=")
-        words = set(_WORD_BREAK.split(unquote(name).lower()))
-        if equals and words & SECRET_PARAMETER_WORDS:
-            pairs[i] = f"{name}={HIDDEN}"
-    return f"{value[: asks + 1]}{'&'.join(pairs)}{value[ends:]}"
+def secret_name(name: str) -> bool:
+    """Whether a URL parameter called ``name`` (percent-encoded or not) carries a secret:
+    one of its words, split on ``_ - . +``, spaces and case (``accessToken``), is one of
+    :data:`SECRET_PARAMETER_WORDS`."""
+    words = _WORD_BREAK.split(_CASE_BREAK.sub(" ", unquote(name)).lower())
+    return not SECRET_PARAMETER_WORDS.isdisjoint(words)
+
+
+def _hidden_if_secret(found: re.Match[str]) -> str:
+    before, name, _ = found.groups()
+    return f"{before}{name}={HIDDEN}" if secret_name(name) else found[0]
 
 
 def split_problem(exc: ValueError) -> str:

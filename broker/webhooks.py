@@ -364,7 +364,8 @@ def callback_url_problem(url: str) -> str | None:
     """Why ``url`` is no http(s) URL with a host of at most :data:`MAX_URL_LENGTH`
     characters, or ``None``: the part of :func:`callback_problem` that needs no settings
     (``send`` checks it before it sends)."""
-    shown = quoted(url_without_password(url))  # said back, kept, logged: no password in it
+    # said back, kept, logged: no secret in it, and the length stated its own
+    shown = quoted(url_without_password(url), length=len(url))
     if len(url) > MAX_URL_LENGTH:
         return f"callback_url {shown} is longer than {MAX_URL_LENGTH} characters"
     try:

@@ -457,13 +457,17 @@ def test_a_bad_failpoint_spec_is_one_line_from_a_fresh_process() -> None:
             "Invalid value for --callback-public-url",
         ),
         (["--http", "http://h/", "--version", "1\nfake"], "Invalid value for --version: 1\\nfake"),
+        # said back without the password (an unencoded / in it: urllib took "hunter2" for
+        # the port, and said so)
+        (["--http", "http://agent:hunter2/x@h/"], "not a URL (what stands for the port"),
+        (["--http", "htp://agent:hunter2@h/"], "'htp://agent:<hidden>@h/': an http://"),
     ],
 )
 def test_a_sidecar_refuses_addresses_and_words_it_cannot_use(extra: list[str], says: str) -> None:
     result = CliRunner().invoke(main, ["sidecar", "--agent-id", "a", "--capability", "a.b", *extra])
 
     assert result.exit_code == 2, result.output
-    assert says in result.output
+    assert says in result.output and "hunter2" not in result.output
 
 
 def test_config_hides_secrets_unless_asked() -> None:

@@ -341,6 +341,7 @@ def test_governance_keys_load_from_toml_and_print_back(tmp_path: Path) -> None:
         ({"intent_rules": [{"match": "x", "capability": "Bad"}]}, "intent_rules[0]", "lower-case"),
         ({"intent_hit": 0.5}, "intent_reject", "intent_hit"),
         ({"embedding_url": "ftp://x"}, "embedding_url", "http"),
+        ({"embedding_url": "ftp://u:hunter2@h/"}, "embedding_url", "'ftp://u:<hidden>@h/'"),
         ({"budgets": {"t": {"daily": -1}}}, "budgets", ">= 0"),
         ({"budget_mode": "free"}, "budget_mode", "reject"),
         ({"event_subscriptions": [{"url": "http://h", "events": ["x.y"]}]}, "event_", "known"),
@@ -475,6 +476,18 @@ def test_json_in_an_environment_variable_nested_too_deeply_is_refused() -> None:
         ),
         ("https://h/e?token", "https://h/e?token"),  # no value to hide
         ("https://h/e?to=a@b&token=t", "https://h/e?to=a@b&token=<hidden>"),
+        # names in camelCase, ; as a separator, a fragment's parameters (OAuth's implicit flow)
+        (
+            "https://h/e?accessToken=t&clientSecret=s",
+            "https://h/e?accessToken=<hidden>&clientSecret=<hidden>",
+        ),
+        ("https://h/e?a=1;api+key=k", "https://h/e?a=1;api+key=<hidden>"),
+        ("https://h/cb#access_token=t&state=1", "https://h/cb#access_token=<hidden>&state=1"),
+        # mistyped: no :// (a refused URL is said back all the same)
+        ("https//user:pw@h/x", "https//user:<hidden>@h/x"),
+        ("//user:pw@h/x", "//user:<hidden>@h/x"),
+        ("https:user:pw@h", "https:<hidden>@h"),
+        ("user:pw@h:80", "user:<hidden>@h:80"),
     ],
 )
 def test_url_without_password(url: str, shown: str) -> None:
