@@ -285,12 +285,13 @@ def print_stats(found: BacklogStats) -> None:
 @click.argument("weight", type=FiniteRange(0, 1000))
 def weight(settings: Settings, instance_id: str, weight: float) -> None:
     """Set an instance's routing weight now (canary share: 0.11 beside 1.0 is about 10 %)."""
-    if instance_id.startswith("--"):  # let through as a value (above), and no instance's id
-        raise click.NoSuchOption(instance_id)
+    context = click.get_current_context()
 
     async def apply() -> None:
         async with connected(settings) as conn:
             if not await Registry(conn).set_weight(instance_id, weight):
+                if instance_id.startswith("--"):  # let through as a value (above): a typo
+                    raise click.NoSuchOption(instance_id, ctx=context)
                 raise click.ClickException(f"unknown instance {instance_id!r}")
         click.echo(f"{instance_id}: weight {weight}")
 
