@@ -97,9 +97,12 @@ def parse_assignment(entry_id: str, fields: Mapping[str, bytes]) -> Assignment |
     message_id = raw_id.decode(errors="replace")
     if not _MESSAGE_ID.match(message_id):
         return f"`id` {message_id[:80]!r} is not a message id"
-    if not raw_attempt.isdigit() or not 1 <= int(raw_attempt) <= MAX_ATTEMPT:
+    # int() refuses more than 4,300 digits with a ValueError: the zeros in front go first
+    digits = raw_attempt.lstrip(b"0")
+    too_long = len(digits) > len(str(MAX_ATTEMPT))
+    if not raw_attempt.isdigit() or too_long or not 1 <= int(digits or b"0") <= MAX_ATTEMPT:
         return f"`attempt` {raw_attempt[:20]!r} is not an attempt number"
-    return Assignment(entry_id, message_id, int(raw_attempt))
+    return Assignment(entry_id, message_id, int(digits))
 
 
 def fields_as_bytes(pairs: Iterable[tuple[bytes, bytes]]) -> bytes:

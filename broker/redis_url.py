@@ -18,14 +18,16 @@ with that sentence instead of retrying for ever.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from .errors import ConfigError
+from .errors import ConfigError, quoted
 from .redaction import split_problem
 
 DEFAULT_PORT = 6379
+MAX_DB = 2**31 - 1  # SELECT takes an int; the server counts its databases in one
 CertReqs = Literal["required", "optional", "none"]
 CERT_REQS: tuple[CertReqs, ...] = ("required", "optional", "none")
 _CERT_REQS: dict[str, CertReqs] = {name: name for name in CERT_REQS}
@@ -68,6 +70,12 @@ def parse_redis_url(url: str) -> RedisAddress:
     """A ``redis://``, ``rediss://`` or ``unix://`` URL as a :class:`RedisAddress`; anything
     else it says is a :class:`ConfigError` naming what is wrong (the message never repeats
     the URL: it may hold a password)."""
+    if blank := next((c for c in url if c.isspace() or not c.isprintable()), None):
+        # urlsplit drops tabs and line breaks wherever they are: refused, not read around
+        raise _url_error(
+            f"a URL holds no spaces nor control characters (percent-encode them: a space is"
+            f" %20); found {blank!r}"
+        )
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -99,20 +107,26 @@ def parse_redis_url(url: str) -> RedisAddress:
 def _query(query: str) -> dict[str, str]:
     """The query parameters; an unknown or repeated one is an error naming it."""
     pairs = parse_qsl(query, keep_blank_values=True)
-    names = [name for name, _ in pairs]
-    unknown = sorted({name for name in names if name not in TLS_PARAMETERS})
+    counts = Counter(name for name, _ in pairs)
+    unknown = sorted(name for name in counts if name not in TLS_PARAMETERS)
     if unknown:
         raise _url_error(
             f"unknown query parameter{'s' if len(unknown) > 1 else ''} "
-            f"{', '.join(map(repr, unknown))}; known: {', '.join(TLS_PARAMETERS)}"
+            f"{_names(unknown)}; known: {', '.join(TLS_PARAMETERS)}"
         )
-    repeated = sorted({name for name in names if names.count(name) > 1})
+    repeated = sorted(name for name, count in counts.items() if count > 1)
     if repeated:
-        raise _url_error(f"query parameter {', '.join(map(repr, repeated))} given twice")
+        raise _url_error(f"query parameter {_names(repeated)} given twice")
     empty = sorted(name for name, value in pairs if not value)
     if empty:
         raise _url_error(f"query parameter {', '.join(map(repr, empty))} has no value")
     return dict(pairs)
+
+
+def _names(names: list[str]) -> str:
+    """Parameter names for a message: the first few, quoted, and how many more."""
+    shown = ", ".join(quoted(name) for name in names[:5])
+    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _tls_options(scheme: str, query: dict[str, str]) -> TlsOptions | None:
@@ -139,5 +153,7 @@ def _db(path: str) -> int:
     if not name:
         return 0
     if not name.isdigit() or not name.isascii():
-        raise _url_error(f"the database (the URL's path) must be a number, got {name!r}")
+        raise _url_error(f"the database (the URL's path) must be a number, got {quoted(name)}")
+    if len(name) > 9 or int(name) > MAX_DB:  # a server's databases are counted in an int
+        raise _url_error(f"the database (the URL's path) must be at most {MAX_DB}")
     return int(name)

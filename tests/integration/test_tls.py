@@ -260,6 +260,10 @@ async def test_optional_verifies_the_chain_but_not_the_host_name(
         ("127.0.0.1:6379", "unsupported scheme"),
         ("redis://h:notaport/0", "not a usable Redis URL"),
         ("redis://h:1/zero", "must be a number, got 'zero'"),
+        ("redis://h:1/" + "1" * 4301, "must be at most 2147483647"),  # int() raised
+        ("redis://h:1/2147483648", "must be at most 2147483647"),
+        ("redis:/\t/u:pw@h:1/0", "no spaces nor control characters"),  # urlsplit drops tabs
+        ("redis://h:1/0\n", "no spaces nor control characters"),
         ("unix://", "needs the socket's path"),
     ],
 )

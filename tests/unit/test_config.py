@@ -488,6 +488,19 @@ def test_json_in_an_environment_variable_nested_too_deeply_is_refused() -> None:
         ("//user:pw@h/x", "//user:<hidden>@h/x"),
         ("https:user:pw@h", "https:<hidden>@h"),
         ("user:pw@h:80", "user:<hidden>@h:80"),
+        # a tab or line break, which a URL parser drops: dropped here too, then read
+        ("redis:/\t/user:pw@localhost//0", "redis://user:<hidden>@localhost//0"),
+        # an @ in a secret's value, a ? or ; in it: what either reading hides is hidden
+        ("https://h.example:8443/cb?password=pw@horse", "https://h.example:<hidden>"),
+        ("https://h/?access_token=AAAA?BBBB", "https://h/?access_token=<hidden>"),
+        ("https://h/?access_token=AAAA;BBBB", "https://h/?access_token=<hidden>"),
+        ("https://u:pa?token=x@h/", "https://u:<hidden>"),
+        # run-together names: the long words anywhere, the short ones as words only
+        (
+            "https://h/?ACCESSTOKEN=a&sessionid=b&apikeyid=c",
+            "https://h/?ACCESSTOKEN=<hidden>&sessionid=<hidden>&apikeyid=<hidden>",
+        ),
+        ("https://h/e?author=me&monkey=1", "https://h/e?author=me&monkey=1"),
     ],
 )
 def test_url_without_password(url: str, shown: str) -> None:

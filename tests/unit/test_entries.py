@@ -65,6 +65,8 @@ def test_the_fields_of_a_dead_letter_round_trip_bytes_that_are_not_utf8() -> Non
         ({"id": b"m1", "attempt": b"0"}, "not an attempt number"),
         ({"id": b"m1", "attempt": b"-1"}, "not an attempt number"),
         ({"id": b"m1", "attempt": b"99999999999999999999"}, "not an attempt number"),
+        ({"id": b"m1", "attempt": b"9" * 4301}, "not an attempt number"),  # int() raised
+        ({"id": b"m1", "attempt": b"0" * 4301 + b"7"}, Assignment("1-0", "m1", 7)),
         ({"id": b"a{b}", "attempt": b"1"}, "not a message id"),
         ({"id": b"\xff", "attempt": b"1"}, "not a message id"),
         ({"id": b"m1", "attempt": b"1", "x": b""}, "unexpected fields"),
