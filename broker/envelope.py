@@ -32,7 +32,7 @@ MESSAGE_ID_PATTERN = r"^[0-9A-Za-z_.:-]{1,128}(?!\n)$"
 
 Capability = Annotated[str, msgspec.Meta(pattern=CAPABILITY_PATTERN, max_length=128)]
 # Session ids become hash tags (`reach:s:{<session>}`): anything but braces and whitespace.
-SessionId = Annotated[str, msgspec.Meta(pattern=r"^[^{}\s]{1,256}$")]
+SessionId = Annotated[str, msgspec.Meta(pattern=r"^[^{}\s]{1,256}(?!\n)$")]
 MessageId = Annotated[str, msgspec.Meta(pattern=MESSAGE_ID_PATTERN)]
 Priority = Annotated[int, msgspec.Meta(ge=0, le=9)]
 TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
@@ -47,7 +47,7 @@ Target = Annotated[str, msgspec.Meta(pattern=MESSAGE_ID_PATTERN)]
 CallbackUrl = Annotated[str, msgspec.Meta(max_length=MAX_URL_LENGTH)]
 # Tenants label counters and name budget keys: a short printable word.
 # printable ASCII, no spaces; not "-", which stands for no tenant in usage (broker.usage)
-TENANT_PATTERN = r"^(?!-$)[\x21-\x7e]{1,128}$"
+TENANT_PATTERN = r"^(?!-$)[\x21-\x7e]{1,128}(?!\n)$"
 Tenant = Annotated[str, msgspec.Meta(pattern=TENANT_PATTERN)]
 Intent = Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
 

@@ -347,6 +347,7 @@ def test_governance_keys_load_from_toml_and_print_back(tmp_path: Path) -> None:
         ({"event_subscriptions": [{"url": "http://h", "events": ["x.y"]}]}, "event_", "known"),
         ({"event_subscriptions": [{"url": "http://127.0.0.1/h"}]}, "event_", "not allowed"),
         ({"budgets": {"team a": {"daily": 1}}}, "budgets", "printable"),
+        ({"budgets": {"acme\n": {"daily": 1}}}, "budgets", "printable"),
         ({"budgets": {"-": {"daily": 1}}}, "budgets", "printable"),
         ({"rate_limits": {"tenant": {"": {"rate": "1/s"}}}}, "rate_limits", "printable"),
     ],

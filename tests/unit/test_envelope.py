@@ -338,6 +338,10 @@ def test_schema_accepts_a_good_envelope() -> None:
         {"mode": "multicast"},
         {"tags": {"a": 1}},
         {"id": "a{b}"},
+        # $ matches before a final line break in Python's re (which msgspec uses): the
+        # session id becomes a hash tag, the tenant a counter's label and a budget's key
+        {"session_id": "abc\n"},
+        {"tenant": "acme\n"},
         {"max_attempts": 0},
         {"unknown": True},
     ],
