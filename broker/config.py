@@ -197,6 +197,9 @@ def build_settings(layers: list[Mapping[str, Any]]) -> Settings:
             if key not in FIELDS:
                 raise ConfigError(key, f"unknown key; known keys: {', '.join(FIELDS)}")
             merged[key] = value
+    for key, value in merged.items():
+        if problem := _text_problem(value):
+            raise ConfigError(key, problem)
     try:
         settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as exc:
@@ -205,6 +208,19 @@ def build_settings(layers: list[Mapping[str, Any]]) -> Settings:
     if found := _problem(settings):
         raise ConfigError(*found)
     return settings
+
+
+def _text_problem(value: Any) -> str | None:
+    """Why ``value`` holds no text UTF-8 can carry, or ``None``: a byte that is no UTF-8 in
+    an environment variable reaches Python as a lone surrogate (``$'\\xff'``), which every
+    later step would raise on."""
+    try:
+        msgspec.json.encode(value)
+    except UnicodeEncodeError as exc:
+        return f"not valid UTF-8 text (a byte that is no character, at {exc.start})"
+    except (TypeError, OverflowError):  # not JSON at all (a TOML date, say): the types say
+        return None
+    return None
 
 
 def _problem(settings: Settings) -> tuple[str, str] | None:
@@ -325,6 +341,8 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, str]:
             raise ConfigError(
                 name, f"unknown environment variable; known keys: {', '.join(FIELDS)}"
             )
+        if problem := _text_problem(value):  # before any decoding: each would raise on it
+            raise ConfigError(name, problem)
         layer[key] = _env_value(key, value)
     return layer
 
@@ -374,6 +392,8 @@ def file_layer(path: Path) -> dict[str, Any]:
         raise ConfigError(str(path), f"invalid TOML: {exc}") from exc
     except RecursionError as exc:  # tomllib recurses into nested arrays and tables
         raise ConfigError(str(path), "invalid TOML: nested too deeply") from exc
+    except ValueError as exc:  # int() past 4,300 digits: not a TOMLDecodeError
+        raise ConfigError(str(path), "invalid TOML: a number of more than 4,300 digits") from exc
     return data
 
 

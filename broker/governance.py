@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from .errors import quoted
 from .webhooks import MAX_URL_LENGTH
 
 Money = Annotated[float, msgspec.Meta(ge=0, le=1e12)]
@@ -102,7 +103,11 @@ def rule_pattern(rule: IntentRule) -> re.Pattern[str]:
 def rule_problem(rule: IntentRule) -> str | None:
     """Why an intent rule cannot be used, or ``None``: a regex that does not compile, or one
     Python warns will mean something else in a later version (``[[``: a possible nested
-    set), which would otherwise only log a warning where it is first used."""
+    set), which would otherwise only log a warning where it is first used; or groups nested
+    past :data:`MAX_GROUP_DEPTH` (``re``'s parser recurses into each: deep enough, it raises
+    ``RecursionError`` wherever the pattern is first compiled)."""
+    if _group_depth(rule.match) > MAX_GROUP_DEPTH:
+        return f"match {quoted(rule.match)}: groups nested more than {MAX_GROUP_DEPTH} deep"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         try:
@@ -111,4 +116,27 @@ def rule_problem(rule: IntentRule) -> str | None:
             return f"match {rule.match!r}: {exc}"
         except Warning as exc:
             return f"match {rule.match!r}: {exc} (escape it with a backslash to mean it as is)"
+        except RecursionError:  # a deep stack here: as refused as too deep
+            return f"match {quoted(rule.match)}: groups nested too deeply"
     return None
+
+
+MAX_GROUP_DEPTH = 50
+
+
+def _group_depth(pattern: str) -> int:
+    """How deep the pattern's ``(`` nest, escapes skipped (a ``(`` in a set counts: over, not
+    under)."""
+    depth = deepest = 0
+    escaped = False
+    for char in pattern:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth = max(0, depth - 1)
+    return deepest

@@ -437,6 +437,34 @@ def test_a_config_file_over_a_megabyte_or_nested_too_deeply_is_refused(tmp_path:
     assert "over 1048576 bytes" in config_error(config_file=big).problem
     deep = write(tmp_path, "intent_rules = " + "[" * 50_000 + "]" * 50_000 + "\n")
     assert config_error(config_file=deep).problem == "invalid TOML: nested too deeply"
+    # tomllib's int() raises ValueError past 4,300 digits, no TOMLDecodeError
+    long = write(tmp_path, "heartbeat_s = " + "1" * 4301 + "\n")
+    assert (
+        config_error(config_file=long).problem == "invalid TOML: a number of more than 4,300 digits"
+    )
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        {"environ": {"AGENT_REACH_HEARTBEAT_S": "\udcff"}},  # the byte 0xff, as os.environ has it
+        {"environ": {"AGENT_REACH_BUDGETS": '{"\udcff": {"daily": 1}}'}},
+        {"overrides": {"heartbeat_s": "\udcff"}},  # a flag's value
+    ],
+)
+def test_a_value_that_is_no_utf8_text_is_refused_naming_its_key(where: dict[str, Any]) -> None:
+    """A byte that is no UTF-8 reaches Python as a lone surrogate; every step after raised
+    UnicodeEncodeError on it: a traceback."""
+    error = config_error(**where)
+    assert "heartbeat" in error.key.lower() or "budgets" in error.key.lower()
+    assert error.problem.startswith("not valid UTF-8 text")
+
+
+def test_an_intent_rule_nested_too_deeply_is_refused() -> None:
+    """re's parser recurses into each group: 512 of them raised RecursionError."""
+    rules = msgspec.json.encode([{"match": "(" * 512 + ")" * 512, "capability": "a.b"}])
+    error = config_error(environ={"AGENT_REACH_INTENT_RULES": rules.decode()})
+    assert error.key == "intent_rules[0]" and "groups nested more than 50 deep" in error.problem
 
 
 def test_json_in_an_environment_variable_nested_too_deeply_is_refused() -> None:
