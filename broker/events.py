@@ -141,11 +141,12 @@ def detail_text(detail: bytes) -> str:
     characters (an agent's words reach dead-letter reasons) are shown escaped, never sent."""
     try:
         decoded = msgspec.json.decode(detail)
+        if not isinstance(decoded, dict):
+            return printable(str(decoded))
+        # a value nested deep enough to decode may still be too deep to write out again
+        return printable(" ".join(f"{key}={_word(value)}" for key, value in decoded.items()))
     except (msgspec.DecodeError, RecursionError):
         return printable(detail.decode(errors="replace"))
-    if not isinstance(decoded, dict):
-        return printable(str(decoded))
-    return printable(" ".join(f"{key}={_word(value)}" for key, value in decoded.items()))
 
 
 def printable(text: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import msgspec
 import pytest
 from hypothesis import given
@@ -12,6 +14,7 @@ from broker.event_log import PAGE
 from broker.events import (
     EVENT_TYPES,
     Event,
+    detail_text,
     event_body,
     event_fields,
     heartbeat_events,
@@ -171,3 +174,29 @@ def test_printable_escapes_what_would_reorder_or_break_a_line(stored: str, shown
     from broker.events import printable
 
     assert printable(stored) == shown
+
+
+def test_a_detail_too_deep_to_write_out_again_is_shown_as_stored() -> None:
+    """A detail nested deep enough to decode (976 levels) and too deep for json.dumps to
+    write again ended `agent-reach events` with a RecursionError. Whether it is depends on
+    the stack it is called at (a window a few frames wide): every depth up to a hundred
+    frames is tried, from a thread's shallow stack."""
+    detail = b'{"a":' + b"[" * 976 + b"]" * 976 + b"}"
+    shown: list[str] = []
+    failed: list[BaseException] = []
+
+    def called_at(depth: int) -> str:
+        return detail_text(detail) if depth == 0 else called_at(depth - 1)
+
+    def every_depth() -> None:
+        try:
+            shown.extend(called_at(depth) for depth in range(100))
+        except BaseException as exc:  # said by the assertion below
+            failed.append(exc)
+
+    thread = threading.Thread(target=every_depth)
+    thread.start()
+    thread.join()
+    assert not failed, failed
+    assert len(shown) == 100
+    assert all(s.startswith(("a=[[[", '{"a":[[[')) and s.count("[") == 976 for s in shown)
