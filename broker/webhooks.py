@@ -368,6 +368,10 @@ def callback_url_problem(url: str) -> str | None:
     shown = quoted(url_without_password(url), length=len(url))
     if len(url) > MAX_URL_LENGTH:
         return f"callback_url {shown} is longer than {MAX_URL_LENGTH} characters"
+    if any(c.isspace() or not c.isprintable() for c in url):
+        # urlsplit reads around a tab or a line break; the HTTP client refuses them all,
+        # so every delivery would fail: refused now (percent-encoded, they may be sent)
+        return f"callback_url {shown} holds a space or a control character (percent-encode it)"
     try:
         parts = http_url_parts(url)
     except ValueError as exc:

@@ -277,6 +277,11 @@ def test_ip_and_network_entries_allow_nothing_else(url: str, hosts: list[str]) -
         ("http://127.0.0.1/x", [], "s", "allowed: none configured"),
         ("ftp://127.0.0.1/x", ["127.0.0.1"], "s", "must be an http:// or https:// URL"),
         ("http:///nohost", ["127.0.0.1"], "s", "must be an http:// or https:// URL"),
+        # urlsplit reads around these (the host stays allowed); httpx refuses them all
+        ("http://127.0.0.\t1/x", ["127.0.0.1"], "s", "a space or a control character"),
+        ("http://127.0.0.1/a\nb", ["127.0.0.1"], "s", "a space or a control character"),
+        ("http://127.0.0.1/a\x00b", ["127.0.0.1"], "s", "a space or a control character"),
+        ("http://127.0.0.1/a b", ["127.0.0.1"], "s", "a space or a control character"),
         ("http://127.0.0.1:99999/x", ["127.0.0.1"], "s", "not a valid URL"),
         ("http://127.0.0.1/x", ["127.0.0.1"], None, "no webhook_secret"),
     ],
