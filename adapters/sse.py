@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncGenerator
 
 import httpx
 
 MAX_EVENT_BYTES = 1024 * 1024
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 async def sse_data(response: httpx.Response) -> AsyncGenerator[bytes, None]:
-    """The ``data`` of each server-sent event, as bytes. Lines are split on ``\n`` (and
-    ``\r``) only — JSON may hold U+2028 unescaped, which a text line splitter would cut at —
-    and no line is kept past :data:`MAX_EVENT_BYTES`: an event that long is skipped (what it
-    said, the task's own ``GetTask`` says)."""
+    """The ``data`` of each server-sent event, as bytes. Lines end at ``\r\n``, ``\n`` or
+    ``\r`` (the three the format allows) only — JSON may hold U+2028 unescaped, which a text
+    line splitter would cut at — and no line is kept past :data:`MAX_EVENT_BYTES`: an event
+    that long is skipped (what it said, the task's own ``GetTask`` says)."""
     lines = _Lines()
     data: list[bytes] = []
     size, skipping = 0, False
@@ -22,7 +24,6 @@ async def sse_data(response: httpx.Response) -> AsyncGenerator[bytes, None]:
             if line is None:  # over the limit: its event is skipped
                 skipping = True
                 continue
-            line = line.rstrip(b"\r")
             if line.startswith(b"data:"):
                 size += len(line)
                 skipping = skipping or size > MAX_EVENT_BYTES
@@ -45,11 +46,15 @@ class _Lines:
     def __init__(self) -> None:
         self._pending = bytearray()
         self._over = False  # the line under way passed the limit: its bytes are dropped
+        self._after_cr = False  # the last chunk ended a line with \r: a \n first is its end
 
     def feed(self, chunk: bytes) -> list[bytes | None]:
         lines: list[bytes | None] = []
-        start = 0
-        while (end := chunk.find(b"\n", start)) >= 0:
+        start = 1 if self._after_cr and chunk[:1] == b"\n" else 0
+        if chunk:
+            self._after_cr = False
+        for found in _LINE_END.finditer(chunk, start):
+            end = found.start()
             if self._over or len(self._pending) + end - start > MAX_EVENT_BYTES:
                 lines.append(None)
             else:
@@ -57,7 +62,9 @@ class _Lines:
                 lines.append(bytes(self._pending))
             self._pending.clear()
             self._over = False
-            start = end + 1
+            start = found.end()
+            # a \r that ends the chunk may be half of a \r\n: the next chunk tells
+            self._after_cr = start == len(chunk) and found[0] == b"\r"
         if not self._over:
             self._pending += chunk[start:]
             if len(self._pending) > MAX_EVENT_BYTES:
