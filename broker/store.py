@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from .acceptance import Acceptance, accept_command
 from .connection import Connection
 from .credits import Credits, assign_keys
 from .delivery import Delivery
@@ -51,30 +52,6 @@ __all__ += ["move_sources", "now_ms"]
 # kept as a level in the counters (agent_reach_needs_confirmation_messages)
 LEVEL_STAGE = Stage.NEEDS_CONFIRMATION.value
 log = logging.getLogger("agent_reach.store")
-
-
-@dataclass(frozen=True, slots=True)
-class Acceptance:
-    """Everything ``lua/accept.lua`` needs to create one record and take its first step."""
-
-    message_id: str
-    envelope_json: bytes
-    capability: str
-    deadline_ms: int
-    reply_to: str
-    priority: int
-    next_stage: Stage
-    accepted_ms: int
-    instance: str = ""
-    reason: str = ""
-    fields: Mapping[str, str | bytes] | None = None
-    # On a single server, a record ROUTED to ``instance`` may be assigned there in the same
-    # script (``lua/accept_assign.lua``), its deadline entry written at this time (ms)
-    assign_due_ms: int = 0
-    # ``reply_to`` is the accepted envelope's own: the record stores no copy of it (read back
-    # by broker.record_codec) — unless REJECTED: a rejected record keeps the reply_to it was
-    # answered on (an invalid envelope's checked, salvaged one), never the envelope's
-    reply_to_in_envelope: bool = False
 
 
 class Move(msgspec.Struct):
@@ -114,41 +91,6 @@ class Move(msgspec.Struct):
             and moved.attempt == self.expect_attempt
             and moved.instance == self.expect_instance
         )
-
-
-def accept_command(conn: Connection, a: Acceptance) -> tuple[Any, ...]:
-    assert a.next_stage in (Stage.ROUTED, Stage.WAITING, Stage.REJECTED, Stage.FANNED_OUT)
-    ttl = conn.settings.record_ttl_s if a.next_stage in TERMINAL else ""
-    counting = conn.counting()
-    args = (
-        a.envelope_json,
-        a.capability,
-        a.accepted_ms,
-        a.deadline_ms,
-        "" if a.reply_to_in_envelope and a.next_stage is not Stage.REJECTED else a.reply_to,
-        a.priority,
-        conn.settings.timeline_max,
-        a.next_stage.value,
-        a.instance,
-        a.reason,
-        ttl,
-        counting.max_series,
-        *(item for pair in (a.fields or {}).items() for item in pair),
-    )
-    record = conn.keys.record(a.message_id)
-    if a.assign_due_ms:
-        assert a.next_stage is Stage.ROUTED and not conn.cluster
-        down_after_ms = int(conn.settings.down_after_s * 1000)
-        keys = (
-            record,
-            *assign_keys(conn, a.instance),
-            due_for(conn.keys, a.message_id),
-            *counting.keys(record),
-        )
-        fused = (*args[:12], a.message_id, down_after_ms, a.assign_due_ms, now_ms(), *args[12:])
-        return conn.script_command(ScriptName.ACCEPT_ASSIGN, keys, fused)
-    keys = (record, *counting.keys(record))
-    return conn.script_command(ScriptName.ACCEPT, keys, args)
 
 
 _SOURCES: dict[tuple[Stage, Stage | None], str] = {

@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 
 from broker import failpoints
+from broker.acceptance import Acceptance, acceptance_of
 from broker.broadcast import (
     Children,
     child_envelope,
@@ -42,7 +43,7 @@ from broker.records import AssignResult, MessageRecord
 from broker.routing import Decision
 from broker.sessions import bind_session_commands, bound_instances
 from broker.stages import Stage
-from broker.store import Acceptance, MessageStore
+from broker.store import MessageStore
 from broker.timekeeping import now_ms
 from broker.waiting_sets import park_commands, parks_hint
 
@@ -225,7 +226,8 @@ class Admission:
                 rejected = {"reply_pending": "1", "route_reason": over.reason}
                 stage = Stage.REJECTED
                 return Plan(
-                    _acceptance(envelope, now, deadline_ms, stage, over.reason, rejected), envelope
+                    acceptance_of(envelope, now, deadline_ms, stage, over.reason, rejected),
+                    envelope,
                 )
         if envelope.mode == "broadcast":
             return self._plan_broadcast(envelope, now, deadline_ms)
@@ -243,7 +245,7 @@ class Admission:
         if intent is not None:  # how the capability was found comes first
             fields = with_intent(fields, reason, intent)
             reason = fields["route_reason"]
-        acceptance = _acceptance(
+        acceptance = acceptance_of(
             envelope,
             now,
             deadline_ms,
@@ -280,7 +282,7 @@ class Admission:
             decision = self.table.evaluate(request, now_ms=now)
             reason = no_members_reason(decision.reason)
             fields = {**decision_fields(decision), "reply_pending": "1"}
-        acceptance = _acceptance(envelope, now, deadline_ms, stage, reason, fields)
+        acceptance = acceptance_of(envelope, now, deadline_ms, stage, reason, fields)
         return Plan(acceptance, envelope, children)
 
     async def _repair(self, existing: list[tuple[str, Envelope]], admitted: Admitted) -> None:
@@ -377,29 +379,3 @@ class Admission:
             await self.store.delivery.deliver(envelope, Stage.REJECTED, None, reason, attempt=0)
             await self.conn.call("HDEL", self.keys.record(message_id), "reply_pending")
         log.info("%s rejected: %s", message_id, reason)
-
-
-def _acceptance(
-    envelope: Envelope,
-    now: int,
-    deadline_ms: int,
-    next_stage: Stage,
-    reason: str,
-    fields: Mapping[str, str | bytes],
-    *,
-    instance: str = "",
-) -> Acceptance:
-    return Acceptance(
-        message_id=envelope.message_id,
-        envelope_json=encode_envelope(envelope),
-        capability=envelope.capability,
-        deadline_ms=deadline_ms,
-        reply_to=envelope.reply_to or "",
-        priority=envelope.priority,
-        next_stage=next_stage,
-        accepted_ms=now,
-        instance=instance,
-        reason=reason,
-        fields=fields,
-        reply_to_in_envelope=True,
-    )
