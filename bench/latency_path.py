@@ -26,8 +26,8 @@ to back and after the pause between two messages (``1 / --rate``). The second is
 costs when the processes on both ends were idle (a wake-up on each end: the path's floor per
 process it crosses); the first, the same round trip with both ends awake.
 
-Usage: ``python -m bench.latency_path [--messages 2000] [--rate 200] [--reps 1]``. Figures
-only, no threshold: CI never runs it.
+Usage: ``python -m bench.latency_path [--messages 2000] [--rate 200] [--reps 1]
+[--direct-lane]``. Figures only, no threshold: CI never runs it.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ import msgspec
 from adapters.python import Agent
 from broker.client import Client
 from broker.config import build_settings
-from broker.connection import open_connection
+from broker.connection import Connection, open_connection
 from broker.embedded import RedisServer
 from broker.envelope import Envelope
+from broker.keyspace import direct_lane
 from broker.resp import RespConnection
 
 from .cpu_cost import spawn, stop, succeeded
@@ -138,13 +139,21 @@ def stage_times(lines: list[str], sent: dict[str, float]) -> dict[str, list[floa
 
 
 def _stages(events: list[tuple[float, str, str]]) -> list[float] | None:
-    xadd = next((t for t, _, c in events if c == "XADD"), None)
     accept_at = next((t for t, _, c in events if c == "EVALSHA"), None)
+    # down the direct lane the producer's script is both its write and the acceptance
+    xadd = next((t for t, _, c in events if c == "XADD"), accept_at)
     receive_at = next((t for t, _, c in events if c == "RECEIVED"), None)
     echo = next((t for t, _, c in events if c == "ECHO"), None)
     if xadd is None or accept_at is None or receive_at is None or echo is None:
         return None
     return [xadd, accept_at, receive_at, echo]
+
+
+async def published(conn: Connection) -> None:
+    """Until ``up`` has published the capability's direct lane (at most 30 s)."""
+    with anyio.fail_after(30):
+        while await conn.call("GET", direct_lane(conn.keys, CAPABILITY)) is None:  # noqa: ASYNC110 - a key another process writes
+            await anyio.sleep(0.05)
 
 
 async def round_trips(url: str, count: int, pause_s: float) -> list[float]:
@@ -178,6 +187,8 @@ async def one_run(args: argparse.Namespace) -> tuple[Figures, Figures]:
     try:
         settings = build_settings([{"redis_url": server.url}])
         async with open_connection(settings, server.url) as conn:
+            if args.direct_lane:  # the producer's first look finds it, not a missing one
+                await published(conn)
             client = Client(conn)
             await succeeded(conn, await paced(client, int(args.rate), args.rate, {}))  # warm-up
             count = max(200, int(args.rate))
@@ -210,7 +221,15 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument(
+        "--direct-lane",
+        action="store_true",
+        help="run `up` with direct_lane on: the producer assigns down the lane itself "
+        "(its script is then both its write and the acceptance: the second hop reads 0)",
+    )
     args = parser.parse_args()
+    if args.direct_lane:
+        os.environ["AGENT_REACH_DIRECT_LANE"] = "true"  # for `up`; the producer finds lanes
     if args.messages < 1 or args.rate <= 0:
         parser.error("--messages must be at least 1 and --rate above 0")
     print(f"{args.messages} messages one at a time at {args.rate:g}/s, ms on Redis's clock")

@@ -13,7 +13,10 @@ cannot grant ``XDEL`` and ``DEL`` on some keys only) leaves the stream to its TT
 
 A producer needs nothing but ``XADD`` on the ingress stream to submit, and ``XREAD`` on its
 own reply streams to wait: never ``SCRIPT LOAD`` (scripts are loaded by the processes that run
-them) nor read access to records (``result`` and ``trace`` need that).
+them) nor read access to records (``result`` and ``trace`` need that). Where a dispatcher
+publishes direct lanes (``direct_lane``) and the producer's user may write records (no
+producer ACL), :meth:`Client.submit` assigns a plain envelope itself, one hop sooner
+(:mod:`broker.direct`); ``submit_many`` always sends to the ingress.
 
 :class:`SyncClient` is the same client for scripts: it runs on its own event loop thread.
 """
@@ -38,6 +41,7 @@ from . import tracing
 from .acl import PRODUCER_NAME
 from .config import Settings, answer_grace_s, load_settings
 from .connection import Connection, open_connection
+from .direct import DirectLane
 from .embedded import embedded_redis
 from .envelope import Envelope, check_envelope, complete, encode_envelope, request_digest
 from .errors import (
@@ -98,6 +102,7 @@ class Client:
         self.conn = conn
         self.keys = conn.keys
         self.store = MessageStore(conn)
+        self.direct = DirectLane(conn)
         tracing.use_installed_provider()
         self._tg: TaskGroup | None = None
         self._inbox: ReplyInbox | None = None
@@ -230,7 +235,9 @@ class Client:
         check_envelope(envelope)  # what the dispatcher would reject, refused here already
         stream = self._ingress_for(envelope)
         with tracing.sending(envelope, stream) as sent:
-            await self.conn.call("XADD", stream, "*", "envelope", encode_envelope(sent))
+            raw = encode_envelope(sent)
+            if not await self.direct.submit(sent, raw):  # its capability's lane, or the ingress
+                await self.conn.call("XADD", stream, "*", "envelope", raw)
         return envelope.message_id
 
     def _ingress_for(self, envelope: Envelope) -> str:

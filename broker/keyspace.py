@@ -25,6 +25,8 @@ key                       type    holds
 ``P:due:{<n>}``           zset    due set partition n (``ingress_partitions`` > 1), likewise
 ``P:s:{<session>}``        string  session -> instance (affinity), with a TTL
 ``P:n:{<capability>}:<w>``  string  assignments in 10-second window ``w`` (expires)
+``P:direct:{<capability>}``  string  the capability's direct lane: its one instance and the
+                                  decision to record (expires; ``broker/direct_lane.py``)
 ``P:dlq``                 stream  dead letters with their reason
 ``P:counters``            hash    cluster-wide counters: "kind, labels" (tab-separated) -> count
 ``P:outbox``              stream  webhook deliveries; consumer group ``notify``
@@ -185,6 +187,11 @@ def outbox_for(keys: Keyspace, message_id: str) -> str:
     ``P:outbox`` or ``P:outbox:{n}``, by the message id, as the due set is chosen."""
     n = crc16(message_id.encode()) % keys.partitions if keys.partitions > 1 else 0
     return keys.outbox if n == 0 else f"{keys.outbox}:{{{n}}}"
+
+
+def direct_lane(keys: Keyspace, capability: str) -> str:
+    """The capability's direct lane (``broker/direct_lane.py``)."""
+    return f"{keys.prefix}:direct:{{{capability}}}"
 
 
 def outboxes(keys: Keyspace) -> list[str]:

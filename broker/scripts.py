@@ -11,6 +11,7 @@ from pathlib import Path
 class ScriptName(StrEnum):
     ACCEPT = "accept"
     ACCEPT_ASSIGN = "accept_assign"
+    ACCEPT_DIRECT = "accept_direct"
     ASSIGN = "assign"
     TRANSITION = "transition"
     TRANSITION_IF = "transition_if"
@@ -50,6 +51,7 @@ COUNTING = frozenset(
     {
         ScriptName.ACCEPT,
         ScriptName.ACCEPT_ASSIGN,
+        ScriptName.ACCEPT_DIRECT,
         ScriptName.TRANSITION,
         ScriptName.TRANSITION_IF,
         ScriptName.RECEIVE_PROCESS,
@@ -64,7 +66,10 @@ TIMELINE = COUNTING | {ScriptName.NOTE}
 PRELUDES: tuple[tuple[str, frozenset[ScriptName]], ...] = (
     ("count", COUNTING),
     ("timeline", TIMELINE),
-    ("accept_record", frozenset({ScriptName.ACCEPT, ScriptName.ACCEPT_ASSIGN})),
+    (
+        "accept_record",
+        frozenset({ScriptName.ACCEPT, ScriptName.ACCEPT_ASSIGN, ScriptName.ACCEPT_DIRECT}),
+    ),
     (
         "move_record",
         frozenset(
@@ -83,7 +88,14 @@ PRELUDES: tuple[tuple[str, frozenset[ScriptName]], ...] = (
     ),
     (
         "assign_credit",
-        frozenset({ScriptName.ASSIGN, ScriptName.ACCEPT_ASSIGN, ScriptName.CLAIM_ASSIGN}),
+        frozenset(
+            {
+                ScriptName.ASSIGN,
+                ScriptName.ACCEPT_ASSIGN,
+                ScriptName.CLAIM_ASSIGN,
+                ScriptName.ACCEPT_DIRECT,
+            }
+        ),
     ),
 )
 

@@ -126,13 +126,18 @@ def _move_between(source: str, target: str, records: list[MessageRecord]) -> lis
 
 def count_assigned_commands(keys: Keyspace, counts: Mapping[str, int], now: int) -> list[Command]:
     """Add to each capability's assignment counter for the current window."""
-    window = now // RATE_WINDOW_MS
-    keep_s = (RATE_SPAN_WINDOWS + 2) * RATE_WINDOW_MS // 1000
     commands: list[Command] = []
     for capability, n in counts.items():
-        key = keys.assigned(capability, window)
+        key, keep_s = assigned_counter(keys, capability, now)
         commands += [("INCRBY", key, n), ("EXPIRE", key, keep_s)]
     return commands
+
+
+def assigned_counter(keys: Keyspace, capability: str, now: int) -> tuple[str, int]:
+    """The capability's assignment counter for the window ``now`` (ms) is in, and the
+    seconds it is kept."""
+    keep_s = (RATE_SPAN_WINDOWS + 2) * RATE_WINDOW_MS // 1000
+    return keys.assigned(capability, now // RATE_WINDOW_MS), keep_s
 
 
 def _first_of_band(key: str, band: int) -> Command:

@@ -40,6 +40,7 @@ from broker.waiting_sets import heard_waiting
 
 from .admission import Admission
 from .assignment import Assigner
+from .direct_publisher import DirectPublisher
 from .ingress_lane import IngressLane
 from .intake import Intake
 from .intent_resolver import IntentResolver
@@ -76,6 +77,7 @@ class Dispatcher:
             assigner=self.assigner,
         )
         self.intents = IntentResolver(conn)
+        self.direct = DirectPublisher(conn, self.table, self.waiting, self.assigner)
         streams = ingress_streams(self.keys, self.settings.ingress_partitions)
         self.lanes = [self._lane(stream) for stream in streams]
         self._credit_freed = anyio.Event()
@@ -122,11 +124,12 @@ class Dispatcher:
                 await self.intents.aclose()
 
     async def refresh(self) -> None:
-        """A new registry snapshot for routing, and for the intent router (with the agents'
-        approval rates)."""
+        """A new registry snapshot for routing, for the intent router (with the agents'
+        approval rates), and for the direct lanes."""
         self.table.load(await self.registry.snapshot())
         self.notifications.follow(i.instance_id for i in self.table.instances)
         await self.intents.load(self.table.index)
+        await self.direct.publish()
 
     # -- ingress -----------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from broker.config import Settings
 from broker.embedded import RedisServer
 from broker.envelope import Envelope
 from broker.errors import RedisReplyError
-from broker.keyspace import Keyspace
+from broker.keyspace import Keyspace, direct_lane
 from broker.resp import RespConnection
 from broker.scripts import ScriptName, load_scripts
 from broker.stages import Stage
@@ -229,6 +229,33 @@ async def test_a_producer_with_only_its_role_submits_and_requests(users: Users) 
         assert left == 0  # the client deleted its stream on closing
     else:  # Redis 6.2 cannot grant DEL on some keys only: the stream goes with its TTL
         assert left == 1 and 0 < ttl <= users.base.reply_ttl_s
+
+
+async def test_a_producer_user_takes_no_direct_lane_and_submits_to_the_ingress(
+    users: Users,
+) -> None:
+    """A producer's role grants the ingress only: where the dispatcher publishes a direct
+    lane, its user may not even read it, and the client sends every envelope the old way."""
+    async with (
+        connected(users.settings("broker", direct_lane=True)) as broker,
+        running_dispatcher(broker),
+        http_agent(AGENT) as agent,
+        connected(users.settings("sidecar")) as sidecar,
+        running_sidecar(sidecar, f"{AGENT}-1", ("text.echo",), url=agent.url),
+        connected(users.settings("admin")) as admin,
+        connected(users.settings("producer")) as produce,
+    ):
+
+        async def published() -> bool:
+            return await admin.call("GET", direct_lane(admin.keys, "text.echo")) is not None
+
+        await eventually(published, timeout_s=15)
+        client = Client(produce)
+        sent = [await client.submit(Envelope(capability="text.echo")) for _ in range(2)]
+        for message_id in sent:
+            await reaches(admin, message_id, Stage.SUCCEEDED)
+        through_ingress = int(await admin.call("XLEN", admin.keys.ingress))
+    assert not client.direct.usable and through_ingress == 2
 
 
 async def test_a_sidecar_user_made_before_the_one_wake_up_read_takes_work_the_plain_way(

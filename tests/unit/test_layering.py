@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BROKER = ROOT / "broker"
 PURE = [
     "envelope",
+    "direct_lane",
     "slots",
     "cluster_map",
     "stages",

@@ -1,0 +1,130 @@
+"""The producer's side of the direct lane (rules and lane text: :mod:`broker.direct_lane`).
+
+:meth:`DirectLane.submit` assigns a plain envelope to its capability's lane instance in one
+script, ``lua/accept_direct.lua``, as a dispatcher would have: the record created ROUTED with
+the decision the lane carries, its deadline entry, the stream entry and the credit. It
+answers ``False`` whenever that is not certain to be right, having written nothing: no lane,
+an envelope the dispatcher would look at more closely (:func:`~broker.direct_lane.plain`) or
+refuse (the dispatcher's own decoding, run here on the same bytes), work waiting, no free
+credit, an id that names a record already. The caller then sends the envelope to the
+ingress, where it is judged as before.
+
+Lanes are read at most once a second per capability (``GET``; where none was found, every
+ten seconds), kept meanwhile. A user that
+may not run the script (``NOPERM``: a producer's ACL, which grants the ingress only) turns the
+lane off for this connection, said once: such a producer never writes records. Off on a
+cluster (the record, the instance's keys and the lane are on other slots) and where writes
+wait for replicas (the dispatcher's round trips carry the ``WAIT``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from .acceptance import ACCEPT_ARGS, accept_args, acceptance_of
+from .connection import Connection
+from .credits import assign_keys
+from .direct_lane import LANE_READ_EVERY_S, NO_LANE_READ_EVERY_S, Lane, plain, read_lane
+from .envelope import Envelope, decode_envelope
+from .errors import InvalidEnvelope, RedisReplyError
+from .keyspace import direct_lane, due_for
+from .scripts import ScriptName
+from .stages import Stage
+from .timekeeping import now_ms
+from .waiting_sets import assigned_counter
+
+log = logging.getLogger("agent_reach.client")
+
+
+class DirectLane:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        settings = conn.settings
+        self.usable = not conn.cluster and not settings.replica_acks
+        self._read: dict[str, tuple[float, bytes | None]] = {}  # capability -> (when, lane)
+
+    async def submit(self, envelope: Envelope, raw: bytes) -> bool:
+        """Assign ``envelope`` (``raw``: its bytes, as the ingress would get them) down its
+        capability's lane; ``False``, having written nothing, where it is not."""
+        if not (self.usable and plain(envelope)):
+            return False
+        text = await self._lane(envelope.capability)
+        lane = read_lane(text) if text is not None else None
+        if lane is None or not self._decodes(raw, lane.max_bytes):
+            return False
+        try:
+            answer = await self.conn.call(*self._command(envelope, raw, lane))
+        except RedisReplyError as exc:
+            self._refused(exc)
+            return False
+        if answer[0] == -1 and answer[1] == b"lane":  # withdrawn or changed: read it again
+            self._read.pop(envelope.capability, None)
+        return bool(answer[0] == 1)
+
+    def _decodes(self, raw: bytes, max_bytes: int) -> bool:
+        """Whether the dispatcher would take these bytes: its own decoding, with the largest
+        envelope it takes (the lane says)."""
+        try:
+            decode_envelope(raw, max_bytes=max_bytes, reply_prefix=self.conn.keys.reply_prefix)
+        except InvalidEnvelope:
+            return False
+        return True
+
+    async def _lane(self, capability: str) -> bytes | None:
+        now = time.monotonic()
+        if capability in self._read:
+            when, text = self._read[capability]
+            if now - when < (LANE_READ_EVERY_S if text is not None else NO_LANE_READ_EVERY_S):
+                return text
+        try:
+            found = await self.conn.call("GET", direct_lane(self.conn.keys, capability))
+        except RedisReplyError as exc:  # a key of another type, or a user who may not read it
+            self._refused(exc)
+            found = None
+        text = found if isinstance(found, bytes) else None
+        self._read[capability] = (now, text)
+        return text
+
+    def _command(self, envelope: Envelope, raw: bytes, lane: Lane) -> tuple[Any, ...]:
+        settings, keys = self.conn.settings, self.conn.keys
+        now = now_ms()
+        deadline_ms = now + int(envelope.timeout_s * 1000)
+        acceptance = acceptance_of(
+            envelope,
+            now,
+            deadline_ms,
+            Stage.ROUTED,
+            lane.fields.get("route_reason", ""),
+            lane.fields,
+            instance=lane.instance,
+            envelope_json=raw,
+        )
+        args = accept_args(self.conn, acceptance)
+        record = keys.record(envelope.message_id)
+        capability = envelope.capability
+        counter, keep_s = assigned_counter(keys, capability, now)
+        script_keys = (
+            record,
+            *assign_keys(self.conn, lane.instance),
+            due_for(keys, envelope.message_id),
+            direct_lane(keys, capability),
+            keys.waiting(capability),
+            keys.unmatched(capability),
+            counter,
+            *self.conn.counting().keys(record),
+        )
+        look_ms = min(deadline_ms, now + int(settings.delivery_timeout_s * 1000))
+        down_after_ms = int(settings.down_after_s * 1000)
+        first, fields = args[:ACCEPT_ARGS], args[ACCEPT_ARGS:]
+        direct = (envelope.message_id, down_after_ms, look_ms, now, lane.instance, keep_s)
+        return self.conn.script_command(
+            ScriptName.ACCEPT_DIRECT, script_keys, (*first, *direct, *fields)
+        )
+
+    def _refused(self, exc: RedisReplyError) -> None:
+        """A user that may not take the lane never will: off for this connection."""
+        if exc.permission_refused and self.usable:
+            self.usable = False
+            log.info("the direct lane is not for this Redis user (%s): the ingress only", exc)

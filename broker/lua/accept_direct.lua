@@ -1,0 +1,61 @@
+-- accept_direct.lua: the direct lane (broker/direct.py): on a single server, a producer
+-- creates the record of a message ROUTED to the instance its capability's lane names and
+-- assigns it there, as accept_assign.lua does for a dispatcher — or does nothing at all,
+-- and the producer sends the envelope to the ingress instead. Nothing is done unless the
+-- lane still names the instance the producer read (the dispatcher withdraws it when the
+-- capability gains a second instance, a limit, or waiting work), the instance's card lists
+-- the capability (whoever wrote the lane), no work of the capability waits (it would be
+-- overtaken), and the instance has a free credit now (the credit rule, assign_credit.lua).
+-- The decision recorded is the dispatcher's, published with the lane.
+--
+-- KEYS[1]  record    P:m:{id}
+-- KEYS[2]  card      P:a:{inst}
+-- KEYS[3]  inflight  P:f:{inst}
+-- KEYS[4]  queue     P:q:{inst}
+-- KEYS[5]  rate      P:r:instance:{inst}
+-- KEYS[6]  due       the message's deadline set (broker/due_clock.py)
+-- KEYS[7]  lane      P:direct:{capability}
+-- KEYS[8]  waiting   P:w:{capability}
+-- KEYS[9]  aside     P:x:{capability}
+-- KEYS[10] assigned  the capability's assignment counter of this window (P:n:{cap}:<w>)
+-- KEYS[11] counters  P:counters (lua/count.lua), or absent: nothing counted
+-- ARGV[1..12]  as accept.lua's, the next stage ROUTED and ARGV[9] the instance
+-- ARGV[13] message id
+-- ARGV[14] heartbeat age (ms) after which the instance counts as down
+-- ARGV[15] the deadline entry's time (ms): the reaper's first look
+-- ARGV[16] now (ms): the time the credit and the rate are checked at
+-- ARGV[17] the instance the lane named when the producer read it (broker/direct_lane.py: the lane
+--          is that id, a line break, the decision's fields)
+-- ARGV[18] seconds to keep the assignment counter
+-- ARGV[19..] more field, value pairs for the record (the lane's decision)
+--
+-- Returns {1} when the message is assigned; {0, stage, attempt} when its id names a record
+-- already (nothing written: the ingress judges a request sent again); {-1, why} when the
+-- lane may not be taken (nothing written).
+local lane = redis.call('GET', KEYS[7])
+if not lane or string.sub(lane, 1, #ARGV[17] + 1) ~= ARGV[17] .. '\n' then
+  return {-1, 'lane'}
+end
+local serves = redis.call('HGET', KEYS[2], 'capabilities')
+if not serves or not string.find(',' .. serves .. ',', ',' .. ARGV[2] .. ',', 1, true) then
+  return {-1, 'instance'}
+end
+if redis.call('ZCARD', KEYS[8]) > 0 or redis.call('ZCARD', KEYS[9]) > 0 then
+  return {-1, 'waiting'}
+end
+-- a stream someone made another type refuses here, before anything is written
+redis.call('XLEN', KEYS[4])
+local verdict, new_tat = credit_verdict(KEYS[2], KEYS[3], KEYS[5], ARGV[13], '1', ARGV[16],
+                                        ARGV[14])
+if verdict ~= 1 then
+  return {-1, 'credit ' .. verdict}
+end
+local accepted = accept_record(KEYS[1], KEYS[11], ARGV, 19)
+if accepted[1] == 0 then
+  return {0, accepted[2], accepted[3]}
+end
+redis.call('ZADD', KEYS[6], ARGV[15], ARGV[13])
+take_credit(KEYS[3], KEYS[4], KEYS[5], ARGV[13], '1', ARGV[16], new_tat)
+redis.call('INCRBY', KEYS[10], 1)
+redis.call('EXPIRE', KEYS[10], ARGV[18])
+return {1}

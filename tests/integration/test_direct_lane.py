@@ -1,0 +1,259 @@
+"""The direct lane (broker/direct.py, broker/direct_lane.py, workers/direct_publisher.py):
+with ``direct_lane`` on, a plain envelope for a capability one instance serves is assigned
+by its producer, recorded as the dispatcher would have recorded it; whenever that is not
+certain to be right, nothing is written and the envelope goes through the ingress."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from adapters.python import Agent
+from broker.client import Client
+from broker.connection import Connection
+from broker.direct_lane import read_lane
+from broker.envelope import Envelope
+from broker.errors import UnknownMessage
+from broker.keyspace import direct_lane
+from broker.stages import Stage
+from tests.support.agents import recording_agent
+from tests.support.harness import connected, eventually, running_dispatcher, running_sidecar
+
+pytestmark = pytest.mark.anyio
+
+
+def direct(conn: Connection) -> Any:
+    return connected(msgspec.structs.replace(conn.settings, direct_lane=True))
+
+
+async def lane_of(conn: Connection, capability: str) -> bytes | None:
+    found = await conn.call("GET", direct_lane(conn.keys, capability))
+    return found if isinstance(found, bytes) else None
+
+
+async def published(conn: Connection, capability: str) -> None:
+    async def there() -> bool:
+        return await lane_of(conn, capability) is not None
+
+    await eventually(there)
+
+
+async def all_succeeded(client: Client, ids: list[str]) -> None:
+    async def done() -> bool:
+        try:
+            results = [await client.result(i) for i in ids]
+        except UnknownMessage:  # sent to the ingress, not yet accepted
+            return False
+        return all(r is not None and r.stage is Stage.SUCCEEDED for r in results)
+
+    await eventually(done)
+
+
+def envelope(**fields: Any) -> Envelope:
+    return Envelope(capability="text.echo", payload=msgspec.Raw(b"{}"), **fields)
+
+
+async def test_a_plain_envelope_goes_down_the_lane_recorded_as_the_dispatcher_routes(
+    conn: Connection,
+) -> None:
+    agent, calls = recording_agent("f")
+    async with (
+        direct(conn) as lane_conn,
+        running_dispatcher(lane_conn),
+        running_sidecar(lane_conn, "f-1", ("text.echo",), transport=agent),
+    ):
+        await published(conn, "text.echo")
+        lane = read_lane(await lane_of(conn, "text.echo") or b"")
+        assert lane is not None and lane.instance == "f-1"
+        client = Client(lane_conn)
+        ids = [await client.submit(envelope()) for _ in range(20)]
+        await all_succeeded(client, ids)
+        record = await client.store.get_record(ids[0])
+        timeline = await client.store.get_timeline(ids[0])
+    assert await conn.call("XLEN", conn.keys.ingress) == 0  # none went through the ingress
+    assert sorted(calls) == sorted(ids)  # each ran, once
+    assert record is not None and record.instance == "f-1" and record.attempt == 1
+    stages = [e.stage for e in timeline]
+    assert stages == [
+        Stage.ACCEPTED,
+        Stage.ROUTED,
+        Stage.RECEIVED,
+        Stage.PROCESSING,
+        Stage.SUCCEEDED,
+    ]
+    fields = await conn.call("HMGET", conn.keys.record(ids[0]), "route_from", "route_reason")
+    assert [f.decode() for f in fields] == [lane.fields["route_from"], lane.fields["route_reason"]]
+    assert timeline[1].reason == lane.fields["route_reason"]
+
+
+async def test_with_the_lane_off_none_is_published_and_the_ingress_carries_all(
+    conn: Connection,
+) -> None:
+    agent, calls = recording_agent("f")
+    async with (
+        running_dispatcher(conn),
+        running_sidecar(conn, "f-1", ("text.echo",), transport=agent),
+    ):
+        client = Client(conn)
+        ids = [await client.submit(envelope()) for _ in range(5)]
+        await all_succeeded(client, ids)
+        assert await lane_of(conn, "text.echo") is None
+    assert await conn.call("XLEN", conn.keys.ingress) == 5
+    assert sorted(calls) == sorted(ids)
+
+
+async def test_no_credit_or_work_waiting_sends_the_envelope_to_the_ingress_in_order(
+    conn: Connection,
+) -> None:
+    """One credit: the first takes it down the lane; the second finds none and waits (via
+    the ingress). With the credit free again but the second still waiting (no dispatcher
+    to drain it), the third is not let past it down the lane: it goes to the ingress."""
+    held = anyio.Event()
+    order: list[str] = []
+    agent = Agent("f")
+
+    @agent.handler("text.echo")
+    async def slow(e: Envelope) -> dict[str, Any]:
+        order.append(e.message_id)
+        await held.wait()
+        return {}
+
+    async with (
+        direct(conn) as lane_conn,
+        running_sidecar(
+            lane_conn,
+            "f-1",
+            ("text.echo",),
+            transport=agent,
+            max_inflight=1,
+            adaptive_credits=False,
+        ),
+    ):
+        client = Client(lane_conn)
+        async with running_dispatcher(lane_conn):
+            await published(conn, "text.echo")
+            first = await client.submit(envelope())
+            second = await client.submit(envelope())
+
+            async def waits() -> bool:
+                record = await client.store.get_record(second)
+                return record is not None and record.stage is Stage.WAITING
+
+            await eventually(waits)
+        held.set()  # the first ends and frees the credit; no dispatcher drains the second
+        await all_succeeded(client, [first])
+        third = await client.submit(envelope())
+        with pytest.raises(UnknownMessage):  # not taken down the lane: in the ingress
+            await client.result(third)
+        assert await conn.call("XLEN", conn.keys.ingress) == 2  # the second and the third
+        async with running_dispatcher(lane_conn):  # (a new one: it may take either first)
+            await all_succeeded(client, [first, second, third])
+    assert order[0] == first and sorted(order[1:]) == sorted([second, third])
+
+
+async def test_a_second_instance_withdraws_the_lane(conn: Connection) -> None:
+    one, _ = recording_agent("f")
+    two, _ = recording_agent("g")
+    async with (
+        direct(conn) as lane_conn,
+        running_dispatcher(lane_conn),
+        running_sidecar(lane_conn, "f-1", ("text.echo",), transport=one),
+    ):
+        await published(conn, "text.echo")
+        async with running_sidecar(lane_conn, "g-1", ("text.echo",), transport=two):
+
+            async def withdrawn() -> bool:
+                return await lane_of(conn, "text.echo") is None
+
+            await eventually(withdrawn)
+
+
+async def test_an_id_sent_again_is_judged_by_the_ingress_and_runs_once(conn: Connection) -> None:
+    agent, calls = recording_agent("f")
+    async with (
+        direct(conn) as lane_conn,
+        running_dispatcher(lane_conn),
+        running_sidecar(lane_conn, "f-1", ("text.echo",), transport=agent),
+    ):
+        await published(conn, "text.echo")
+        client = Client(lane_conn)
+        first = await client.submit(envelope(id="same-request-1"))
+        await all_succeeded(client, [first])
+        again = await client.submit(envelope(id="same-request-1"))
+
+        async def handled() -> bool:  # the dispatcher acknowledged the entry sent again
+            pending = await conn.call("XPENDING", conn.keys.ingress, "dispatch")
+            return await conn.call("XLEN", conn.keys.ingress) == 1 and pending[0] == 0
+
+        await eventually(handled)
+    assert again == first and calls == [first]
+
+
+@pytest.mark.parametrize(
+    "lane",
+    [
+        # an instance that serves something else
+        b'other-1\n{"fields": {"route_reason": "forged"}, "max_bytes": 1048576}',
+        b"no line break at all",
+        b'f-1\n{"fields": {}, "max_bytes": ',  # not JSON
+    ],
+)
+async def test_a_lane_that_cannot_be_right_is_not_taken(conn: Connection, lane: bytes) -> None:
+    """Whoever may write the key may write anything there: the producer takes only a lane
+    whose instance's card lists the capability, and goes to the ingress otherwise."""
+    agent, calls = recording_agent("f")
+    other, other_calls = recording_agent("other", "text.other")
+    async with (
+        running_dispatcher(conn),  # publishing no lane of its own
+        running_sidecar(conn, "f-1", ("text.echo",), transport=agent),
+        running_sidecar(conn, "other-1", ("text.other",), transport=other),
+    ):
+        await conn.call("SET", direct_lane(conn.keys, "text.echo"), lane)
+        client = Client(conn)
+        sent = await client.submit(envelope())
+        await all_succeeded(client, [sent])
+    assert calls == [sent] and other_calls == []
+    assert await conn.call("XLEN", conn.keys.ingress) == 1
+
+
+async def test_a_lane_key_of_another_type_sends_to_the_ingress(conn: Connection) -> None:
+    agent, calls = recording_agent("f")
+    async with (
+        running_dispatcher(conn),
+        running_sidecar(conn, "f-1", ("text.echo",), transport=agent),
+    ):
+        await conn.call("RPUSH", direct_lane(conn.keys, "text.echo"), "x")
+        client = Client(conn)
+        sent = await client.submit(envelope())
+        await all_succeeded(client, [sent])
+    assert calls == [sent]
+
+
+async def test_what_the_dispatcher_would_refuse_is_not_taken_down_its_lane(
+    conn: Connection,
+) -> None:
+    """The lane carries the largest envelope its dispatcher takes: a producer configured to
+    allow larger ones sends a larger one to the ingress, where it is refused."""
+    agent, calls = recording_agent("f")
+    small = msgspec.structs.replace(conn.settings, direct_lane=True, max_envelope_bytes=512)
+    async with (
+        connected(small) as dispatcher_conn,
+        running_dispatcher(dispatcher_conn),
+        running_sidecar(dispatcher_conn, "f-1", ("text.echo",), transport=agent),
+    ):
+        await published(conn, "text.echo")
+        client = Client(conn)  # the producer's own limit: 1 MiB
+        sent = await client.submit(envelope(headers={"pad": "x" * 600}))
+
+        async def refused() -> bool:
+            try:
+                result = await client.result(sent)
+            except UnknownMessage:
+                return False
+            return result is not None and result.stage is Stage.REJECTED
+
+        await eventually(refused)
+    assert calls == []
