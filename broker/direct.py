@@ -9,8 +9,8 @@ refuse (the dispatcher's own decoding, run here on the same bytes), work waiting
 credit, an id that names a record already. The caller then sends the envelope to the
 ingress, where it is judged as before.
 
-Lanes are read at most once a second per capability (``GET``; where none was found, every
-ten seconds), kept meanwhile. A user that
+Lanes are read at most once a second per capability (``GET``; that there is none, too),
+kept meanwhile. A user that
 may not run the script (``NOPERM``: a producer's ACL, which grants the ingress only) turns the
 lane off for this connection, said once: such a producer never writes records. Off on a
 cluster (the record, the instance's keys and the lane are on other slots) and where writes
@@ -26,7 +26,7 @@ from typing import Any
 from .acceptance import ACCEPT_ARGS, accept_args, acceptance_of
 from .connection import Connection
 from .credits import assign_keys
-from .direct_lane import LANE_READ_EVERY_S, NO_LANE_READ_EVERY_S, Lane, plain, read_lane
+from .direct_lane import LANE_READ_EVERY_S, Lane, plain, read_lane
 from .envelope import Envelope, decode_envelope
 from .errors import InvalidEnvelope, RedisReplyError
 from .keyspace import direct_lane, due_for
@@ -76,7 +76,7 @@ class DirectLane:
         now = time.monotonic()
         if capability in self._read:
             when, text = self._read[capability]
-            if now - when < (LANE_READ_EVERY_S if text is not None else NO_LANE_READ_EVERY_S):
+            if now - when < LANE_READ_EVERY_S:
                 return text
         try:
             found = await self.conn.call("GET", direct_lane(self.conn.keys, capability))

@@ -22,9 +22,8 @@ import msgspec
 
 from .envelope import Envelope
 
-# how long a producer trusts what it read before it reads again
+# how long a producer trusts what it read (a lane, or that there is none) before it reads again
 LANE_READ_EVERY_S = 1.0
-NO_LANE_READ_EVERY_S = 10.0  # where none was found: most deployments publish none
 
 
 class LaneTerms(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
