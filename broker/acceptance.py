@@ -72,10 +72,22 @@ def acceptance_of(
     )
 
 
-def accept_args(conn: Connection, a: Acceptance) -> tuple[Any, ...]:
-    """``lua/accept.lua``'s ARGV: :data:`ACCEPT_ARGS` of them, then the further fields."""
+def accept_args(
+    conn: Connection,
+    a: Acceptance,
+    *,
+    timeline_max: int | None = None,
+    max_series: int | None = None,
+) -> tuple[Any, ...]:
+    """``lua/accept.lua``'s ARGV: :data:`ACCEPT_ARGS` of them, then the further fields. The
+    timeline's cap and the counters' are this connection's settings unless given (another
+    process's: a direct lane's)."""
     assert a.next_stage in (Stage.ROUTED, Stage.WAITING, Stage.REJECTED, Stage.FANNED_OUT)
     ttl = conn.settings.record_ttl_s if a.next_stage in TERMINAL else ""
+    if timeline_max is None:
+        timeline_max = conn.settings.timeline_max
+    if max_series is None:
+        max_series = conn.counting().max_series
     return (
         a.envelope_json,
         a.capability,
@@ -83,12 +95,12 @@ def accept_args(conn: Connection, a: Acceptance) -> tuple[Any, ...]:
         a.deadline_ms,
         "" if a.reply_to_in_envelope and a.next_stage is not Stage.REJECTED else a.reply_to,
         a.priority,
-        conn.settings.timeline_max,
+        timeline_max,
         a.next_stage.value,
         a.instance,
         a.reason,
         ttl,
-        conn.counting().max_series,
+        max_series,
         *(item for pair in (a.fields or {}).items() for item in pair),
     )
 

@@ -32,8 +32,7 @@ from .errors import InvalidEnvelope, RedisReplyError
 from .keyspace import direct_lane, due_for
 from .scripts import ScriptName
 from .stages import Stage
-from .timekeeping import now_ms
-from .waiting_sets import assigned_counter
+from .waiting_sets import ASSIGNED_KEEP_S, RATE_WINDOW_MS, assigned_counter_stem
 
 log = logging.getLogger("agent_reach.client")
 
@@ -59,7 +58,7 @@ class DirectLane:
         except RedisReplyError as exc:
             self._refused(exc)
             return False
-        if answer[0] == -1 and answer[1] == b"lane":  # withdrawn or changed: read it again
+        if answer[0] == -1:  # withdrawn, changed, or deleted by the script: read it again
             self._read.pop(envelope.capability, None)
         return bool(answer[0] == 1)
 
@@ -88,23 +87,23 @@ class DirectLane:
         return text
 
     def _command(self, envelope: Envelope, raw: bytes, lane: Lane) -> tuple[Any, ...]:
-        settings, keys = self.conn.settings, self.conn.keys
-        now = now_ms()
-        deadline_ms = now + int(envelope.timeout_s * 1000)
+        """``lua/accept_direct.lua``'s call: the record as the lane's dispatcher would make
+        it (its settings, Redis's clock: the script sets the times)."""
+        keys, capability = self.conn.keys, envelope.capability
         acceptance = acceptance_of(
             envelope,
-            now,
-            deadline_ms,
+            0,  # accepted and deadline: set by the script
+            0,
             Stage.ROUTED,
-            lane.fields.get("route_reason", ""),
+            lane.route_reason,
             lane.fields,
             instance=lane.instance,
             envelope_json=raw,
         )
-        args = accept_args(self.conn, acceptance)
+        args = accept_args(
+            self.conn, acceptance, timeline_max=lane.timeline_max, max_series=lane.counters_max
+        )
         record = keys.record(envelope.message_id)
-        capability = envelope.capability
-        counter, keep_s = assigned_counter(keys, capability, now)
         script_keys = (
             record,
             *assign_keys(self.conn, lane.instance),
@@ -112,13 +111,19 @@ class DirectLane:
             direct_lane(keys, capability),
             keys.waiting(capability),
             keys.unmatched(capability),
-            counter,
-            *self.conn.counting().keys(record),
+            *((lane.counters_key,) if lane.counters_key else ()),
         )
-        look_ms = min(deadline_ms, now + int(settings.delivery_timeout_s * 1000))
-        down_after_ms = int(settings.down_after_s * 1000)
         first, fields = args[:ACCEPT_ARGS], args[ACCEPT_ARGS:]
-        direct = (envelope.message_id, down_after_ms, look_ms, now, lane.instance, keep_s)
+        direct = (
+            envelope.message_id,
+            lane.down_after_ms,
+            int(envelope.timeout_s * 1000),
+            lane.delivery_ms,
+            lane.instance,
+            assigned_counter_stem(keys, capability),
+            RATE_WINDOW_MS,
+            ASSIGNED_KEEP_S,
+        )
         return self.conn.script_command(
             ScriptName.ACCEPT_DIRECT, script_keys, (*first, *direct, *fields)
         )

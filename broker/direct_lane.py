@@ -10,13 +10,16 @@ checks the lane, the waiting sets and the credit first and does nothing otherwis
 envelope then goes to the ingress, as every envelope did before. What the lane saves is the
 dispatcher's hop: its wake-up, intake and routing (``python -m bench.latency_path``).
 
-The lane's text is the instance id, a line break, and as JSON the decision's fields and the
-dispatcher's ``max_envelope_bytes`` (what it would refuse, the producer refuses to take down
-the lane); the script compares the instance part only, so two dispatchers whose snapshots
-differ in a figure do not turn each other's lanes stale.
+The lane's text is the instance id, a line break, and as JSON the decision's two record
+fields and the dispatcher's settings the record must follow (:class:`Lane`); the script
+compares the instance part only, so two dispatchers whose snapshots differ in a figure do
+not turn each other's lanes stale. The record's times are Redis's (``TIME`` in the script),
+not the producer's clock.
 """
 
 from __future__ import annotations
+
+from typing import Annotated, Any
 
 import msgspec
 
@@ -26,37 +29,54 @@ from .envelope import Envelope
 LANE_READ_EVERY_S = 1.0
 
 
-class LaneTerms(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a lane carries beside its instance: the decision's record fields, and the
-    largest envelope the publishing dispatcher takes."""
-
-    fields: dict[str, str]
-    max_bytes: int
+ReasonText = Annotated[str, msgspec.Meta(max_length=16_384)]
+Millis = Annotated[int, msgspec.Meta(ge=1, le=365 * 86_400_000)]
 
 
-class Lane(msgspec.Struct, frozen=True):
-    """A capability's lane: the instance to assign to, and its terms."""
+class Lane(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A capability's lane: the instance to assign to (written before the JSON, not in it),
+    the decision's record fields, and the publishing dispatcher's settings a record made
+    down the lane must follow, whatever the producer's own are: the largest envelope it
+    takes, the reaper's first look and the heartbeat age of a lapsed instance (ms), the
+    timeline's cap, and where it counts (``""``: nowhere) with its cap."""
 
     instance: str
-    fields: dict[str, str]
-    max_bytes: int
+    route_from: ReasonText
+    route_reason: ReasonText
+    max_bytes: Annotated[int, msgspec.Meta(ge=1)]
+    delivery_ms: Millis
+    down_after_ms: Millis
+    timeline_max: Annotated[int, msgspec.Meta(ge=1, le=100_000)]
+    counters_key: Annotated[str, msgspec.Meta(max_length=256)]
+    counters_max: Annotated[int, msgspec.Meta(ge=0)]
+
+    @property
+    def fields(self) -> dict[str, str]:
+        """The decision's fields, as the record keeps them: no other field comes from a lane
+        (anyone who may write the key may write anything there)."""
+        return {"route_from": self.route_from, "route_reason": self.route_reason}
+
+
+_TERMS = msgspec.json.Encoder()
 
 
 def lane_text(lane: Lane) -> bytes:
-    terms = LaneTerms(lane.fields, lane.max_bytes)
-    return lane.instance.encode() + b"\n" + msgspec.json.encode(terms)
+    terms = msgspec.structs.asdict(lane)
+    del terms["instance"]
+    return lane.instance.encode() + b"\n" + _TERMS.encode(terms)
 
 
 def read_lane(raw: bytes) -> Lane | None:
-    """The lane ``raw`` holds, or ``None`` where it holds none that can be used (anyone who
-    may write the key may write anything there)."""
+    """The lane ``raw`` holds, or ``None`` where it holds none that can be used."""
     instance, newline, text = raw.partition(b"\n")
     if not newline or not instance:
         return None
     try:
-        terms = msgspec.json.decode(text, type=LaneTerms)
-        return Lane(instance.decode(), terms.fields, terms.max_bytes)
-    except (msgspec.DecodeError, UnicodeDecodeError):
+        terms = msgspec.json.decode(text, type=dict[str, Any])
+        if "instance" in terms:  # the line before names it, and only it
+            return None
+        return msgspec.convert({**terms, "instance": instance.decode()}, Lane)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
         return None
 
 

@@ -27,6 +27,7 @@ key                       type    holds
 ``P:n:{<capability>}:<w>``  string  assignments in 10-second window ``w`` (expires)
 ``P:direct:{<capability>}``  string  the capability's direct lane: its one instance and the
                                   decision to record (expires; ``broker/direct_lane.py``)
+``P:direct``              set     the capabilities a dispatcher published a lane for
 ``P:dlq``                 stream  dead letters with their reason
 ``P:counters``            hash    cluster-wide counters: "kind, labels" (tab-separated) -> count
 ``P:outbox``              stream  webhook deliveries; consumer group ``notify``
@@ -192,6 +193,11 @@ def outbox_for(keys: Keyspace, message_id: str) -> str:
 def direct_lane(keys: Keyspace, capability: str) -> str:
     """The capability's direct lane (``broker/direct_lane.py``)."""
     return f"{keys.prefix}:direct:{{{capability}}}"
+
+
+def direct_lanes_index(keys: Keyspace) -> str:
+    """The capabilities that may have a direct lane (``workers/direct_publisher.py``)."""
+    return f"{keys.prefix}:direct"
 
 
 def outboxes(keys: Keyspace) -> list[str]:

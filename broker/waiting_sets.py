@@ -126,18 +126,22 @@ def _move_between(source: str, target: str, records: list[MessageRecord]) -> lis
 
 def count_assigned_commands(keys: Keyspace, counts: Mapping[str, int], now: int) -> list[Command]:
     """Add to each capability's assignment counter for the current window."""
+    window = now // RATE_WINDOW_MS
     commands: list[Command] = []
     for capability, n in counts.items():
-        key, keep_s = assigned_counter(keys, capability, now)
-        commands += [("INCRBY", key, n), ("EXPIRE", key, keep_s)]
+        key = keys.assigned(capability, window)
+        commands += [("INCRBY", key, n), ("EXPIRE", key, ASSIGNED_KEEP_S)]
     return commands
 
 
-def assigned_counter(keys: Keyspace, capability: str, now: int) -> tuple[str, int]:
-    """The capability's assignment counter for the window ``now`` (ms) is in, and the
-    seconds it is kept."""
-    keep_s = (RATE_SPAN_WINDOWS + 2) * RATE_WINDOW_MS // 1000
-    return keys.assigned(capability, now // RATE_WINDOW_MS), keep_s
+# an assignment counter is kept this long: the rate's span and two windows more
+ASSIGNED_KEEP_S = (RATE_SPAN_WINDOWS + 2) * RATE_WINDOW_MS // 1000
+
+
+def assigned_counter_stem(keys: Keyspace, capability: str) -> str:
+    """The name of the capability's assignment counters but for the window's number (a
+    script that reads its own clock names the window, ``lua/accept_direct.lua``)."""
+    return keys.assigned(capability, 0).removesuffix("0")
 
 
 def _first_of_band(key: str, band: int) -> Command:

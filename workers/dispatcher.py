@@ -129,7 +129,10 @@ class Dispatcher:
         self.table.load(await self.registry.snapshot())
         self.notifications.follow(i.instance_id for i in self.table.instances)
         await self.intents.load(self.table.index)
-        await self.direct.publish()
+        try:  # a lane is an option: its failure takes nothing else of the sweep with it
+            await self.direct.publish()
+        except (RedisUnavailable, RedisReplyError) as exc:
+            log.warning("direct lanes not published (the next snapshot retries): %s", exc)
 
     # -- ingress -----------------------------------------------------------------------------
 

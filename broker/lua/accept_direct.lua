@@ -17,21 +17,25 @@
 -- KEYS[7]  lane      P:direct:{capability}
 -- KEYS[8]  waiting   P:w:{capability}
 -- KEYS[9]  aside     P:x:{capability}
--- KEYS[10] assigned  the capability's assignment counter of this window (P:n:{cap}:<w>)
--- KEYS[11] counters  P:counters (lua/count.lua), or absent: nothing counted
--- ARGV[1..12]  as accept.lua's, the next stage ROUTED and ARGV[9] the instance
+-- KEYS[10] counters  the lane's counters hash (lua/count.lua), or absent: nothing counted
+-- ARGV[1..12]  as accept.lua's, the next stage ROUTED and ARGV[9] the instance; ARGV[3] and
+--          ARGV[4] (accepted, deadline) are set here, from Redis's clock
 -- ARGV[13] message id
--- ARGV[14] heartbeat age (ms) after which the instance counts as down
--- ARGV[15] the deadline entry's time (ms): the reaper's first look
--- ARGV[16] now (ms): the time the credit and the rate are checked at
--- ARGV[17] the instance the lane named when the producer read it (broker/direct_lane.py: the lane
---          is that id, a line break, the decision's fields)
--- ARGV[18] seconds to keep the assignment counter
--- ARGV[19..] more field, value pairs for the record (the lane's decision)
+-- ARGV[14] heartbeat age (ms) after which the instance counts as down (the lane's)
+-- ARGV[15] the envelope's timeout (ms): its deadline is that long after its acceptance
+-- ARGV[16] the delivery timeout (ms, the lane's): the reaper's first look, if sooner
+-- ARGV[17] the instance the lane named when the producer read it (broker/direct_lane.py: the
+--          lane is that id, a line break, its terms)
+-- ARGV[18] the capability's assignment counter's name but for its window (P:n:{cap}:), a
+--          key not declared: this script runs on a single server only
+-- ARGV[19] the counter's window (ms), ARGV[20] seconds to keep it
+-- ARGV[21..] more field, value pairs for the record (the lane's decision)
 --
 -- Returns {1} when the message is assigned; {0, stage, attempt} when its id names a record
 -- already (nothing written: the ingress judges a request sent again); {-1, why} when the
--- lane may not be taken (nothing written).
+-- lane may not be taken (nothing written, but for the lane itself: refused for want of a
+-- credit, for the instance's state or for waiting work, it is deleted, so that what comes
+-- next goes to the ingress behind what did, until a dispatcher publishes it again).
 local lane = redis.call('GET', KEYS[7])
 if not lane or string.sub(lane, 1, #ARGV[17] + 1) ~= ARGV[17] .. '\n' then
   return {-1, 'lane'}
@@ -41,21 +45,31 @@ if not serves or not string.find(',' .. serves .. ',', ',' .. ARGV[2] .. ',', 1,
   return {-1, 'instance'}
 end
 if redis.call('ZCARD', KEYS[8]) > 0 or redis.call('ZCARD', KEYS[9]) > 0 then
+  redis.call('DEL', KEYS[7])
   return {-1, 'waiting'}
 end
 -- a stream someone made another type refuses here, before anything is written
 redis.call('XLEN', KEYS[4])
-local verdict, new_tat = credit_verdict(KEYS[2], KEYS[3], KEYS[5], ARGV[13], '1', ARGV[16],
-                                        ARGV[14])
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local verdict, new_tat = credit_verdict(KEYS[2], KEYS[3], KEYS[5], ARGV[13], '1', now, ARGV[14])
 if verdict ~= 1 then
+  redis.call('DEL', KEYS[7])
   return {-1, 'credit ' .. verdict}
 end
-local accepted = accept_record(KEYS[1], KEYS[11], ARGV, 19)
+local deadline = now + tonumber(ARGV[15])
+ARGV[3] = tostring(now)
+ARGV[4] = tostring(deadline)
+local accepted = accept_record(KEYS[1], KEYS[10], ARGV, 21)
 if accepted[1] == 0 then
   return {0, accepted[2], accepted[3]}
 end
-redis.call('ZADD', KEYS[6], ARGV[15], ARGV[13])
-take_credit(KEYS[3], KEYS[4], KEYS[5], ARGV[13], '1', ARGV[16], new_tat)
-redis.call('INCRBY', KEYS[10], 1)
-redis.call('EXPIRE', KEYS[10], ARGV[18])
+redis.call('ZADD', KEYS[6], math.min(deadline, now + tonumber(ARGV[16])), ARGV[13])
+take_credit(KEYS[3], KEYS[4], KEYS[5], ARGV[13], '1', now, new_tat)
+-- a statistic: a counter someone spoiled costs the count, never the assignment's answer
+pcall(function()
+  local counter = ARGV[18] .. math.floor(now / tonumber(ARGV[19]))
+  redis.call('INCRBY', counter, 1)
+  redis.call('EXPIRE', counter, ARGV[20])
+end)
 return {1}

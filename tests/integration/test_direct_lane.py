@@ -14,7 +14,7 @@ import pytest
 from adapters.python import Agent
 from broker.client import Client
 from broker.connection import Connection
-from broker.direct_lane import read_lane
+from broker.direct_lane import Lane, lane_text, read_lane
 from broker.envelope import Envelope
 from broker.errors import UnknownMessage
 from broker.keyspace import direct_lane
@@ -50,6 +50,20 @@ async def all_succeeded(client: Client, ids: list[str]) -> None:
         return all(r is not None and r.stage is Stage.SUCCEEDED for r in results)
 
     await eventually(done)
+
+
+def a_lane(instance: str = "f-1") -> Lane:
+    return Lane(
+        instance=instance,
+        route_from='["capability:1"]',
+        route_reason="forged",
+        max_bytes=1 << 20,
+        delivery_ms=30_000,
+        down_after_ms=15_000,
+        timeline_max=200,
+        counters_key="",
+        counters_max=0,
+    )
 
 
 def envelope(**fields: Any) -> Envelope:
@@ -195,10 +209,11 @@ async def test_an_id_sent_again_is_judged_by_the_ingress_and_runs_once(conn: Con
 @pytest.mark.parametrize(
     "lane",
     [
-        # an instance that serves something else
-        b'other-1\n{"fields": {"route_reason": "forged"}, "max_bytes": 1048576}',
+        lane_text(a_lane("other-1")),  # an instance that serves something else
         b"no line break at all",
-        b'f-1\n{"fields": {}, "max_bytes": ',  # not JSON
+        lane_text(a_lane())[:-5],  # not JSON
+        # a field of the record besides the decision's: the payload, say
+        lane_text(a_lane())[:-1] + b',"envelope":"{}"}',
     ],
 )
 async def test_a_lane_that_cannot_be_right_is_not_taken(conn: Connection, lane: bytes) -> None:
@@ -257,3 +272,66 @@ async def test_what_the_dispatcher_would_refuse_is_not_taken_down_its_lane(
 
         await eventually(refused)
     assert calls == []
+
+
+async def test_a_direct_record_follows_the_dispatcher_s_settings_not_the_producer_s(
+    conn: Connection,
+) -> None:
+    """The producer runs on its own settings (here the defaults: a 30 s delivery timeout);
+    the record follows the lane's, its dispatcher's (2 s), and Redis's clock."""
+    agent, _ = recording_agent("f")
+    broker_settings = msgspec.structs.replace(
+        conn.settings, direct_lane=True, delivery_timeout_s=2.0, timeline_max=10
+    )
+    async with (
+        connected(broker_settings) as broker,
+        running_dispatcher(broker),
+        running_sidecar(broker, "f-1", ("text.echo",), transport=agent),
+    ):
+        await published(conn, "text.echo")
+        producer = msgspec.structs.replace(conn.settings, delivery_timeout_s=30.0)
+        async with connected(producer) as producer_conn:
+            client = Client(producer_conn)
+            held = await client.submit(envelope(id="direct-1", timeout_s=60.0))
+            fields = await conn.call("HMGET", conn.keys.record(held), "accepted_ms", "deadline_ms")
+            accepted_ms, deadline_ms = (int(f) for f in fields)
+            look = await conn.call("ZSCORE", conn.keys.due, held)
+    assert deadline_ms - accepted_ms == 60_000
+    assert look is not None and int(float(look)) - accepted_ms == 2_000  # the broker's look
+
+
+async def test_lanes_left_by_a_dispatcher_before_a_restart_with_them_off_are_deleted(
+    conn: Connection,
+) -> None:
+    agent, _ = recording_agent("f")
+    async with (
+        direct(conn) as lane_conn,
+        running_sidecar(lane_conn, "f-1", ("text.echo",), transport=agent),
+    ):
+        async with running_dispatcher(lane_conn):
+            await published(conn, "text.echo")
+        async with running_dispatcher(conn):  # the lane off now: at its start, not 5 s later
+
+            async def deleted() -> bool:
+                return await lane_of(conn, "text.echo") is None
+
+            await eventually(deleted, timeout_s=3.0)
+
+
+async def test_an_alias_gets_no_lane_of_its_own(conn: Connection) -> None:
+    """Routing reads an alias as its capability, whose pool may be larger than the cards
+    that list the alias: the lane is published under the capability's own name only."""
+    agent, _ = recording_agent("f", "text.say")
+    loose = msgspec.structs.replace(
+        conn.settings,
+        direct_lane=True,
+        capability_mode="loose",
+        capability_aliases={"text.echo": "text.say"},
+    )
+    async with (
+        connected(loose) as lane_conn,
+        running_dispatcher(lane_conn),
+        running_sidecar(lane_conn, "f-1", ("text.say", "text.echo"), transport=agent),
+    ):
+        await published(conn, "text.say")
+        assert await lane_of(conn, "text.echo") is None
