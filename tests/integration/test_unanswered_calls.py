@@ -156,10 +156,24 @@ async def test_a_redis_that_cannot_be_reached_leaves_no_unanswered_call(
         assert holdings.unanswered == before
 
 
+async def blocked_reading(conn: Connection) -> None:
+    """Until a sidecar waits in its blocking read (its start's look at its pending list is
+    over then): one client blocked in ``XREAD``."""
+
+    async def blocked() -> bool:
+        clients = (await conn.call("CLIENT", "LIST")).decode().splitlines()
+        return any(" cmd=xread " in f" {c} " and " flags=b " in f" {c} " for c in clients)
+
+    await eventually(blocked)
+
+
 async def taken_unanswered(conn: Connection, sidecar: Sidecar) -> tuple[Taken, str]:
     """An assignment read by f-1 and moved to PROCESSING by a round trip whose answer was
     lost (what a take during a partition leaves): the entry, and that round trip's token.
-    The sidecar finds it at its next look at its pending list."""
+    The sidecar finds it at its next look at its pending list — not at its first, the look
+    of its start, which comes after it says it has started: written before that look, the
+    entry was taken there, before the moves below."""
+    await blocked_reading(conn)
     message_id = await routed_to(conn, "f-1")
     queue = conn.keys.queue("f-1")
     replies = await conn.call_many(
