@@ -36,6 +36,8 @@ from .waiting_sets import ASSIGNED_KEEP_S, RATE_WINDOW_MS, assigned_counter_stem
 
 log = logging.getLogger("agent_reach.client")
 
+MAX_LANES_KEPT = 1024  # capabilities whose lane (or its absence) a client remembers
+
 
 class DirectLane:
     def __init__(self, conn: Connection) -> None:
@@ -83,7 +85,10 @@ class DirectLane:
             self._refused(exc)
             found = None
         text = found if isinstance(found, bytes) else None
-        self._read[capability] = (now, text)
+        self._read.pop(capability, None)
+        self._read[capability] = (now, text)  # the newest last: the oldest go first
+        while len(self._read) > MAX_LANES_KEPT:  # a gateway's callers name any capabilities
+            del self._read[next(iter(self._read))]
         return text
 
     def _command(self, envelope: Envelope, raw: bytes, lane: Lane) -> tuple[Any, ...]:

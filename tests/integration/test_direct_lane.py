@@ -14,6 +14,7 @@ import pytest
 from adapters.python import Agent
 from broker.client import Client
 from broker.connection import Connection
+from broker.direct import MAX_LANES_KEPT
 from broker.direct_lane import Lane, lane_text, read_lane
 from broker.envelope import Envelope
 from broker.errors import UnknownMessage
@@ -335,3 +336,13 @@ async def test_an_alias_gets_no_lane_of_its_own(conn: Connection) -> None:
     ):
         await published(conn, "text.say")
         assert await lane_of(conn, "text.echo") is None
+
+
+async def test_a_client_remembers_a_bounded_number_of_lanes(conn: Connection) -> None:
+    """A gateway's callers may name any number of capabilities: what the client keeps of
+    their lanes (here: that there are none) stays bounded."""
+    client = Client(conn)
+    for n in range(MAX_LANES_KEPT + 20):
+        await client.submit(Envelope(capability=f"cap.n{n}", payload=msgspec.Raw(b"{}")))
+    assert len(client.direct._read) == MAX_LANES_KEPT
+    assert await conn.call("XLEN", conn.keys.ingress) == MAX_LANES_KEPT + 20
