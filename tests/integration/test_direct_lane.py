@@ -5,6 +5,8 @@ certain to be right, nothing is written and the envelope goes through the ingres
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -24,6 +26,19 @@ from tests.support.agents import recording_agent
 from tests.support.harness import connected, eventually, running_dispatcher, running_sidecar
 
 pytestmark = pytest.mark.anyio
+
+
+@asynccontextmanager
+async def one_instance_lane(conn: Connection, agent: Agent) -> AsyncIterator[Connection]:
+    """A dispatcher with the lane on, f-1 serving text.echo with ``agent``, and its lane
+    published: the connection they run on."""
+    async with (
+        direct(conn) as lane_conn,
+        running_dispatcher(lane_conn),
+        running_sidecar(lane_conn, "f-1", ("text.echo",), transport=agent),
+    ):
+        await published(conn, "text.echo")
+        yield lane_conn
 
 
 def direct(conn: Connection) -> Any:
@@ -75,12 +90,7 @@ async def test_a_plain_envelope_goes_down_the_lane_recorded_as_the_dispatcher_ro
     conn: Connection,
 ) -> None:
     agent, calls = recording_agent("f")
-    async with (
-        direct(conn) as lane_conn,
-        running_dispatcher(lane_conn),
-        running_sidecar(lane_conn, "f-1", ("text.echo",), transport=agent),
-    ):
-        await published(conn, "text.echo")
+    async with one_instance_lane(conn, agent) as lane_conn:
         lane = read_lane(await lane_of(conn, "text.echo") or b"")
         assert lane is not None and lane.instance == "f-1"
         client = Client(lane_conn)
@@ -172,12 +182,7 @@ async def test_no_credit_or_work_waiting_sends_the_envelope_to_the_ingress_in_or
 async def test_a_second_instance_withdraws_the_lane(conn: Connection) -> None:
     one, _ = recording_agent("f")
     two, _ = recording_agent("g")
-    async with (
-        direct(conn) as lane_conn,
-        running_dispatcher(lane_conn),
-        running_sidecar(lane_conn, "f-1", ("text.echo",), transport=one),
-    ):
-        await published(conn, "text.echo")
+    async with one_instance_lane(conn, one) as lane_conn:
         async with running_sidecar(lane_conn, "g-1", ("text.echo",), transport=two):
 
             async def withdrawn() -> bool:
@@ -188,12 +193,7 @@ async def test_a_second_instance_withdraws_the_lane(conn: Connection) -> None:
 
 async def test_an_id_sent_again_is_judged_by_the_ingress_and_runs_once(conn: Connection) -> None:
     agent, calls = recording_agent("f")
-    async with (
-        direct(conn) as lane_conn,
-        running_dispatcher(lane_conn),
-        running_sidecar(lane_conn, "f-1", ("text.echo",), transport=agent),
-    ):
-        await published(conn, "text.echo")
+    async with one_instance_lane(conn, agent) as lane_conn:
         client = Client(lane_conn)
         first = await client.submit(envelope(id="same-request-1"))
         await all_succeeded(client, [first])
