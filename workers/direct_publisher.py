@@ -84,8 +84,9 @@ class DirectPublisher:
         if (
             capability in self.waiting.backlogged
             or self.table.policy.resolve(capability) != capability
+            or len(self.table.index.candidates[capability]) != 1  # the pool routing counts
         ):
-            return None
+            return None  # (no funnel run at every sweep for a capability many serve)
         decision = self.table.evaluate(RouteRequest(capability=capability), now_ms=now)
         instance = routed_instance(decision)
         pool = decision.steps[0] if decision.steps else None
