@@ -236,8 +236,11 @@ class Client:
         stream = self._ingress_for(envelope)
         with tracing.sending(envelope, stream) as sent:
             raw = encode_envelope(sent)
-            if not await self.direct.submit(sent, raw):  # its capability's lane, or the ingress
+            instance = await self.direct.submit(sent, raw)  # its capability's lane ...
+            if instance is None:  # ... or the ingress
                 await self.conn.call("XADD", stream, "*", "envelope", raw)
+            else:
+                tracing.sent_directly(self.keys.queue(instance), instance)
         return envelope.message_id
 
     def _ingress_for(self, envelope: Envelope) -> str:

@@ -46,23 +46,23 @@ class DirectLane:
         self.usable = not conn.cluster and not settings.replica_acks
         self._read: dict[str, tuple[float, bytes | None]] = {}  # capability -> (when, lane)
 
-    async def submit(self, envelope: Envelope, raw: bytes) -> bool:
+    async def submit(self, envelope: Envelope, raw: bytes) -> str | None:
         """Assign ``envelope`` (``raw``: its bytes, as the ingress would get them) down its
-        capability's lane; ``False``, having written nothing, where it is not."""
+        capability's lane: the instance it went to, or ``None``, having written nothing."""
         if not (self.usable and plain(envelope)):
-            return False
+            return None
         text = await self._lane(envelope.capability)
         lane = read_lane(text) if text is not None else None
         if lane is None or not self._decodes(raw, lane.max_bytes):
-            return False
+            return None
         try:
             answer = await self.conn.call(*self._command(envelope, raw, lane))
         except RedisReplyError as exc:
             self._refused(exc)
-            return False
+            return None
         if answer[0] == -1:  # withdrawn, changed, or deleted by the script: read it again
             self._read.pop(envelope.capability, None)
-        return bool(answer[0] == 1)
+        return lane.instance if answer[0] == 1 else None
 
     def _decodes(self, raw: bytes, max_bytes: int) -> bool:
         """Whether the dispatcher would take these bytes: its own decoding, with the largest

@@ -161,6 +161,17 @@ def sending(envelope: Envelope, ingress: str) -> Iterator[Envelope]:
         yield _with_context(envelope)
 
 
+def sent_directly(stream: str, instance: str) -> None:
+    """The current ``send`` span's envelope went down a direct lane (:mod:`broker.direct`):
+    its destination is the instance's stream, and no dispatcher's ``process`` span follows."""
+    if not _state:
+        return
+    span = _state["trace"].get_current_span()
+    span.update_name(f"send {stream}")
+    span.set_attribute("messaging.destination.name", stream)
+    span.set_attribute("agent_reach.instance", instance)
+
+
 def dispatched(envelopes: Sequence[Envelope], ingress: str, start_ns: int, end_ns: int) -> None:
     """One ``process`` span per envelope of a batch the dispatcher handled, each linked to its
     producer's context."""

@@ -27,6 +27,7 @@ from broker import tracing
 from broker.client import Client
 from broker.config import Settings
 from broker.connection import open_connection
+from broker.keyspace import direct_lane as direct_lane_key
 from tests.support.agents import http_agent
 from tests.support.harness import eventually
 from tests.support.processes import process_env, start, stop
@@ -75,9 +76,13 @@ def attributes(span: Any) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-async def test_one_message_is_one_trace_across_three_processes(
-    settings: Settings, tmp_path: Path
+@pytest.mark.anyio
+@pytest.mark.parametrize("direct_lane", [False, True], ids=["through-dispatcher", "direct-lane"])
+async def test_one_message_is_one_trace_across_its_processes(
+    settings: Settings, tmp_path: Path, direct_lane: bool
 ) -> None:
+    """Through the dispatcher, three processes; down the direct lane, the producer's send
+    names the instance's stream and the sidecar's work is its child, with no dispatcher span."""
     assert settings.redis_url is not None
     seen_by_agent: list[str] = []
 
@@ -93,6 +98,7 @@ async def test_one_message_is_one_trace_across_three_processes(
             settings,
             OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
             OTEL_BSP_SCHEDULE_DELAY="100",
+            AGENT_REACH_DIRECT_LANE=str(direct_lane).lower(),
         )
         up = start(["up"], env, tmp_path / "up.log")
         side = start(
@@ -103,20 +109,29 @@ async def test_one_message_is_one_trace_across_three_processes(
             {**env, "OTEL_SERVICE_NAME": "echo-sidecar"},
             tmp_path / "sidecar.log",
         )
+        ingress, queue = conn.keys.ingress, conn.keys.queue("traced-1")
+        send_name = f"send {queue}" if direct_lane else f"send {ingress}"
         provider = TracerProvider(resource=Resource.create({"service.name": "producer"}))
         # batched: exported from the processor's thread, so the receiver in this loop answers
         exporter = OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces")
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=100))
         tracing.use_provider(provider)
         try:
+            if direct_lane:  # the lane is there before the message is sent
+
+                async def lane_published() -> bool:
+                    return bool(await conn.call("EXISTS", direct_lane_key(conn.keys, "text.echo")))
+
+                await eventually(lane_published, timeout_s=30)
             async with Client(conn) as client:
                 result = await client.request("text.echo", {"x": 1}, timeout=60)
             message_id = result.id
+            wanted = {send_name, "process text.echo", "call traced"}
+            if not direct_lane:
+                wanted.add(f"process {ingress}")
 
             async def all_spans() -> bool:
-                names = {span.name for _, span in receiver.spans}
-                wanted = {f"send {conn.keys.ingress}", f"process {conn.keys.ingress}"}
-                return wanted | {"process text.echo", "call traced"} <= names
+                return wanted <= {span.name for _, span in receiver.spans}
 
             await eventually(all_spans, timeout_s=30)
         finally:
@@ -124,35 +139,36 @@ async def test_one_message_is_one_trace_across_three_processes(
             await anyio.to_thread.run_sync(provider.shutdown)
             stop(side)
             stop(up)
-    ingress = conn.keys.ingress
-    producer, send = receiver.named(f"send {ingress}")
-    dispatcher, dispatch = receiver.named(f"process {ingress}")
+    producer, send = receiver.named(send_name)
     sidecar, process = receiver.named("process text.echo")
     _, call = receiver.named("call traced")
-    assert (producer, dispatcher, sidecar) == ("producer", "agent-reach", "echo-sidecar")
-    assert (send.kind, dispatch.kind, process.kind, call.kind) == (
-        PRODUCER,
-        CONSUMER,
-        CONSUMER,
-        CLIENT,
-    )
+    assert (producer, sidecar) == ("producer", "echo-sidecar")
+    assert (send.kind, process.kind, call.kind) == (PRODUCER, CONSUMER, CLIENT)
     # one trace id end to end: the sidecar's work is the producer's send's child ...
     assert send.trace_id == process.trace_id == call.trace_id
     assert process.parent_span_id == send.span_id and call.parent_span_id == process.span_id
-    # ... the dispatcher's batch span links to it
-    assert [(link.trace_id, link.span_id) for link in dispatch.links] == [
-        (send.trace_id, send.span_id)
-    ]
+    if direct_lane:  # ... no dispatcher took part
+        assert not [span for _, span in receiver.spans if span.name == f"process {ingress}"]
+        assert attributes(send)["agent_reach.instance"] == "traced-1"
+    else:  # ... the dispatcher's batch span links to it
+        dispatcher, dispatch = receiver.named(f"process {ingress}")
+        assert dispatcher == "agent-reach" and dispatch.kind == CONSUMER
+        assert [(link.trace_id, link.span_id) for link in dispatch.links] == [
+            (send.trace_id, send.span_id)
+        ]
+        assert attributes(dispatch)["messaging.destination.name"] == ingress
+        assert attributes(dispatch)["messaging.message.id"] == message_id
     # and the agent got the call's context
     (received,) = seen_by_agent
     version, trace_id, parent_id, flags = received.split("-")
     assert (version, trace_id, parent_id) == ("00", call.trace_id.hex(), call.span_id.hex())
     assert int(flags, 16) & 1, "sampled"
-    for span, destination in ((send, ingress), (dispatch, ingress), (process, "text.echo")):
+    destination = queue if direct_lane else ingress
+    for span, named in ((send, destination), (process, "text.echo")):
         found = attributes(span)
         assert found["messaging.system"] == "agent_reach"
         assert found["messaging.message.id"] == message_id
-        assert found["messaging.destination.name"] == destination
+        assert found["messaging.destination.name"] == named
     found = attributes(process)
     assert found["agent_reach.instance"] == "traced-1" and found["agent_reach.attempt"] == 1
     assert found["agent_reach.stage"] == "SUCCEEDED"
