@@ -41,8 +41,9 @@ async def one_instance_lane(conn: Connection, agent: Agent) -> AsyncIterator[Con
         yield lane_conn
 
 
-def direct(conn: Connection) -> Any:
-    return connected(msgspec.structs.replace(conn.settings, direct_lane=True))
+def direct(conn: Connection, on: bool = True) -> Any:
+    """A connection to the same Redis with the lane on (or off): a dispatcher's setting."""
+    return connected(msgspec.structs.replace(conn.settings, direct_lane=on))
 
 
 async def lane_of(conn: Connection, capability: str) -> bytes | None:
@@ -119,8 +120,9 @@ async def test_with_the_lane_off_none_is_published_and_the_ingress_carries_all(
 ) -> None:
     agent, calls = recording_agent("f")
     async with (
-        running_dispatcher(conn),
-        running_sidecar(conn, "f-1", ("text.echo",), transport=agent),
+        direct(conn, on=False) as off,
+        running_dispatcher(off),
+        running_sidecar(off, "f-1", ("text.echo",), transport=agent),
     ):
         client = Client(conn)
         ids = [await client.submit(envelope()) for _ in range(5)]
@@ -223,7 +225,8 @@ async def test_a_lane_that_cannot_be_right_is_not_taken(conn: Connection, lane: 
     agent, calls = recording_agent("f")
     other, other_calls = recording_agent("other", "text.other")
     async with (
-        running_dispatcher(conn),  # publishing no lane of its own
+        direct(conn, on=False) as off,
+        running_dispatcher(off),  # publishing no lane of its own
         running_sidecar(conn, "f-1", ("text.echo",), transport=agent),
         running_sidecar(conn, "other-1", ("text.other",), transport=other),
     ):
@@ -311,7 +314,10 @@ async def test_lanes_left_by_a_dispatcher_before_a_restart_with_them_off_are_del
     ):
         async with running_dispatcher(lane_conn):
             await published(conn, "text.echo")
-        async with running_dispatcher(conn):  # the lane off now: at its start, not 5 s later
+        async with (
+            direct(conn, on=False) as off,
+            running_dispatcher(off),  # the lane off now: at its start, not 5 s later
+        ):
 
             async def deleted() -> bool:
                 return await lane_of(conn, "text.echo") is None

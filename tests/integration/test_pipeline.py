@@ -323,7 +323,7 @@ async def test_a_routed_message_takes_one_script_on_one_server(conn: Connection)
         dispatcher = Dispatcher(conn, consumer="d1")
         await ensure_group(conn, conn.keys.ingress, DISPATCH_GROUP)
         await dispatcher.refresh()
-        ids = [await client.submit(echo(n, reply_to)) for n in range(3)]
+        ids = await client.submit_many([echo(n, reply_to) for n in range(3)])  # the ingress
         async with conn.reader() as reader:
             entries = await reader.read_raw(
                 conn.keys.ingress, DISPATCH_GROUP, "d1", count=10, block_ms=1000
