@@ -27,7 +27,7 @@ costs when the processes on both ends were idle (a wake-up on each end: the path
 process it crosses); the first, the same round trip with both ends awake.
 
 Usage: ``python -m bench.latency_path [--messages 2000] [--rate 200] [--reps 1]
-[--direct-lane]``. Figures only, no threshold: CI never runs it.
+[--no-direct-lane]``. Figures only, no threshold: CI never runs it.
 """
 
 from __future__ import annotations
@@ -223,13 +223,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument(
         "--direct-lane",
-        action="store_true",
-        help="run `up` with direct_lane on: the producer assigns down the lane itself "
-        "(its script is then both its write and the acceptance: the second hop reads 0)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run `up` with direct_lane on (the default: the producer assigns down the lane "
+        "itself, its script both its write and the acceptance: the second hop reads 0) or off",
     )
     args = parser.parse_args()
-    if args.direct_lane:
-        os.environ["AGENT_REACH_DIRECT_LANE"] = "true"  # for `up`; the producer finds lanes
+    # for `up`; the producer finds lanes
+    os.environ["AGENT_REACH_DIRECT_LANE"] = str(args.direct_lane).lower()
     if args.messages < 1 or args.rate <= 0:
         parser.error("--messages must be at least 1 and --rate above 0")
     print(f"{args.messages} messages one at a time at {args.rate:g}/s, ms on Redis's clock")

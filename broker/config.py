@@ -77,8 +77,10 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     # ingress streams: P:in, P:in:{1}, ... (more than one spreads them over a cluster's nodes)
     ingress_partitions: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
     # the dispatcher publishes a direct lane for each capability one instance serves, with no
-    # limit, budget or waiting work: producers assign to it themselves (broker/direct.py)
-    direct_lane: bool = False
+    # limit, budget or waiting work: producers assign to it themselves (broker/direct.py).
+    # On by default: it takes the dispatcher's hop off the light-load path (README,
+    # "Benchmarks"); off, every message passes a dispatcher and its spans and /metrics
+    direct_lane: bool = True
     # WAIT for this many replicas after each round trip that writes (broker/durability.py)
     replica_acks: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     replica_ack_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
