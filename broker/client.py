@@ -236,7 +236,7 @@ class Client:
         stream = self._ingress_for(envelope)
         with tracing.sending(envelope, stream) as sent:
             raw = encode_envelope(sent)
-            instance = await self.direct.submit(sent, raw)  # its capability's lane ...
+            instance = await self.direct.submit(sent, raw, stream)  # its capability's lane ...
             if instance is None:  # ... or the ingress
                 await self.conn.call("XADD", stream, "*", "envelope", raw)
             else:

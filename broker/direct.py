@@ -12,7 +12,8 @@ ingress, where it is judged as before.
 Lanes are read at most once a second per capability (``GET``; that there is none, too),
 kept meanwhile. A user that
 may not run the script (``NOPERM``: a producer's ACL, which grants the ingress only) turns the
-lane off for this connection, said once: such a producer never writes records. Off on a
+lane off for this connection, said once: such a producer never writes records. Off where
+the producer's own settings say ``direct_lane = false``, on a
 cluster (the record, the instance's keys and the lane are on other slots) and where writes
 wait for replicas (the dispatcher's round trips carry the ``WAIT``).
 """
@@ -29,7 +30,7 @@ from .credits import assign_keys
 from .direct_lane import LANE_READ_EVERY_S, Lane, plain, read_lane
 from .envelope import Envelope, decode_envelope
 from .errors import InvalidEnvelope, RedisReplyError
-from .keyspace import direct_lane, due_for
+from .keyspace import DISPATCH_GROUP, direct_lane, due_for
 from .scripts import ScriptName
 from .stages import Stage
 from .waiting_sets import ASSIGNED_KEEP_S, RATE_WINDOW_MS, assigned_counter_stem
@@ -43,11 +44,11 @@ class DirectLane:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         settings = conn.settings
-        self.usable = not conn.cluster and not settings.replica_acks
+        self.usable = settings.direct_lane and not conn.cluster and not settings.replica_acks
         self._read: dict[str, tuple[float, bytes | None]] = {}  # capability -> (when, lane)
 
-    async def submit(self, envelope: Envelope, raw: bytes) -> str | None:
-        """Assign ``envelope`` (``raw``: its bytes, as the ingress would get them) down its
+    async def submit(self, envelope: Envelope, raw: bytes, ingress: str) -> str | None:
+        """Assign ``envelope`` (``raw``: its bytes, as ``ingress`` would get them) down its
         capability's lane: the instance it went to, or ``None``, having written nothing."""
         if not (self.usable and plain(envelope)):
             return None
@@ -56,7 +57,7 @@ class DirectLane:
         if lane is None or not self._decodes(raw, lane.max_bytes):
             return None
         try:
-            answer = await self.conn.call(*self._command(envelope, raw, lane))
+            answer = await self.conn.call(*self._command(envelope, raw, lane, ingress))
         except RedisReplyError as exc:
             self._refused(exc)
             return None
@@ -91,7 +92,7 @@ class DirectLane:
             del self._read[next(iter(self._read))]
         return text
 
-    def _command(self, envelope: Envelope, raw: bytes, lane: Lane) -> tuple[Any, ...]:
+    def _command(self, envelope: Envelope, raw: bytes, lane: Lane, ingress: str) -> tuple[Any, ...]:
         """``lua/accept_direct.lua``'s call: the record as the lane's dispatcher would make
         it (its settings, Redis's clock: the script sets the times)."""
         keys, capability = self.conn.keys, envelope.capability
@@ -116,6 +117,7 @@ class DirectLane:
             direct_lane(keys, capability),
             keys.waiting(capability),
             keys.unmatched(capability),
+            ingress,
             *((lane.counters_key,) if lane.counters_key else ()),
         )
         first, fields = args[:ACCEPT_ARGS], args[ACCEPT_ARGS:]
@@ -128,6 +130,7 @@ class DirectLane:
             assigned_counter_stem(keys, capability),
             RATE_WINDOW_MS,
             ASSIGNED_KEEP_S,
+            DISPATCH_GROUP,
         )
         return self.conn.script_command(
             ScriptName.ACCEPT_DIRECT, script_keys, (*first, *direct, *fields)

@@ -17,7 +17,8 @@
 -- KEYS[7]  lane      P:direct:{capability}
 -- KEYS[8]  waiting   P:w:{capability}
 -- KEYS[9]  aside     P:x:{capability}
--- KEYS[10] counters  the lane's counters hash (lua/count.lua), or absent: nothing counted
+-- KEYS[10] ingress   the ingress partition the envelope would otherwise go to
+-- KEYS[11] counters  the lane's counters hash (lua/count.lua), or absent: nothing counted
 -- ARGV[1..12]  as accept.lua's, the next stage ROUTED and ARGV[9] the instance; ARGV[3] and
 --          ARGV[4] (accepted, deadline) are set here, from Redis's clock
 -- ARGV[13] message id
@@ -29,13 +30,48 @@
 -- ARGV[18] the capability's assignment counter's name but for its window (P:n:{cap}:), a
 --          key not declared: this script runs on a single server only
 -- ARGV[19] the counter's window (ms), ARGV[20] seconds to keep it
--- ARGV[21..] more field, value pairs for the record (the lane's decision)
+-- ARGV[21] the dispatchers' consumer group on the ingress
+-- ARGV[22..] more field, value pairs for the record (the lane's decision)
 --
 -- Returns {1} when the message is assigned; {0, stage, attempt} when its id names a record
 -- already (nothing written: the ingress judges a request sent again); {-1, why} when the
 -- lane may not be taken (nothing written, but for the lane itself: refused for want of a
 -- credit, for the instance's state or for waiting work, it is deleted, so that what comes
--- next goes to the ingress behind what did, until a dispatcher publishes it again).
+-- next goes to the ingress behind what did, until a dispatcher publishes it again; refused
+-- while the ingress holds an entry no dispatcher has finished with, it is kept: the check
+-- itself holds what follows back until then).
+
+-- An entry id's two parts, to compare ids as numbers.
+local function id_parts(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+
+-- Whether every entry of the ingress has been read and acknowledged by the dispatchers'
+-- group: anything sent before this envelope, by anyone, is routed (recorded, assigned or
+-- waiting) before it may pass. Unread or pending entries: it goes there behind them.
+local function ingress_settled(stream, group)
+  local newest = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+  if #newest == 0 then
+    return true
+  end
+  for _, info in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local fields = {}
+    for i = 1, #info, 2 do
+      fields[info[i]] = info[i + 1]
+    end
+    if fields['name'] == group then
+      if tonumber(fields['pending']) > 0 then
+        return false
+      end
+      local read_ms, read_seq = id_parts(fields['last-delivered-id'])
+      local new_ms, new_seq = id_parts(newest[1][1])
+      return read_ms > new_ms or (read_ms == new_ms and read_seq >= new_seq)
+    end
+  end
+  return false  -- no dispatcher has read it yet
+end
+
 local lane = redis.call('GET', KEYS[7])
 if not lane or string.sub(lane, 1, #ARGV[17] + 1) ~= ARGV[17] .. '\n' then
   return {-1, 'lane'}
@@ -47,6 +83,9 @@ end
 if redis.call('ZCARD', KEYS[8]) > 0 or redis.call('ZCARD', KEYS[9]) > 0 then
   redis.call('DEL', KEYS[7])
   return {-1, 'waiting'}
+end
+if not ingress_settled(KEYS[10], ARGV[21]) then
+  return {-1, 'ingress'}
 end
 -- a stream someone made another type refuses here, before anything is written
 redis.call('XLEN', KEYS[4])
@@ -60,7 +99,7 @@ end
 local deadline = now + tonumber(ARGV[15])
 ARGV[3] = tostring(now)
 ARGV[4] = tostring(deadline)
-local accepted = accept_record(KEYS[1], KEYS[10], ARGV, 21)
+local accepted = accept_record(KEYS[1], KEYS[11], ARGV, 22)
 if accepted[1] == 0 then
   return {0, accepted[2], accepted[3]}
 end

@@ -15,12 +15,12 @@ import pytest
 
 from adapters.python import Agent
 from broker.client import Client
-from broker.connection import Connection
+from broker.connection import Connection, ensure_group
 from broker.direct import MAX_LANES_KEPT
 from broker.direct_lane import Lane, lane_text, read_lane
 from broker.envelope import Envelope
 from broker.errors import UnknownMessage
-from broker.keyspace import direct_lane
+from broker.keyspace import DISPATCH_GROUP, direct_lane
 from broker.stages import Stage
 from tests.support.agents import recording_agent
 from tests.support.harness import connected, eventually, running_dispatcher, running_sidecar
@@ -42,7 +42,8 @@ async def one_instance_lane(conn: Connection, agent: Agent) -> AsyncIterator[Con
 
 
 def direct(conn: Connection, on: bool = True) -> Any:
-    """A connection to the same Redis with the lane on (or off): a dispatcher's setting."""
+    """A connection to the same Redis with the lane on (or off): a dispatcher's setting,
+    and a producer's."""
     return connected(msgspec.structs.replace(conn.settings, direct_lane=on))
 
 
@@ -236,6 +237,80 @@ async def test_a_lane_that_cannot_be_right_is_not_taken(conn: Connection, lane: 
         await all_succeeded(client, [sent])
     assert calls == [sent] and other_calls == []
     assert await conn.call("XLEN", conn.keys.ingress) == 1
+
+
+async def test_a_producer_with_the_lane_off_sends_everything_to_the_ingress(
+    conn: Connection,
+) -> None:
+    """``direct_lane = false`` is the producer's choice too: where a dispatcher publishes a
+    lane, its messages still pass a dispatcher (its spans, its routing figures)."""
+    agent, calls = recording_agent("f")
+    async with one_instance_lane(conn, agent), direct(conn, on=False) as producer:
+        client = Client(producer)
+        ids = [await client.submit(envelope()) for _ in range(3)]
+        await all_succeeded(client, ids)
+    assert await conn.call("XLEN", conn.keys.ingress) == 3
+    assert sorted(calls) == sorted(ids)
+
+
+async def hand_laid_lane(conn: Connection) -> None:
+    """A lane as a dispatcher that has stopped left it (it lives on for seconds), and the
+    dispatchers' group on an ingress no dispatcher reads now."""
+    await conn.call("SET", direct_lane(conn.keys, "text.echo"), lane_text(a_lane()))
+    await ensure_group(conn, conn.keys.ingress, DISPATCH_GROUP)
+
+
+async def recorded(conn: Connection, message_id: str) -> bool:
+    return bool(await conn.call("EXISTS", conn.keys.record(message_id)))
+
+
+async def test_what_is_unread_in_the_ingress_is_not_overtaken_down_the_lane(
+    conn: Connection,
+) -> None:
+    """Whatever went to the ingress (an envelope that is not plain, a batch, another
+    producer's XADD, one sent while no lane was seen) runs before a plain envelope sent after
+    it: while the ingress holds an entry the dispatchers have not read, the lane is not taken."""
+    agent, calls = recording_agent("f")
+    async with running_sidecar(conn, "f-1", ("text.echo",), transport=agent):
+        await hand_laid_lane(conn)
+        client = Client(conn)
+        (first,) = await client.submit_many([envelope(priority=9)])  # the ingress, unread
+        second = await client.submit(envelope())
+        assert await conn.call("XLEN", conn.keys.ingress) == 2  # behind it
+        assert not await recorded(conn, second)
+        assert await lane_of(conn, "text.echo") is not None  # kept: the check holds the order
+        async with running_dispatcher(conn):
+            await all_succeeded(client, [first, second])
+    assert calls == [first, second]
+
+
+async def test_an_ingress_entry_being_handled_holds_the_lane_until_acknowledged(
+    conn: Connection,
+) -> None:
+    """An entry a dispatcher has read but not yet acknowledged (its record not yet written,
+    or a dispatcher stopped mid-batch) counts as unfinished; once acknowledged, the lane is
+    open again."""
+    agent, _ = recording_agent("f")
+    async with running_sidecar(conn, "f-1", ("text.echo",), transport=agent):
+        await hand_laid_lane(conn)
+        client = Client(conn)
+        await client.submit_many([envelope()])
+        read = await conn.call(
+            "XREADGROUP", "GROUP", DISPATCH_GROUP, "d-x", "STREAMS", conn.keys.ingress, ">"
+        )
+        (entry_id,) = [entry[0] for entry in read[0][1]]
+        held = await client.submit(envelope())
+        assert not await recorded(conn, held)
+        assert await conn.call("XLEN", conn.keys.ingress) == 2
+        await conn.call(
+            "XREADGROUP", "GROUP", DISPATCH_GROUP, "d-x", "STREAMS", conn.keys.ingress, ">"
+        )
+        stream_ids = [e[0] for e in await conn.call("XRANGE", conn.keys.ingress, "-", "+")]
+        await conn.call("XACK", conn.keys.ingress, DISPATCH_GROUP, *stream_ids)
+        assert entry_id in stream_ids
+        passed = await client.submit(envelope())
+        assert await recorded(conn, passed)  # down the lane: recorded at once
+        assert await conn.call("XLEN", conn.keys.ingress) == 2
 
 
 async def test_a_lane_key_of_another_type_sends_to_the_ingress(conn: Connection) -> None:
