@@ -41,35 +41,25 @@
 -- while the ingress holds an entry no dispatcher has finished with, it is kept: the check
 -- itself holds what follows back until then).
 
--- An entry id's two parts, to compare ids as numbers.
-local function id_parts(id)
-  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
-  return tonumber(ms), tonumber(seq)
-end
-
 -- Whether every entry of the ingress has been read and acknowledged by the dispatchers'
 -- group: anything sent before this envelope, by anyone, is routed (recorded, assigned or
--- waiting) before it may pass. Unread or pending entries: it goes there behind them.
+-- waiting) before it may pass. A group read as backlog.lua reads one: its pending entries,
+-- and any entry past its last delivered id.
 local function ingress_settled(stream, group)
-  local newest = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
-  if #newest == 0 then
+  if redis.call('EXISTS', stream) == 0 then
     return true
   end
-  for _, info in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
-    local fields = {}
-    for i = 1, #info, 2 do
-      fields[info[i]] = info[i + 1]
+  for _, fields in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local info = {}
+    for i = 1, #fields, 2 do
+      info[fields[i]] = fields[i + 1]
     end
-    if fields['name'] == group then
-      if tonumber(fields['pending']) > 0 then
-        return false
-      end
-      local read_ms, read_seq = id_parts(fields['last-delivered-id'])
-      local new_ms, new_seq = id_parts(newest[1][1])
-      return read_ms > new_ms or (read_ms == new_ms and read_seq >= new_seq)
+    if info['name'] == group then
+      local unread = redis.call('XRANGE', stream, '(' .. info['last-delivered-id'], '+', 'COUNT', 1)
+      return info['pending'] == 0 and #unread == 0
     end
   end
-  return false  -- no dispatcher has read it yet
+  return redis.call('XLEN', stream) == 0  -- no dispatcher has read it yet
 end
 
 local lane = redis.call('GET', KEYS[7])
