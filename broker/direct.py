@@ -20,6 +20,7 @@ wait for replicas (the dispatcher's round trips carry the ``WAIT``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -113,7 +114,7 @@ class DirectLane:
         script_keys = (
             record,
             *assign_keys(self.conn, lane.instance),
-            due_for(keys, envelope.message_id),
+            due_for(dataclasses.replace(keys, partitions=lane.partitions), envelope.message_id),
             direct_lane(keys, capability),
             keys.waiting(capability),
             keys.unmatched(capability),

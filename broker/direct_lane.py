@@ -38,7 +38,9 @@ class Lane(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     the decision's record fields, and the publishing dispatcher's settings a record made
     down the lane must follow, whatever the producer's own are: the largest envelope it
     takes, the reaper's first look and the heartbeat age of a lapsed instance (ms), the
-    timeline's cap, and where it counts (``""``: nowhere) with its cap."""
+    timeline's cap, where it counts (``""``: nowhere) with its cap, and the due set's
+    partitions (``ingress_partitions``): a deadline entry in a partition the reapers do not
+    scan would never come due."""
 
     instance: str
     route_from: ReasonText
@@ -49,6 +51,7 @@ class Lane(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeline_max: Annotated[int, msgspec.Meta(ge=1, le=100_000)]
     counters_key: Annotated[str, msgspec.Meta(max_length=256)]
     counters_max: Annotated[int, msgspec.Meta(ge=0)]
+    partitions: Annotated[int, msgspec.Meta(ge=1, le=256)]
 
     @property
     def fields(self) -> dict[str, str]:

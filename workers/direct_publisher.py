@@ -106,5 +106,6 @@ class DirectPublisher:
                 timeline_max=settings.timeline_max,
                 counters_key=counting.key or "",
                 counters_max=counting.max_series,
+                partitions=settings.ingress_partitions,
             )
         )

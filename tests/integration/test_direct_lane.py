@@ -5,6 +5,7 @@ certain to be right, nothing is written and the envelope goes through the ingres
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,7 +21,7 @@ from broker.direct import MAX_LANES_KEPT
 from broker.direct_lane import Lane, lane_text, read_lane
 from broker.envelope import Envelope
 from broker.errors import UnknownMessage
-from broker.keyspace import DISPATCH_GROUP, direct_lane
+from broker.keyspace import DISPATCH_GROUP, direct_lane, due_for
 from broker.stages import Stage
 from tests.support.agents import recording_agent
 from tests.support.harness import connected, eventually, running_dispatcher, running_sidecar
@@ -81,6 +82,7 @@ def a_lane(instance: str = "f-1") -> Lane:
         timeline_max=200,
         counters_key="",
         counters_max=0,
+        partitions=1,
     )
 
 
@@ -427,3 +429,23 @@ async def test_a_client_remembers_a_bounded_number_of_lanes(conn: Connection) ->
         await client.submit(Envelope(capability=f"cap.n{n}", payload=msgspec.Raw(b"{}")))
     assert len(client.direct._read) == MAX_LANES_KEPT
     assert await conn.call("XLEN", conn.keys.ingress) == MAX_LANES_KEPT + 20
+
+
+async def test_a_direct_deadline_goes_to_a_due_set_the_fleet_s_reapers_scan(
+    conn: Connection,
+) -> None:
+    """A producer configured with more ``ingress_partitions`` than the fleet would put the
+    deadline entry in a due partition no reaper scans: it follows the lane's count."""
+    producer_settings = msgspec.structs.replace(conn.settings, ingress_partitions=4)
+    own_count = dataclasses.replace(conn.keys, partitions=4)
+    message_id = next(f"p-{n}" for n in range(100) if due_for(own_count, f"p-{n}") != conn.keys.due)
+    agent, _ = recording_agent("f")
+    async with one_instance_lane(conn, agent), connected(producer_settings) as producer:
+        client = Client(producer)
+        sent = await client.submit(envelope(id=message_id))
+        assert await recorded(conn, sent)  # down the lane: the record is there at once
+        look = await conn.call("ZSCORE", conn.keys.due, sent)
+        stray = await conn.call("ZSCORE", due_for(own_count, sent), sent)
+        await all_succeeded(client, [sent])
+    assert look is not None and stray is None
+    assert await conn.call("XLEN", conn.keys.ingress) == 0

@@ -23,6 +23,7 @@ def a_lane(instance: str = "f-1", **changes: Any) -> Lane:
         "timeline_max": 200,
         "counters_key": "reach:counters",
         "counters_max": 5000,
+        "partitions": 1,
     }
     return Lane(instance=instance, **{**terms, **changes})
 
