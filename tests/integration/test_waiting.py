@@ -12,6 +12,7 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import Response
 
+from adapters.python import Agent
 from bench.profile import commandstats
 from broker.client import Client
 from broker.connection import Connection, open_connection
@@ -24,6 +25,7 @@ from tests.support.agents import Gate, http_agent
 from tests.support.harness import (
     card,
     collect_replies,
+    connected,
     eventually,
     running_dispatcher,
     running_sidecar,
@@ -537,3 +539,66 @@ async def test_a_sweep_reads_no_set_of_a_capability_no_instance_serves(conn: Con
         sweeps_after - sweeps_before,
         reads_after - reads_before,
     )
+
+
+async def test_a_restarted_dispatcher_serves_what_waits_before_new_arrivals(
+    conn: Connection,
+) -> None:
+    """Work left waiting by a dispatcher that stopped goes before what arrived meanwhile,
+    once a credit is free: the next dispatcher knows from its start that the capability has
+    a backlog, not only once its first drain has met it."""
+    calls: list[str] = []
+    held = anyio.Event()
+    agent = Agent("f")
+
+    @agent.handler("text.echo")
+    async def record(envelope: Envelope) -> dict[str, str]:
+        calls.append(envelope.id)
+        if len(calls) == 1:
+            await held.wait()
+        return {}
+
+    store = MessageStore(conn)
+    through_ingress = msgspec.structs.replace(conn.settings, direct_lane=False)
+    async with (
+        connected(through_ingress) as plain_conn,
+        running_sidecar(
+            plain_conn,
+            "f-1",
+            ("text.echo",),
+            transport=agent,
+            max_inflight=1,
+            adaptive_credits=False,
+        ),
+    ):
+        client = Client(plain_conn)
+        async with running_dispatcher(plain_conn):
+            first = await client.submit(Envelope(capability="text.echo", id="first"))
+
+            async def started() -> bool:
+                return calls == [first]
+
+            await eventually(started)
+            waiting = await client.submit(Envelope(capability="text.echo", id="waiting"))
+
+            async def parked() -> bool:
+                record = await store.get_record(waiting)
+                return record is not None and record.stage is Stage.WAITING
+
+            await eventually(parked)
+        arrived = await client.submit(Envelope(capability="text.echo", id="arrived"))
+        held.set()  # the credit frees with no dispatcher to hear it
+
+        async def first_done() -> bool:
+            record = await store.get_record(first)
+            return record is not None and record.stage is Stage.SUCCEEDED
+
+        await eventually(first_done)
+        async with running_dispatcher(plain_conn):
+
+            async def all_done() -> bool:
+                records = [await store.get_record(i) for i in (waiting, arrived)]
+                return all(r is not None and r.stage is Stage.SUCCEEDED for r in records)
+
+            await eventually(all_done)
+    assert calls == [first, waiting, arrived]
