@@ -46,15 +46,14 @@ class DirectLane:
         self.conn = conn
         settings = conn.settings
         self.usable = settings.direct_lane and not conn.cluster and not settings.replica_acks
-        self._read: dict[str, tuple[float, bytes | None]] = {}  # capability -> (when, lane)
+        self._read: dict[str, tuple[float, Lane | None]] = {}  # capability -> (when, lane)
 
     async def submit(self, envelope: Envelope, raw: bytes, ingress: str) -> str | None:
         """Assign ``envelope`` (``raw``: its bytes, as ``ingress`` would get them) down its
         capability's lane: the instance it went to, or ``None``, having written nothing."""
         if not (self.usable and plain(envelope)):
             return None
-        text = await self._lane(envelope.capability)
-        lane = read_lane(text) if text is not None else None
+        lane = await self._lane(envelope.capability)
         if lane is None or not self._decodes(raw, lane.max_bytes):
             return None
         try:
@@ -75,23 +74,24 @@ class DirectLane:
             return False
         return True
 
-    async def _lane(self, capability: str) -> bytes | None:
+    async def _lane(self, capability: str) -> Lane | None:
+        """The capability's lane, read (and its text decoded) at most once a second."""
         now = time.monotonic()
         if capability in self._read:
-            when, text = self._read[capability]
+            when, lane = self._read[capability]
             if now - when < LANE_READ_EVERY_S:
-                return text
+                return lane
         try:
             found = await self.conn.call("GET", direct_lane(self.conn.keys, capability))
         except RedisReplyError as exc:  # a key of another type, or a user who may not read it
             self._refused(exc)
             found = None
-        text = found if isinstance(found, bytes) else None
+        lane = read_lane(found) if isinstance(found, bytes) else None
         self._read.pop(capability, None)
-        self._read[capability] = (now, text)  # the newest last: the oldest go first
+        self._read[capability] = (now, lane)  # the newest last: the oldest go first
         while len(self._read) > MAX_LANES_KEPT:  # a gateway's callers name any capabilities
             del self._read[next(iter(self._read))]
-        return text
+        return lane
 
     def _command(self, envelope: Envelope, raw: bytes, lane: Lane, ingress: str) -> tuple[Any, ...]:
         """``lua/accept_direct.lua``'s call: the record as the lane's dispatcher would make
