@@ -110,13 +110,14 @@ class Dispatcher:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         for lane in self.lanes:
             await ensure_group(self.conn, lane.stream, DISPATCH_GROUP)
-        await self.refresh()
         # Work a predecessor left waiting goes before what arrives now: arrivals queue behind
-        # it from the start, not only once the first drain has met it (that drain lets them
-        # pass again where what waits cannot use the free credits, or is gone).
+        # it from the start (and no direct lane is published for it), not only once the
+        # first drain has met it; that drain lets them pass again where what waits cannot use
+        # the free credits, or is gone.
         inherited = await self.store.waiting.capabilities()
         self.waiting.may_wait.add(inherited)
         self.waiting.backlogged.update(inherited)
+        await self.refresh()
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self._watch_notifications)

@@ -19,10 +19,12 @@ from broker.client import Client
 from broker.connection import Connection, ensure_group
 from broker.direct import MAX_LANES_KEPT
 from broker.direct_lane import Lane, lane_text, read_lane
-from broker.envelope import Envelope
+from broker.envelope import Envelope, complete, encode_envelope
 from broker.errors import UnknownMessage
 from broker.keyspace import DISPATCH_GROUP, direct_lane, due_for
 from broker.stages import Stage
+from broker.store import Acceptance, MessageStore
+from broker.timekeeping import now_ms
 from tests.support.agents import recording_agent
 from tests.support.harness import connected, eventually, running_dispatcher, running_sidecar
 
@@ -449,3 +451,39 @@ async def test_a_direct_deadline_goes_to_a_due_set_the_fleet_s_reapers_scan(
         await all_succeeded(client, [sent])
     assert look is not None and stray is None
     assert await conn.call("XLEN", conn.keys.ingress) == 0
+
+
+async def test_no_lane_is_published_over_work_a_stopped_dispatcher_left_waiting(
+    conn: Connection,
+) -> None:
+    """What waits goes first: a dispatcher that starts publishes no lane for a capability
+    the waiting index lists until a drain has met it (here not before the next sweep, a
+    minute away), and the waiting message runs."""
+    agent, calls = recording_agent("f")
+    store = MessageStore(conn)
+    left = complete(envelope())
+    now = now_ms()
+    await store.accept(
+        Acceptance(
+            left.message_id,
+            encode_envelope(left),
+            "text.echo",
+            deadline_ms=now + 60_000,
+            reply_to=left.reply_to or "",
+            priority=0,
+            next_stage=Stage.WAITING,
+            accepted_ms=now,
+            reply_to_in_envelope=True,
+        )
+    )
+    await store.waiting.park("text.echo", left.message_id, 0, now)
+    slow_sweeps = msgspec.structs.replace(conn.settings, direct_lane=True, sweep_interval_s=60.0)
+    async with (
+        connected(slow_sweeps) as broker,
+        running_sidecar(broker, "f-1", ("text.echo",), transport=agent),
+        running_dispatcher(broker),
+    ):
+        assert await lane_of(conn, "text.echo") is None
+        await all_succeeded(Client(conn), [left.message_id])
+        assert await lane_of(conn, "text.echo") is None  # still: the next sweep publishes
+    assert calls == [left.message_id]
