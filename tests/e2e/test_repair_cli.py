@@ -224,7 +224,7 @@ async def test_dlq_shows_where_an_undeliverable_webhook_went(settings: Settings)
         webhook_timeout_s=1.0,
     )
     assert hooks.redis_url is not None
-    url = "http://127.0.0.1:9/hook"  # the discard port: nothing listens
+    url = "http://127.0.0.1:9/hook?token=t0p"  # the discard port: nothing listens
     async with open_connection(hooks, hooks.redis_url) as conn, anyio.create_task_group() as tg:
         body = b'{"id":"m-1","stage":"SUCCEEDED","result":1}'
         entry = ("id", "m-1", "url", url, "body", body, "attempt", 1)
@@ -239,9 +239,10 @@ async def test_dlq_shows_where_an_undeliverable_webhook_went(settings: Settings)
     code, out = await cli(settings, "dlq", "--json")
     (letter,) = json.loads(out)
     assert code == 0 and letter["reason"] == "callback_undeliverable"
-    assert (letter["url"], letter["attempts"]) == (url, 2) and letter["error"]
+    shown = "http://127.0.0.1:9/hook?token=<hidden>"  # a secret in a URL is not printed
+    assert (letter["url"], letter["attempts"]) == (shown, 2) and letter["error"]
     code, out = await cli(settings, "dlq")
-    assert f"webhook {url} after 2 attempts: " in out
+    assert f"webhook {shown} after 2 attempts: " in out and "t0p" not in out
 
 
 async def test_what_anyone_may_write_is_shown_not_a_traceback(

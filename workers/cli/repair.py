@@ -303,8 +303,14 @@ def dlq(settings: Settings, as_json: bool, count: int) -> None:
     """Dead letters, the newest last: rejected envelopes, dead messages, undeliverable
     replies, with their reasons."""
     found = operate(settings, lambda op: op.dead_letters(count))
-    if as_json:
-        click.echo(json.dumps(msgspec.to_builtins(found.letters)))
+    if as_json:  # a webhook URL's secrets hidden, as below (and as `config` hides them)
+        letters = [
+            msgspec.structs.replace(letter, url=url_without_password(letter.url))
+            if letter.url is not None
+            else letter
+            for letter in found.letters
+        ]
+        click.echo(json.dumps(msgspec.to_builtins(letters)))
         return
     shown = len(found.letters)
     click.echo(f"{found.total} dead letter(s)" + (f", the newest {shown}:" if shown else ""))
