@@ -61,7 +61,9 @@ class DirectLane:
         except RedisReplyError as exc:
             self._refused(exc)
             return None
-        if answer[0] == -1:  # withdrawn, changed, or deleted by the script: read it again
+        # withdrawn, changed, or deleted by the script: read it again; a lane held back only
+        # by what the ingress still holds is kept as it is (no GET per message meanwhile)
+        if answer[0] == -1 and answer[1] != b"ingress":
             self._read.pop(envelope.capability, None)
         return lane.instance if answer[0] == 1 else None
 
