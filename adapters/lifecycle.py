@@ -18,6 +18,9 @@ stop ends with the error.
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import socket
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 
@@ -29,6 +32,8 @@ from broker.connection import Connection
 from broker.credits import release_command
 from broker.entries import parse_assignment
 from broker.errors import RedisReplyError, RedisUnavailable
+from broker.event_log import emit, event_command
+from broker.events import printable
 from broker.keyspace import SIDECAR_GROUP
 from broker.metric_fields import retry
 from broker.records import InstanceCard, InstanceState
@@ -52,6 +57,14 @@ DRAIN_POLL_S = 0.05
 STOP_RETRY_FIRST_S, STOP_RETRY_MAX_S = 0.1, 1.0  # a stop's pauses while Redis is away
 STOP_LAST_TRY_S = 1.0  # how long past the stop's deadline its last try may take
 WITHDRAW_TIMEOUT_S = 2.0  # a failed start: how long the card may take to be written DOWN
+DUPLICATE_TOLD_EVERY_S = 60.0  # another sidecar under this id: said at once, then this often
+
+
+def incarnation_token() -> str:
+    """One sidecar's incarnation, written on its card at registering and at every beat: where
+    it runs (host and process, for the operator looking for a duplicate) and a random part
+    (two sidecars in one process differ too)."""
+    return f"{socket.gethostname()[:64]}/{os.getpid()}/{secrets.token_hex(4)}"
 
 
 class Lifecycle:
@@ -83,6 +96,8 @@ class Lifecycle:
         self.stop_deadline = float("inf")  # anyio time; set by stop()
         self._drain_told = False  # DRAINING written and the unread entries rerouted
         self._beat_now = anyio.Event()
+        self.incarnation = incarnation_token()
+        self._duplicate_told = -DUPLICATE_TOLD_EVERY_S  # anyio time it was last said
 
     def stop(self) -> None:
         """Begin a graceful stop: no new reads, finish in-flight work, then deregister — all
@@ -96,7 +111,9 @@ class Lifecycle:
         self._beat_now.set()
 
     async def register(self) -> None:
-        await self.registry.register(self.card, credits=self.card.max_inflight)
+        await self.registry.register(
+            self.card, credits=self.card.max_inflight, incarnation=self.incarnation
+        )
         log.info(
             "instance %s registered for %s", self.instance_id, ",".join(self.card.capabilities)
         )
@@ -150,22 +167,49 @@ class Lifecycle:
         state, stats, announce = self.vitals.beat(beat_ms, active=active)
         if self.stopping.is_set():
             state = InstanceState.DRAINING
-        on_card = await self.registry.heartbeat(
+        beat = await self.registry.heartbeat(
             self.instance_id,
             state,
             stats,
             announce=announce,
             hb_ms=beat_ms,
             credits=self.vitals.effective_credits,
+            incarnation=self.incarnation,
         )
         # The very time written on the card, which is what observers compare against.
         self.vitals.beat_delivered(beat_ms)
-        if on_card is None and not self.stopping.is_set():
-            log.warning("instance %s was not registered: registering again", self.instance_id)
-            await self.registry.register(self.card, credits=self.card.max_inflight)
-        elif on_card is InstanceState.DRAINING and not self.stopping.is_set():
+        if beat is None:
+            if not self.stopping.is_set():
+                log.warning("instance %s was not registered: registering again", self.instance_id)
+                await self.register()
+            return
+        if beat.other_writer:
+            await self._tell_duplicate(beat.other_writer)
+        if beat.state is InstanceState.DRAINING and not self.stopping.is_set():
             log.info("instance %s set DRAINING: finishing in-flight work", self.instance_id)
             self.stop()
+
+    async def _tell_duplicate(self, other: str) -> None:
+        """Another sidecar process wrote this instance's card since the last beat: two run
+        under one instance id. They share its stream and card, so a drain of one stops both
+        and one that starts resumes what the other is running. Said as an error and an
+        ``instance.duplicate`` event at once, then at most once a minute while it lasts."""
+        now = anyio.current_time()
+        if now - self._duplicate_told < DUPLICATE_TOLD_EVERY_S:
+            return
+        self._duplicate_told = now
+        other = other[:200]
+        log.error(
+            "instance %s: another sidecar (%s) runs under this instance id beside this one (%s):"
+            " give each its own --instance-id",
+            self.instance_id,
+            printable(other),
+            self.incarnation,
+        )
+        told = event_command(
+            self.conn, "instance.duplicate", self.instance_id, other=other, this=self.incarnation
+        )
+        await emit(self.conn, [told])
 
     # -- draining ----------------------------------------------------------------------------
 

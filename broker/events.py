@@ -18,6 +18,7 @@ from .records import CircuitState, InstanceStats
 EVENT_TYPES: tuple[str, ...] = (
     "instance.registered",
     "instance.state_changed",
+    "instance.duplicate",
     "instance.drained",
     "instance.gone",
     "circuit.opened",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -148,16 +148,27 @@ def _card_problem(view: InstanceView) -> str | None:
     return None
 
 
+class Beat(NamedTuple):
+    """A heartbeat's answer: the state on the card (DRAINING wins), and the incarnation of
+    another process that wrote the card since this one's last beat (``""``: none did)."""
+
+    state: InstanceState
+    other_writer: str
+
+
 class Registry:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.keys = conn.keys
         self._unreadable: set[str] = set()  # cards already reported: said once, not per sweep
 
-    async def register(self, card: InstanceCard, *, credits: int) -> None:
-        """Write the card as UP and announce it, so dispatchers see it at once."""
+    async def register(self, card: InstanceCard, *, credits: int, incarnation: str = "") -> None:
+        """Write the card as UP and announce it, so dispatchers see it at once; with the
+        sidecar process's ``incarnation``, which its heartbeats check (:meth:`heartbeat`)."""
         hb = now_ms()
         fields = card_fields(card, credits=credits, state=InstanceState.UP, hb_ms=hb)
+        if incarnation:
+            fields["incarnation"] = incarnation
         inst = card.instance_id
         flat = [item for pair in fields.items() for item in pair]
         registered = event_command(
@@ -188,11 +199,15 @@ class Registry:
         announce: bool = False,
         hb_ms: int | None = None,
         credits: int | None = None,
-    ) -> InstanceState | None:
-        """Record a heartbeat at ``hb_ms`` (default now); returns the card's state (DRAINING
-        wins), or ``None`` when the card is gone."""
+        incarnation: str = "",
+    ) -> Beat | None:
+        """Record a heartbeat at ``hb_ms`` (default now), and the sidecar process's
+        ``incarnation``; ``None`` when the card is gone. Another incarnation found on the card
+        is another process under the same instance id, alive: a process that has died writes
+        nothing after its last beat, so one restarted in its place never meets it here."""
         hb = now_ms() if hb_ms is None else hb_ms
-        args = [instance_id, hb, state.value, self.keys.registry_channel, int(announce)]
+        channel = self.keys.registry_channel
+        args = [instance_id, hb, state.value, channel, int(announce), incarnation]
         fields = stats_fields(stats) + (["credits", credits] if credits is not None else [])
         script = self.conn.script_command(
             ScriptName.HEARTBEAT, (self.keys.card(instance_id),), [*args, *fields]
@@ -203,12 +218,14 @@ class Registry:
         replies = await self._all([script, beat])
         if not replies[0]:
             return None
-        now, before, circuit_before = (value.decode() for value in replies[0])
+        now, before, circuit_before = (value.decode() for value in replies[0][:3])
+        written_by = replies[0][3].decode(errors="replace")  # whatever another process wrote
         changes = heartbeat_events(before, now, circuit_before, stats)
         await emit(
             self.conn, [event_command(self.conn, kind, instance_id, **d) for kind, d in changes]
         )
-        return InstanceState(now)
+        other = written_by if incarnation and written_by not in ("", incarnation) else ""
+        return Beat(InstanceState(now), other)
 
     async def set_weight(self, instance_id: str, weight: float) -> bool:
         """Change an instance's routing weight at run time; false for an unknown instance."""
