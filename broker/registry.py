@@ -203,8 +203,9 @@ class Registry:
     ) -> Beat | None:
         """Record a heartbeat at ``hb_ms`` (default now), and the sidecar process's
         ``incarnation``; ``None`` when the card is gone. Another incarnation found on the card
-        is another process under the same instance id, alive: a process that has died writes
-        nothing after its last beat, so one restarted in its place never meets it here."""
+        is another process under the same instance id that wrote it since this one's last
+        beat: a process that had died before writes nothing, so one restarted in its place
+        never meets it here."""
         hb = now_ms() if hb_ms is None else hb_ms
         channel = self.keys.registry_channel
         args = [instance_id, hb, state.value, channel, int(announce), incarnation]

@@ -29,4 +29,5 @@ end
 if state ~= current or ARGV[5] == '1' then
   redis.call('PUBLISH', ARGV[4], ARGV[1])
 end
-return {state, current, before[2] or '', before[3] or ''}
+-- (the incarnation cut: whoever may write the card may make it any size)
+return {state, current, before[2] or '', string.sub(before[3] or '', 1, 200)}
