@@ -20,7 +20,6 @@ wait for replicas (the dispatcher's round trips carry the ``WAIT``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -116,7 +115,7 @@ class DirectLane:
         script_keys = (
             record,
             *assign_keys(self.conn, lane.instance),
-            due_for(dataclasses.replace(keys, partitions=lane.partitions), envelope.message_id),
+            due_for(keys, envelope.message_id, lane.partitions),
             direct_lane(keys, capability),
             keys.waiting(capability),
             keys.unmatched(capability),

@@ -171,10 +171,12 @@ def ingress_for(keys: Keyspace, key: str, partitions: int) -> str:
     return keys.ingress_partition(crc16(key.encode()) % partitions if partitions > 1 else 0)
 
 
-def due_for(keys: Keyspace, message_id: str) -> str:
+def due_for(keys: Keyspace, message_id: str, partitions: int | None = None) -> str:
     """The due set holding ``message_id``'s next deadline: ``P:due`` (partition 0, the name
-    without partitions) or ``P:due:{n}``, by the message id, as the ingress is chosen."""
-    n = crc16(message_id.encode()) % keys.partitions if keys.partitions > 1 else 0
+    without partitions) or ``P:due:{n}``, by the message id, as the ingress is chosen; among
+    ``partitions`` (default: the keyspace's; a direct lane names its dispatcher's)."""
+    partitions = keys.partitions if partitions is None else partitions
+    n = crc16(message_id.encode()) % partitions if partitions > 1 else 0
     return keys.due if n == 0 else f"{keys.due}:{{{n}}}"
 
 

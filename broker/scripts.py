@@ -82,6 +82,7 @@ PRELUDES: tuple[tuple[str, frozenset[ScriptName]], ...] = (
             }
         ),
     ),
+    ("group_backlog", frozenset({ScriptName.BACKLOG, ScriptName.ACCEPT_DIRECT})),
     (
         "free_credits",
         frozenset({ScriptName.RELEASE, ScriptName.FINISH, ScriptName.RETURN_CREDITS}),

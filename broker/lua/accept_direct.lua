@@ -43,23 +43,16 @@
 
 -- Whether every entry of the ingress has been read and acknowledged by the dispatchers'
 -- group: anything sent before this envelope, by anyone, is routed (recorded, assigned or
--- waiting) before it may pass. A group read as backlog.lua reads one: its pending entries,
--- and any entry past its last delivered id.
+-- waiting) before it may pass (lua/group_backlog.lua reads the group).
 local function ingress_settled(stream, group)
   if redis.call('EXISTS', stream) == 0 then
     return true
   end
-  for _, fields in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
-    local info = {}
-    for i = 1, #fields, 2 do
-      info[fields[i]] = fields[i + 1]
-    end
-    if info['name'] == group then
-      local unread = redis.call('XRANGE', stream, '(' .. info['last-delivered-id'], '+', 'COUNT', 1)
-      return info['pending'] == 0 and #unread == 0
-    end
+  local pending, undelivered = group_backlog(stream, group, 1)
+  if not pending then
+    return redis.call('XLEN', stream) == 0  -- no dispatcher has read it yet
   end
-  return redis.call('XLEN', stream) == 0  -- no dispatcher has read it yet
+  return pending == 0 and undelivered == 0
 end
 
 local lane = redis.call('GET', KEYS[7])

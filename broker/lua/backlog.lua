@@ -8,14 +8,8 @@
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return 0
 end
-for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-  local info = {}
-  for i = 1, #group, 2 do
-    info[group[i]] = group[i + 1]
-  end
-  if info['name'] == ARGV[1] then
-    local undelivered = redis.call('XRANGE', KEYS[1], '(' .. info['last-delivered-id'], '+')
-    return info['pending'] + #undelivered
-  end
+local pending, undelivered = group_backlog(KEYS[1], ARGV[1])
+if not pending then
+  return 0
 end
-return 0
+return pending + undelivered
