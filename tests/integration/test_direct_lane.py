@@ -323,7 +323,9 @@ async def test_a_lane_key_of_another_type_sends_to_the_ingress(conn: Connection)
         running_dispatcher(conn),
         running_sidecar(conn, "f-1", ("text.echo",), transport=agent),
     ):
-        await conn.call("RPUSH", direct_lane(conn.keys, "text.echo"), "x")
+        # the dispatcher may have published the lane already: replaced by a list at once
+        spoil = "redis.call('DEL', KEYS[1]) return redis.call('RPUSH', KEYS[1], 'x')"
+        await conn.call("EVAL", spoil, 1, direct_lane(conn.keys, "text.echo"))
         client = Client(conn)
         sent = await client.submit(envelope())
         await all_succeeded(client, [sent])
