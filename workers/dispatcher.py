@@ -183,7 +183,7 @@ class Dispatcher:
                     waiting = await self._waiting_capabilities()
                     self.waiting.may_wait.add(waiting)
                     served = self._served(waiting)  # no credit is free for any other
-                    await self.waiting.reconsider_unmatched(served)
+                    await self.waiting.unmatched.reconsider(served)
                     capabilities |= set(served)
                 await self.drain(capabilities)
             except (RedisUnavailable, RedisReplyError) as exc:

@@ -14,23 +14,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from broker.cluster_map import ORDER_BARRIER
 from broker.due_clock import due_at_most_command
 from broker.envelope import Envelope, load_envelope
-from broker.errors import errors_in_place, raised
+from broker.errors import raised
 from broker.fairness import Rotation, fair_order
 from broker.records import AssignResult, MessageRecord
 from broker.resp import Command
-from broker.routing import Outcome
 from broker.sessions import bind_session_commands, bound_instances
-from broker.stages import QUEUED, Stage
+from broker.stages import Stage
 from broker.store import MessageStore, Move, stages_read
 from broker.timekeeping import now_ms
 from broker.waiting_sets import (
     parks_hint,
-    restore_commands,
     set_aside_commands,
     stand_aside_commands,
     unpark_commands,
@@ -39,10 +36,9 @@ from broker.waiting_sets import (
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
 from .may_wait import MayWait
 from .routing_table import RoutingTable
+from .unmatched import EXPLAINED, UnmatchedReview, may_wait
 
 log = logging.getLogger("agent_reach.waiting")
-
-_EXPLAINED = (Outcome.NO_CAPABILITY_MATCH, Outcome.NO_SELECTOR_MATCH, Outcome.ALL_CANDIDATES_DOWN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +74,7 @@ class WaitingRoom:
         # for them wait their turn behind it instead of taking a credit that just freed.
         self.backlogged: set[str] = set()
         self.assigned = 0  # messages this room has assigned, over its life
-        self._review_from: dict[str, int] = {}  # where the next review of unmatched starts
+        self.unmatched = UnmatchedReview(store, table, batch=batch)
         self._pass_from: dict[str, int] = {}  # where the next wide pass starts
         # what a credit release drains (workers/may_wait.py)
         self.may_wait = MayWait(drains_all=not parks_hint(store.conn), resolve=table.policy.resolve)
@@ -148,7 +144,7 @@ class WaitingRoom:
         offer = fair_order(heads, self.rotation.order(heads))
         ids = [i for _, i in offer]
         records = dict(zip(ids, await self.store.get_records(ids), strict=True))
-        stale = {c: [i for c2, i in offer if c2 == c and not _may_wait(records[i])] for c in heads}
+        stale = {c: [i for c2, i in offer if c2 == c and not may_wait(records[i])] for c in heads}
         picks, unmatched, passed_over = await self._pick(_still_waiting(offer, records), now)
         passed_over |= {c for c, i in offer if _elsewhere(records[i])}
         won, indexes, known = await self._claim(picks)
@@ -255,7 +251,7 @@ class WaitingRoom:
         for capability in self.may_wait.forget(capabilities, heard):
             self.backlogged.discard(capability)
             self.rotation.forget(capability)
-            self._review_from.pop(capability, None)
+            self.unmatched.forget(capability)
             self._pass_from.pop(capability, None)
 
     def note_waiting(self, capabilities: Iterable[str]) -> None:
@@ -297,7 +293,7 @@ class WaitingRoom:
             decision = self.table.decide(request, now_ms=now)
             instance_id = routed_instance(decision)
             if instance_id is None:
-                if decision.outcome in _EXPLAINED:  # no instance at all, credits or not
+                if decision.outcome in EXPLAINED:  # no instance at all, credits or not
                     unmatched.append((capability, record))
                 else:
                     passed_over.add(capability)
@@ -315,41 +311,6 @@ class WaitingRoom:
             if envelope.session_id:
                 sessions[envelope.session_id] = instance_id
         return picks, unmatched, passed_over
-
-    async def reconsider_unmatched(self, capabilities: Iterable[str]) -> int:
-        """Put back in their waiting sets the set-aside messages some instance can now take
-        (it registered, came back up, gained a tag). A window of each unmatched set per call,
-        moving on from where the last one ended, so a deep set is reviewed in turn. Returns
-        how many went back."""
-        now = now_ms()
-        windows = {c: (self._review_from.get(c, 0), self.batch) for c in capabilities}
-        if not windows:
-            return 0
-        heads = await self.store.waiting.unmatched_heads(windows)
-        ids = [i for head in heads.values() for i in head]
-        records = dict(zip(ids, await self.store.get_records(ids), strict=True))
-        commands: list[tuple[Any, ...]] = []
-        restored = 0
-        for capability, head in heads.items():
-            self._review_from[capability] = (
-                0 if len(head) < self.batch else sum(windows[capability])
-            )
-            stale = [i for i in head if not _may_wait(records[i])]
-            back = []
-            for i in head:
-                record = records[i]
-                if record is None or record.stage is not Stage.WAITING:
-                    continue
-                request = route_request(load_envelope(record.envelope), {})
-                decision = self.table.evaluate(request, now_ms=now)
-                if decision.outcome not in _EXPLAINED:
-                    back.append(record)
-            if stale:
-                commands.append(("ZREM", self.store.keys.unmatched(capability), *stale))
-            commands += restore_commands(self.store.keys, capability, back)
-            restored += len(back)
-        errors_in_place(await self.store.conn.call_many(commands))  # a spoiled set: see heads
-        return restored
 
     async def _claim(
         self, picks: list[Pick]
@@ -428,7 +389,7 @@ class WaitingRoom:
         """Why a message is still waiting at its deadline, asked of the funnel again now."""
         envelope = load_envelope(record.envelope)
         decision = self.table.evaluate(route_request(envelope, {}), now_ms=now)
-        if decision.outcome in _EXPLAINED:
+        if decision.outcome in EXPLAINED:
             return decision.reason
         return "waited_past_deadline"
 
@@ -443,8 +404,4 @@ def _still_waiting(
 def _elsewhere(record: MessageRecord | None) -> bool:
     """Still in a waiting set, but claimed by an assignment not yet finished (a crash may
     leave it so): like work passed over, it must not hold the credits or the line behind."""
-    return _may_wait(record) and record is not None and record.stage is not Stage.WAITING
-
-
-def _may_wait(record: MessageRecord | None) -> bool:
-    return record is not None and record.stage in QUEUED  # may come back to WAITING: leave it
+    return may_wait(record) and record is not None and record.stage is not Stage.WAITING
