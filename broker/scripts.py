@@ -82,6 +82,7 @@ PRELUDES: tuple[tuple[str, frozenset[ScriptName]], ...] = (
             }
         ),
     ),
+    ("fence", frozenset({ScriptName.TRANSITION_IF, ScriptName.CLAIM_ASSIGN})),
     ("group_backlog", frozenset({ScriptName.BACKLOG, ScriptName.ACCEPT_DIRECT})),
     (
         "free_credits",

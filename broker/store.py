@@ -78,8 +78,10 @@ class Move(msgspec.Struct):
     charge: Charge | None = None
     # On a single server, a drain's claim (WAITING -> ROUTED to ``new_instance``) may assign
     # it in the same script (``lua/claim_assign.lua``), the reaper's look brought forward to
-    # this time (ms); no charge then
+    # this time (ms), and once assigned remove its waiting entries of capability
+    # ``unpark_from``; no charge then
     assign_look_ms: int = 0
+    unpark_from: str = ""
     # made only where the record's field holds this value ("": absent; lua/transition_if.lua)
     expect_field: tuple[str, str] | None = None
 
@@ -146,14 +148,20 @@ def move_command(conn: Connection, m: Move) -> tuple[Any, ...]:
     record = conn.keys.record(m.message_id)
     keys: tuple[str, ...] = (record, *counting.keys(record))
     if m.assign_look_ms:
-        assert m.charge is None and m.new_instance and not conn.cluster and not m.expect_field
+        assert m.charge is None and m.new_instance and m.unpark_from and not conn.cluster
         args += ["", *_field_args(m)]
-        fused = (*assign_keys(conn, m.new_instance), due_for(conn.keys, m.message_id))
+        fused = (
+            *assign_keys(conn, m.new_instance),
+            due_for(conn.keys, m.message_id),
+            conn.keys.waiting(m.unpark_from),
+            conn.keys.unmatched(m.unpark_from),
+        )
         down_after_ms = int(conn.settings.down_after_s * 1000)
+        fence = m.expect_field or ("", "")
         return conn.script_command(
             ScriptName.CLAIM_ASSIGN,
             (record, *fused, *counting.keys(record)),
-            (m.message_id, down_after_ms, m.assign_look_ms, *args),
+            (m.message_id, down_after_ms, m.assign_look_ms, *fence, *args),
         )
     if m.charge is None:
         args.append("")

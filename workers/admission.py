@@ -206,6 +206,7 @@ class Admission:
                     admitted.bindings.append((plan.envelope.session_id, a.instance))
             else:
                 admitted.to_park.append((a.capability, a.message_id, a.priority, now))
+                self.waiting.parked.keep(a.capability, plan.envelope, now, len(a.envelope_json))
         await self._repair(existing, admitted)
 
     def _plan(

@@ -35,6 +35,7 @@ from broker.waiting_sets import (
 
 from .assignment import Assigner, Routed, decision_fields, route_request, routed_instance
 from .may_wait import MayWait
+from .parked_envelopes import UNMOVED, Kept, ParkedEnvelopes
 from .routing_table import RoutingTable
 from .unmatched import EXPLAINED, UnmatchedReview, may_wait
 
@@ -49,6 +50,7 @@ class Pick:
     instance_id: str
     fields: dict[str, bytes | str]
     accepted_ms: int = 0
+    kept: bool = False  # its envelope this room's own (ParkedEnvelopes): the claim is fenced
 
 
 class WaitingRoom:
@@ -80,6 +82,8 @@ class WaitingRoom:
         self.may_wait = MayWait(drains_all=not parks_hint(store.conn), resolve=table.policy.resolve)
         # (capability, id, priority, until): met at the head but not to go before `until`
         self._stand_aside: list[tuple[str, str, int, int]] = []
+        # envelopes this dispatcher parked itself: drained without reading their records
+        self.parked = ParkedEnvelopes()
 
     async def drain(self, capabilities: Iterable[str]) -> int:
         """Assign waiting messages of ``capabilities`` to free credits: the highest priority
@@ -142,10 +146,12 @@ class WaitingRoom:
         heard = self.may_wait.heard(windows)
         heads = await self.store.waiting.heads(windows)
         offer = fair_order(heads, self.rotation.order(heads))
-        ids = [i for _, i in offer]
+        kept = {i: k for _, i in offer if (k := self.parked.get(i)) is not None}
+        ids = [i for _, i in offer if i not in kept]
         records = dict(zip(ids, await self.store.get_records(ids), strict=True))
+        records.update((i, k.record()) for i, k in kept.items())
         stale = {c: [i for c2, i in offer if c2 == c and not may_wait(records[i])] for c in heads}
-        picks, unmatched, passed_over = await self._pick(_still_waiting(offer, records), now)
+        picks, unmatched, passed_over = await self._pick(_still_waiting(offer, records), now, kept)
         passed_over |= {c for c, i in offer if _elsewhere(records[i])}
         won, indexes, known = await self._claim(picks)
         done, after = await self.assigner.assign(won, ahead=indexes, known=known)
@@ -154,14 +160,16 @@ class WaitingRoom:
             self.rotation.served(a.capability)
         # Still indexed: the refused ones keep their waiting-set entry. Removed (assigned, or
         # no longer queued), set aside and stood aside are three sets apart: order is free.
+        # Those assigned in their claim's script are removed already (lua/claim_assign.lua).
         removed = {c: [a.message_id for a in done if a.capability == c] + stale[c] for c in heads}
+        removing = {c: [i for i in ids if i not in known] for c, ids in removed.items()}
         aside = {c: [r for c2, r in unmatched if c2 == c] for c in heads}
         aside_now, self._stand_aside = self._stand_aside, []
         aside_cmds = [
             x for c, rs in aside.items() for x in set_aside_commands(self.store.keys, c, rs)
         ]
         writes = after + stand_aside_commands(self.store.keys, aside_now) + aside_cmds
-        returned = await self._unpark(writes, removed)
+        returned = await self._unpark(writes, removing)
         stood = [c for c, *_ in aside_now]
         for c, head in heads.items():
             gone = len(removed[c]) + len(aside[c])  # and the stood aside moved back in the line
@@ -266,13 +274,16 @@ class WaitingRoom:
         )
 
     async def _pick(
-        self, waiting: list[tuple[str, MessageRecord]], now: int
+        self, waiting: list[tuple[str, MessageRecord]], now: int, kept: dict[str, Kept]
     ) -> tuple[list[Pick], list[tuple[str, MessageRecord]], set[str]]:
-        """Route each offered message in turn while its capability has free credits. Returns
-        the picks, the messages no instance can take at all (to be set aside), and the
-        capabilities with a message passed over while credits were free (no free instance
-        takes it: its tags, say)."""
-        envelopes = [(c, load_envelope(r.envelope)) for c, r in waiting]
+        """Route each offered message in turn while its capability has free credits (those
+        in ``kept``: by the envelope this room parked). Returns the picks, the messages no
+        instance can take at all (to be set aside), and the capabilities with a message
+        passed over while credits were free (no free instance takes it: its tags, say)."""
+        envelopes = [
+            (c, k.envelope if (k := kept.get(r.id)) else load_envelope(r.envelope))
+            for c, r in waiting
+        ]
         sessions = await bound_instances(
             self.store.conn, sorted({e.session_id for _, e in envelopes if e.session_id})
         )
@@ -306,6 +317,7 @@ class WaitingRoom:
                     instance_id,
                     decision_fields(decision),
                     record.accepted_ms,
+                    record.id in kept,
                 )
             )
             if envelope.session_id:
@@ -334,10 +346,14 @@ class WaitingRoom:
                     reason=str(p.fields["route_reason"]),
                     fields=p.fields,
                     assign_look_ms=look if fused else 0,
+                    unpark_from=p.capability if fused else "",
+                    expect_field=UNMOVED if p.kept else None,
                 )
                 for p in picks
             ]
         )
+        for p in picks:  # won, or the record moved on: read it the next time it is met
+            self.parked.drop(p.message_id)
         won: list[Routed] = []
         known: dict[str, AssignResult] = {}
         for p, m in zip(picks, moved, strict=True):

@@ -10,12 +10,8 @@
 --
 -- Returns transition.lua's answer; {0, stage, attempt, instance} also where the field holds
 -- another value.
-local held = redis.call('HGET', KEYS[1], ARGV[1])
-if (held or '') ~= ARGV[2] then
-  local cur = redis.call('HMGET', KEYS[1], 'stage', 'attempt', 'instance')
-  if not cur[1] then
-    return {-1}
-  end
-  return {0, cur[1], cur[2] or '0', cur[3] or ''}
+local refused = fenced_out(KEYS[1], ARGV[1], ARGV[2])
+if refused then
+  return refused
 end
 return move_record(KEYS, {unpack(ARGV, 3)})

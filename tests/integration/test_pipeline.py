@@ -16,6 +16,7 @@ from broker.cluster_map import ORDER_BARRIER
 from broker.config import Settings
 from broker.connection import Connection, ensure_group, open_connection
 from broker.envelope import Envelope
+from broker.governance import RateLimit, RateLimits
 from broker.keyspace import DISPATCH_GROUP, ingress_for, ingress_streams
 from broker.registry import Registry
 from broker.scripts import ScriptName
@@ -25,6 +26,7 @@ from tests.support.agents import Gate, http_agent
 from tests.support.harness import (
     card,
     collect_replies,
+    connected,
     dead_letters,
     eventually,
     running_dispatcher,
@@ -411,17 +413,11 @@ class ComingBack(Assigner):
         return assigned
 
 
-async def test_a_drained_message_back_in_waiting_before_its_entry_goes_is_parked_again(
-    conn: Connection,
-) -> None:
-    """The drain removes the waiting entries of what it assigned, then reads their stages
-    after the removal, in the same batch (one round trip on one server; on a cluster a
-    second, behind an order barrier): one back in WAITING by then had its own entry removed
-    too, and is parked again — never WAITING and in no set, which only the sweep's repair
-    would find."""
+async def drained_coming_back(conn: Connection) -> tuple[MessageStore, list[str], list[Any]]:
+    """Two parked messages drained by a room whose assigner sends each straight back to
+    WAITING, parked again (:class:`ComingBack`). Returns their ids and the rounds sent."""
     store = MessageStore(conn)
-    client = Client(conn)
-    reply_to = client.new_reply_stream()
+    reply_to = Client(conn).new_reply_stream()
     await Registry(conn).register(card("a-1", ("text.echo",), max_inflight=4), credits=4)
     dispatcher, ids = await parked_behind_earlier_work(conn, reply_to, 2)
     assert await store.waiting.depth("text.echo") == 2
@@ -432,7 +428,31 @@ async def test_a_drained_message_back_in_waiting_before_its_entry_goes_is_parked
         assert await room.drain(["text.echo"]) == 2
     assert await store.stages(ids) == [Stage.WAITING] * 2
     scores = [await conn.call("ZSCORE", conn.keys.waiting("text.echo"), i) for i in ids]
-    assert None not in scores, scores
+    assert None not in scores, scores  # never WAITING and in no set
+    return store, ids, rounds
+
+
+async def test_a_drained_message_back_in_waiting_keeps_its_new_entry(conn: Connection) -> None:
+    """On one server the claim's script removes the waiting entries of what it assigned
+    (``lua/claim_assign.lua``): a message back in WAITING after that has parked itself
+    again, and the drain neither removes entries nor reads stages back."""
+    _, _, rounds = await drained_coming_back(conn)
+    sent = [c for r in rounds for c in r]
+    assert not [c for c in sent if c[0] in ("ZREM", "HGET")], sent
+
+
+async def test_a_drained_message_back_in_waiting_before_its_entry_goes_is_parked_again(
+    settings: Settings,
+) -> None:
+    """Where the claim and the assignment are two steps (a cluster; on one server, with a
+    rate limit to check between them), the drain removes the waiting entries of what it
+    assigned, then reads their stages after the removal, in the same batch (one round
+    trip on one server; on a cluster a second, behind an order barrier): one back in
+    WAITING by then had its own entry removed too, and is parked again — never WAITING
+    and in no set, which only the sweep's repair would find."""
+    limits = RateLimits(capability={"text.echo": RateLimit("1000/s", burst=100)})
+    async with connected(msgspec.structs.replace(settings, rate_limits=limits)) as conn:
+        _, _, rounds = await drained_coming_back(conn)
     removals = next(r for r in rounds if {"ZREM", "HGET"} <= {c[0] for c in r})
     removed = [n for n, c in enumerate(removals) if c[0] == "ZREM"]
     read = [n for n, c in enumerate(removals) if c[0] == "HGET"]
