@@ -12,8 +12,9 @@ connection reads every command Redis runs, with the time it ran it. For each mes
 - ``XADD → acceptance``: the dispatcher's wake-up on its blocking read, its intake and
   routing, until its acceptance script runs;
 - ``acceptance → RECEIVED+PROCESSING``: the script, the sidecar's wake-up on its blocking
-  read, until the script that writes RECEIVED runs (its ``HSET``, which ``MONITOR`` shows
-  from ``lua``: the sidecar's take script names no message);
+  read, until the script that writes RECEIVED and PROCESSING runs (its first ``HSET`` of
+  either stage — one write of both since they share it — which ``MONITOR`` shows from
+  ``lua``: the sidecar's take script names no message);
 - ``RECEIVED+PROCESSING → body``: that script's answer back in the sidecar, the job's
   start, the agent call, until the body's ``ECHO`` runs;
 
@@ -66,6 +67,7 @@ Figures = dict[str, list[float]]  # milliseconds by hop (or by baseline)
 # `<time> [<db> <client>] "<COMMAND>" ...`: the commands a script runs say `lua`
 _LINE = re.compile(r'([\d.]+) \[\d+ ([^\]]+)\] "(\w+)"(.*)')
 _ID = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")
+_SIDECAR_STAGE = re.compile(r"\"stage\" \"(?:RECEIVED|PROCESSING)\"")
 
 agent = Agent("path")
 _body_conn: list[RespConnection] = []
@@ -113,14 +115,14 @@ async def paced(client: Client, count: int, rate: float, sent: dict[str, float])
 
 def stage_times(lines: list[str], sent: dict[str, float]) -> dict[str, list[float]]:
     """Each message's first XADD, its first script (the acceptance), the write of RECEIVED
-    and its body's ECHO, as gaps in milliseconds."""
+    (with PROCESSING, or before it) and its body's ECHO, as gaps in milliseconds."""
     seen: dict[str, list[tuple[float, str, str]]] = {}
     for line in lines:
         if not (m := _LINE.match(line)):
             continue
         command = m[3].upper()
-        if m[2] == "lua":  # of the commands scripts run, only the write of RECEIVED counts
-            if command != "HSET" or '"stage" "RECEIVED"' not in m[4]:
+        if m[2] == "lua":  # of the commands scripts run, only the sidecar's stage write counts
+            if command != "HSET" or not _SIDECAR_STAGE.search(m[4]):
                 continue
             command = "RECEIVED"
         for message_id in set(_ID.findall(m[4])):

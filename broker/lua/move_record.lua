@@ -107,3 +107,70 @@ local function move_record(KEYS, ARGV)
   end
   return {1, ARGV[4], new_attempt, new_instance, ARGV[11] ~= '' and cur[4] or false, cur[6] or '0'}
 end
+
+local function plain_move(argv, answers_field)
+  -- no charge, no expiry to set or remove, and a field to answer only where allowed
+  return argv[10] == '-' and argv[15 + tonumber(argv[14])] == ''
+         and (answers_field or argv[11] == '')
+end
+
+-- Two moves of one record in a row (RECEIVED, then PROCESSING: receive_process.lua and
+-- take.lua), answered as move_record twice would answer them, the second judged on what the
+-- first left: in one read and one write of the record, not two of each. The first may
+-- answer a field; where either charges or touches the expiry, move_record runs twice.
+-- Returns the two answers; where the first is not made, its answer twice.
+local function move_record_twice(KEYS, first, second)
+  if not (plain_move(first, true) and plain_move(second, false)) then
+    local moved = move_record(KEYS, first)
+    if moved[1] ~= 1 then
+      return moved, moved
+    end
+    return moved, move_record(KEYS, second)
+  end
+  local rec, counters = KEYS[1], KEYS[2]
+  local cur = redis.call('HMGET', rec, 'stage', 'attempt', 'instance', first[11], 'capability',
+                         'accepted_ms', 'timeline')
+  if not cur[1] then
+    return {-1}, {-1}
+  end
+  local stage, attempt, instance = cur[1], cur[2] or '0', cur[3] or ''
+  local answers, from, entries, fields = {}, {}, {}, {}
+  for i, argv in ipairs({first, second}) do
+    if not string.find(',' .. argv[1] .. ',', ',' .. stage .. ',', 1, true)
+       or (argv[2] ~= '' and argv[2] ~= attempt)
+       or (argv[3] ~= '' and argv[3] ~= instance) then
+      answers[i] = {0, stage, attempt, instance}
+      break
+    end
+    if argv[5] == '+' then
+      attempt = tostring(tonumber(attempt) + 1)
+    elseif argv[5] ~= '' then
+      attempt = argv[5]
+    end
+    instance = argv[6] ~= '' and argv[6] or instance
+    entries[i] = {argv[7], argv[4], instance, attempt, argv[8]}
+    for j = 16 + tonumber(argv[14]), #argv do
+      fields[#fields + 1] = argv[j]
+    end
+    from[i], stage = stage, argv[4]
+    answers[i] = {1, stage, attempt, instance, argv[11] ~= '' and cur[4] or false, cur[6] or '0'}
+  end
+  if answers[1][1] ~= 1 then
+    return answers[1], answers[1]
+  end
+  local last = from[2] and second or first
+  redis.call('HSET', rec, 'stage', stage, 'attempt', attempt, 'instance', instance,
+             'updated_ms', last[7], 'timeline', timeline_lines(cur[7], last[9], entries),
+             unpack(fields))
+  for i, argv in ipairs({first, second}) do
+    if from[i] then  -- counted as move_record counts, after the write
+      if counters then
+        pcall(count_level, counters, from[i], argv)
+      end
+      for j = 15, 14 + tonumber(argv[14]) do
+        count_in(counters, argv[13], argv[j])
+      end
+    end
+  end
+  return answers[1], answers[2]
+end

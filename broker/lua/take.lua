@@ -107,11 +107,8 @@ for i, entry in ipairs(entries) do
     local processing = attempt == '1' and first or later
     receiving[2], receiving[7], processing[2], processing[7] = attempt, now, attempt, now
     local made, moves = pcall(function()
-      local received = move_record(keys, receiving)
-      if received[1] ~= 1 then
-        return {received, received}
-      end
-      return {received, move_record(keys, processing)}
+      local received, processed = move_record_twice(keys, receiving, processing)
+      return {received, processed}
     end)
     if made then
       taken[i + 1] = {entry[1], entry[2], moves[1], moves[2]}
