@@ -9,16 +9,17 @@ local function count_level(counters, stage, ARGV)
 end
 
 local function usage_labels(day, ARGV, n)
-  -- past the day's cap of combinations a new one is charged under "~other"
+  -- past the day's cap of combinations a new one is charged under "~other"; and whether
+  -- the combination is new to the day (the hash may be new: its expiry is set then)
   local combo, tenant = ARGV[15 + n], ARGV[18 + n]
-  if redis.call('HEXISTS', day, combo .. '\trequests') == 0
-     and redis.call('HLEN', day) >= tonumber(ARGV[16 + n]) then
+  local new = redis.call('HEXISTS', day, combo .. '\trequests') == 0
+  if new and redis.call('HLEN', day) >= tonumber(ARGV[16 + n]) then
     combo = '~other\t~other\t~other'
     if ARGV[20 + n] ~= '1' then
       tenant = '~other'
     end
   end
-  return combo, tenant
+  return combo, tenant, new
 end
 
 local function charge_move(KEYS, ARGV, n)
@@ -32,20 +33,25 @@ local function charge_move(KEYS, ARGV, n)
       lost[#lost + 1] = type(err) == 'table' and err.err or tostring(err)
     end
   end
-  local labelled, combo, tenant = pcall(usage_labels, day, ARGV, n)
+  local labelled, combo, tenant, new = pcall(usage_labels, day, ARGV, n)
   if not labelled then  -- the day's hash does not read: as past its cap (a budget's tenant
     combo = '~other\t~other\t~other'  -- keeps its name, so its month is still enforced)
     tenant = ARGV[20 + n] == '1' and ARGV[18 + n] or '~other'
+    new = true
   end
   if tonumber(ARGV[19 + n]) > 0 then
     write('HINCRBYFLOAT', day, 'spend\t' .. tenant, ARGV[19 + n])
     write('HINCRBYFLOAT', month, 'spend\t' .. tenant, ARGV[19 + n])
+    write('EXPIRE', month, ARGV[17 + n])
   end
   for i = 22 + n, 20 + n + 2 * tonumber(ARGV[21 + n]), 2 do
     write('HINCRBYFLOAT', day, combo .. '\t' .. ARGV[i], ARGV[i + 1])
   end
-  write('EXPIRE', day, ARGV[17 + n])
-  write('EXPIRE', month, ARGV[17 + n])
+  -- Kept from the day's first charge (its first combination), not renewed at every one:
+  -- a combination already there means the hash has been given its expiry.
+  if new then
+    write('EXPIRE', day, ARGV[17 + n])
+  end
   if #lost > 0 then
     redis.log(redis.LOG_WARNING, 'agent-reach: usage of ' .. KEYS[1] .. ' not all charged: '
               .. table.concat(lost, '; '))

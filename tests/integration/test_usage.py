@@ -20,7 +20,7 @@ from broker.connection import Connection, open_connection
 from broker.feedback import record_feedback
 from broker.governance import TenantBudget
 from broker.stages import Stage
-from broker.store import Acceptance, MessageStore, Move
+from broker.store import Acceptance, MessageStore, Move, usage_keys
 from broker.timekeeping import now_ms
 from broker.usage import Usage, charge, utc_day
 from broker.usage_reader import day_hashes, tenant_spending, usage_totals
@@ -85,6 +85,31 @@ async def test_a_charge_is_written_once_with_the_move_that_records_it(conn: Conn
     }
     day, month = await tenant_spending(conn, now_ms())
     assert day == month == {"team-a": 0.25}
+
+
+async def test_usage_hashes_are_kept_for_their_days_from_the_first_charge(
+    conn: Connection,
+) -> None:
+    """A day's hash is given its expiry when it is first charged (a new combination), and
+    later charges of that combination leave it; the month's, whenever spending goes to it.
+    Neither is ever left without one."""
+    store = MessageStore(conn)
+    keep_s = max(conn.settings.usage_keep_days, 32) * 86400
+    day, month = usage_keys(conn, now_ms(), conn.keys.record("k0"))
+
+    async def charged(message_id: str, cost: float) -> list[int]:
+        await store.accept(_acceptance(message_id))
+        move = Move(message_id, Stage.CANCELLED, charge=_bill("t", cost=cost))
+        assert (await store.apply(move)).ok
+        return [int(await conn.call("TTL", key)) for key in (day, month)]
+
+    first = await charged("k0", 0.0)  # no spending: the month's hash is not written
+    assert 0 < first[0] <= keep_s and first[1] == -2, first
+    spent = await charged("k1", 0.5)
+    assert 0 < spent[0] <= keep_s and 0 < spent[1] <= keep_s, spent
+    await conn.call("EXPIRE", day, 1000)  # as if first charged long ago
+    again = await charged("k2", 0.0)
+    assert 0 < again[0] <= 1000, again
 
 
 async def test_new_combinations_past_the_cap_are_charged_as_other(settings: Settings) -> None:
