@@ -162,7 +162,7 @@ class WaitingRoom:
         # no longer queued), set aside and stood aside are three sets apart: order is free.
         # Those assigned in their claim's script are removed already (lua/claim_assign.lua).
         removed = {c: [a.message_id for a in done if a.capability == c] + stale[c] for c in heads}
-        removing = {c: [i for i in ids if i not in known] for c, ids in removed.items()}
+        removing = {c: [i for i in listed if i not in known] for c, listed in removed.items()}
         aside = {c: [r for c2, r in unmatched if c2 == c] for c in heads}
         aside_now, self._stand_aside = self._stand_aside, []
         aside_cmds = [
