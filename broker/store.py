@@ -44,7 +44,7 @@ from .stages import TERMINAL, Stage, sources_for
 from .streams import RawEntry, raw_entries
 from .timekeeping import now_ms
 from .usage import Charge, utc_day, utc_month
-from .waiting_sets import WaitingSets
+from .waiting_sets import ASSIGNED_KEEP_S, RATE_WINDOW_MS, WaitingSets
 
 __all__ = ["Acceptance", "MessageStore", "Move", "accept_command", "move_command"]
 __all__ += ["move_sources", "now_ms"]
@@ -79,7 +79,7 @@ class Move(msgspec.Struct):
     # On a single server, a drain's claim (WAITING -> ROUTED to ``new_instance``) may assign
     # it in the same script (``lua/claim_assign.lua``), the reaper's look brought forward to
     # this time (ms), and once assigned remove its waiting entries of capability
-    # ``unpark_from``; no charge then
+    # ``unpark_from`` and count the assignment in that capability's counter; no charge then
     assign_look_ms: int = 0
     unpark_from: str = ""
     # made only where the record's field holds this value ("": absent; lua/transition_if.lua)
@@ -155,13 +155,14 @@ def move_command(conn: Connection, m: Move) -> tuple[Any, ...]:
             due_for(conn.keys, m.message_id),
             conn.keys.waiting(m.unpark_from),
             conn.keys.unmatched(m.unpark_from),
+            conn.keys.assigned(m.unpark_from, now_ms() // RATE_WINDOW_MS),
         )
         down_after_ms = int(conn.settings.down_after_s * 1000)
         fence = m.expect_field or ("", "")
         return conn.script_command(
             ScriptName.CLAIM_ASSIGN,
             (record, *fused, *counting.keys(record)),
-            (m.message_id, down_after_ms, m.assign_look_ms, *fence, *args),
+            (m.message_id, down_after_ms, m.assign_look_ms, *fence, ASSIGNED_KEEP_S, *args),
         )
     if m.charge is None:
         args.append("")

@@ -9,7 +9,7 @@ and gives the attempt number back: no stream entry exists for it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -91,11 +91,13 @@ class Assigner:
         *,
         ahead: Sequence[Command] = (),
         known: Mapping[str, AssignResult] | None = None,
+        counted: Collection[str] = (),
     ) -> Assigned:
         """Assign each ROUTED attempt within the rate limits; the refused go back to WAITING
         and are parked. ``ahead``: writes made before the assignments, in their round trip on
         one server (admission's deadline entries). ``known``: the answers of assignments
-        already made (with the record, ``lua/accept_assign.lua``), by message id."""
+        already made (with the record, ``lua/accept_assign.lua``), by message id; those in
+        ``counted`` were counted by their script too (``lua/claim_assign.lua``)."""
         now = now_ms()
         await self._saturated_instances(now)
         if not routed:
@@ -121,7 +123,7 @@ class Assigner:
         counts = Counter(
             r.capability
             for r, res in zip(routed, results, strict=True)
-            if res is AssignResult.ASSIGNED
+            if res is AssignResult.ASSIGNED and r.message_id not in counted
         )
         return Assigned(
             [r for r, res in zip(routed, results, strict=True) if res in OK],

@@ -154,13 +154,14 @@ class WaitingRoom:
         picks, unmatched, passed_over = await self._pick(_still_waiting(offer, records), now, kept)
         passed_over |= {c for c, i in offer if _elsewhere(records[i])}
         won, indexes, known = await self._claim(picks)
-        done, after = await self.assigner.assign(won, ahead=indexes, known=known)
+        done, after = await self.assigner.assign(won, ahead=indexes, known=known, counted=known)
         self.assigned += len(done)
         for a in done:
             self.rotation.served(a.capability)
         # Still indexed: the refused ones keep their waiting-set entry. Removed (assigned, or
         # no longer queued), set aside and stood aside are three sets apart: order is free.
-        # Those assigned in their claim's script are removed already (lua/claim_assign.lua).
+        # Those assigned in their claim's script are removed (and counted) already
+        # (lua/claim_assign.lua).
         removed = {c: [a.message_id for a in done if a.capability == c] + stale[c] for c in heads}
         removing = {c: [i for i in listed if i not in known] for c, listed in removed.items()}
         aside = {c: [r for c2, r in unmatched if c2 == c] for c in heads}
@@ -227,6 +228,8 @@ class WaitingRoom:
         ``(capability, id)``: they came back meanwhile (:meth:`_repark_returned`)."""
         unparked = [(c, i) for c, ids in removed.items() for i in ids]
         writes = writes + unpark_commands(self.store.keys, removed)
+        if not writes:
+            return []
         replies = await self.store.conn.call_many(
             [*writes, ORDER_BARRIER, *self.store.stage_commands([i for _, i in unparked])]
         )
@@ -331,7 +334,8 @@ class WaitingRoom:
         the index writes to make before their assignments (in the same round trip): the
         sessions bound, and the reaper's next look brought forward to the delivery timeout.
         On one server with no configured rate limit, each claim is assigned in its script
-        (``lua/claim_assign.lua``, the look with it): the answers by message id. Elsewhere a
+        (``lua/claim_assign.lua``, the look and the count with it): the answers by message id,
+        which need no counter of their own in the pass's last round trip. Elsewhere a
         stop before that round trip leaves the records ROUTED with their earlier look."""
         look = now_ms() + self.delivery_timeout_ms
         fused = not self.store.conn.cluster and not self.assigner.gate.active
