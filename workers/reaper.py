@@ -4,8 +4,10 @@ their stage, never running a non-idempotent action twice.
 Every live message has an entry in ``P:due`` (message id -> next time to look at it). Any
 number of reapers share it: ``claim_due.lua`` leases a batch to one of them at a time, and
 each message of the batch is resolved by :mod:`workers.resolver` (what each stage gets when
-its time comes). Each tick also takes over the work of dead instances at once
-(:mod:`workers.takeover`) and runs one step of housekeeping (:mod:`workers.janitor`).
+its time comes). A reaper stopped in the middle of a batch hands back what it has not
+resolved, due at once: only a killed one leaves its lease to run out. Each tick also takes
+over the work of dead instances at once (:mod:`workers.takeover`) and runs one step of
+housekeeping (:mod:`workers.janitor`).
 
 Retries back off (``broker/retry.py``), avoid the instance that failed, and stop at the
 envelope's ``max_attempts``: DEAD, dead-lettered with the chain of reasons.
@@ -36,6 +38,7 @@ from .waiting import WaitingRoom
 log = logging.getLogger("agent_reach.reaper")
 
 LEASE_MS = 30_000
+GIVE_BACK_S = 2.0  # how long a stopping reaper tries to hand its lease back
 RESOLVE_CONCURRENCY = 32  # with 3 s status queries, a batch of 200 ends well inside its lease
 MAX_JUDGE_ERRORS = 3  # unexpected errors resolving one message before it is ended DEAD
 JUDGE_ERROR_RETRY_MS = 2_000
@@ -82,8 +85,14 @@ class Reaper:
             ids = await self.store.due.claim(now, LEASE_MS, CLAIM_BATCH)
             total += len(ids)
             if ids:
-                verdicts = await self._judge_all(ids, now)
-                await self.store.due.reschedule(now + LEASE_MS, verdicts)
+                verdicts: list[tuple[str, int | None]] = []
+                try:
+                    await self._judge_all(ids, now, verdicts)
+                except BaseException:
+                    await self._give_back(ids, now, verdicts)
+                    raise
+                with anyio.CancelScope(shield=True):  # stopped now, it would keep the lease
+                    await self.store.due.reschedule(now + LEASE_MS, verdicts)
             if len(ids) < CLAIM_BATCH:
                 break
         await self._sweep(now_ms())
@@ -126,10 +135,27 @@ class Reaper:
         except Exception:  # the sweep is housekeeping: it must never stop the reaping
             log.exception("janitor step failed (the next tick goes on)")
 
-    async def _judge_all(self, ids: list[str], now: int) -> list[tuple[str, int | None]]:
+    async def _give_back(
+        self, ids: list[str], now: int, verdicts: list[tuple[str, int | None]]
+    ) -> None:
+        """A batch cut short (the reaper stopped, or Redis failed under it): the verdicts
+        reached are written, and the rest of the lease handed back, due at once, so the
+        next reaper looks at them now, not when the lease runs out. Best effort, and
+        briefly: what cannot be written keeps its lease, as before."""
+        judged = {message_id for message_id, _ in verdicts}
+        back = verdicts + [(message_id, now) for message_id in ids if message_id not in judged]
+        with anyio.CancelScope(shield=True, deadline=anyio.current_time() + GIVE_BACK_S):
+            try:
+                await self.store.due.reschedule(now + LEASE_MS, back)
+            except (RedisUnavailable, RedisReplyError) as exc:
+                log.warning("a stopped batch's lease not handed back (it runs out): %s", exc)
+
+    async def _judge_all(
+        self, ids: list[str], now: int, verdicts: list[tuple[str, int | None]]
+    ) -> None:
         """Resolve a leased batch concurrently: a slow status endpoint must not hold the rest
-        past their lease. Returns each message's next look (``None``: forget it)."""
-        verdicts: list[tuple[str, int | None]] = []
+        past their lease. Adds each message's next look (``None``: forget it) to
+        ``verdicts`` as it is reached."""
         records = await self.store.get_records(ids)
         try:
             async with anyio.create_task_group() as tg:
@@ -139,7 +165,6 @@ class Reaper:
             # Redis lost under the batch: the tick fails as any other call would (run()
             # retries; the batch's lease brings it back), not as a group run() cannot tell
             raise first_leaf(lost) from None
-        return verdicts
 
     async def _judge(
         self,

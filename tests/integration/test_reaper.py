@@ -611,6 +611,39 @@ async def test_a_dead_instance_s_work_is_taken_over_at_once_and_its_pending_entr
     assert took < 15  # at DOWN (1 s of silence), not at the 60 s delivery timeout
 
 
+async def test_a_reaper_stopped_in_the_middle_of_a_look_hands_its_lease_back(
+    fast: Connection,
+) -> None:
+    """A reaper leases what is due (30 s) and asks the agent about it. Stopped while the
+    agent has not answered, it used to keep the lease, and the next reaper waited out the
+    30 s: a restarted `up` left late work alone for half a minute. The message is now due
+    again at once."""
+    client = Client(fast)
+    asked, answered = anyio.Event(), anyio.Event()
+
+    async def answer(message_id: str) -> Response:
+        asked.set()
+        await answered.wait()  # the reaper is stopped while it waits
+        return JSONResponse({"state": "running"})
+
+    async with status_agent(answer) as status_url:
+        async with running_dispatcher(fast, reaper=False):
+            message_id = await processing_on_ghost(
+                fast, client, client.new_reply_stream(), status_url=status_url
+            )
+        async with anyio.create_task_group() as tg:
+            await tg.start(Reaper(fast).run)
+            with anyio.fail_after(10):
+                await asked.wait()
+            due = due_for(fast.keys, message_id)
+            leased = float(await fast.call("ZSCORE", due, message_id))
+            tg.cancel_scope.cancel()
+        stopped_at = now_ms()
+        answered.set()
+    assert leased > stopped_at + 20_000  # leased while it was asked about
+    assert float(await fast.call("ZSCORE", due, message_id)) <= stopped_at  # due again now
+
+
 @asynccontextmanager
 async def ghost_back(
     conn: Connection, client: Client, reply_to: str, answer: StatusAnswer
