@@ -88,11 +88,10 @@ class Reaper:
                 verdicts: list[tuple[str, int | None]] = []
                 try:
                     await self._judge_all(ids, now, verdicts)
-                except BaseException:
+                    await self.store.due.reschedule(now + LEASE_MS, verdicts)
+                except BaseException:  # cut short, even in the reschedule: a second one is safe
                     await self._give_back(ids, now, verdicts)
                     raise
-                with anyio.CancelScope(shield=True):  # stopped now, it would keep the lease
-                    await self.store.due.reschedule(now + LEASE_MS, verdicts)
             if len(ids) < CLAIM_BATCH:
                 break
         await self._sweep(now_ms())
