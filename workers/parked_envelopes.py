@@ -73,9 +73,9 @@ class ParkedEnvelopes:
         """A message this dispatcher accepted straight into WAITING; ``size``: its envelope's
         bytes. Not kept past the bounds."""
         self.expire(accepted_ms)
+        self.drop(envelope.message_id)  # an earlier envelope under this id: never its drain's
         if len(self._kept) >= self.max_kept or self._bytes + size > self.max_bytes:
             return
-        self.drop(envelope.message_id)
         self._kept[envelope.message_id] = Kept(capability, envelope, accepted_ms, size)
         self._bytes += size
 

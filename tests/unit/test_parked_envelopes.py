@@ -57,6 +57,17 @@ def test_kept_twice_counts_once() -> None:
     assert parked.get("m2") is not None
 
 
+def test_a_park_past_the_bounds_lets_go_of_an_earlier_envelope_under_its_id() -> None:
+    """The id parked again (its record purged, the id reused) when the bounds are full: the
+    new envelope is not kept, and the old one must not stand in for it at the drain."""
+    parked = ParkedEnvelopes(max_bytes=100)
+    parked.keep("text.echo", envelope(1), accepted_ms=1_000, size=60)
+    parked.keep("text.echo", envelope(2), accepted_ms=1_000, size=30)
+    reused = Envelope(capability="text.other", id="m1")
+    parked.keep("text.other", reused, accepted_ms=1_001, size=200)  # past the bytes alone
+    assert parked.get("m1") is None and len(parked) == 1
+
+
 def test_what_was_parked_longer_ago_than_it_is_kept_goes() -> None:
     parked = ParkedEnvelopes(keep_s=1.0)
     parked.keep("text.echo", envelope(1), accepted_ms=1_000, size=10)
