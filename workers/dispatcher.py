@@ -60,7 +60,13 @@ def default_consumer_name() -> str:
 
 
 class Dispatcher:
-    def __init__(self, conn: Connection, *, consumer: str | None = None) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        *,
+        consumer: str | None = None,
+        prune_every_s: float = PRUNE_EVERY_S,
+    ) -> None:
         self.conn = conn
         self.keys = conn.keys
         self.settings = conn.settings
@@ -83,6 +89,7 @@ class Dispatcher:
         self._credit_freed = anyio.Event()
         self._to_drain: set[str] = set()
         self._next_prune = 0.0
+        self._prune_every_s = prune_every_s
         self.notifications = Notifications(conn)
 
     def _lane(self, stream: str) -> IngressLane:
@@ -220,7 +227,7 @@ class Dispatcher:
         now = anyio.current_time()
         if now < self._next_prune:
             return waiting
-        self._next_prune = now + PRUNE_EVERY_S
+        self._next_prune = now + self._prune_every_s
         heard = self.waiting.may_wait.heard()
         dropped = set(await self.store.waiting.prune_index(waiting))
         self.waiting.forget(dropped, heard)

@@ -110,7 +110,8 @@ async def test_the_capability_index_forgets_capabilities_with_nothing_waiting(
     conn: Connection,
 ) -> None:
     client = Client(conn)
-    async with running_dispatcher(conn):
+    # pruned every second here, not every 10 s: the test waits for a prune after the expiries
+    async with running_dispatcher(conn, prune_every_s=1.0):
         # 300 names no agent serves, each waiting half a second before it expires
         await client.submit_many(
             [

@@ -22,7 +22,7 @@ from broker.stages import Stage
 from broker.store import Acceptance, MessageStore
 from broker.timekeeping import now_ms
 from broker.wire import parse_reply_entry
-from workers.dispatcher import Dispatcher
+from workers.dispatcher import PRUNE_EVERY_S, Dispatcher
 from workers.notifier import Notifier
 from workers.reaper import Reaper
 
@@ -46,10 +46,14 @@ async def running_notifier(conn: Connection, name: str = "n1") -> AsyncIterator[
 
 @asynccontextmanager
 async def running_dispatcher(
-    conn: Connection, name: str = "d1", *, reaper: bool = True
+    conn: Connection,
+    name: str = "d1",
+    *,
+    reaper: bool = True,
+    prune_every_s: float = PRUNE_EVERY_S,
 ) -> AsyncIterator[Dispatcher]:
     """A dispatcher, and (as ``agent-reach up`` runs them) a reaper beside it."""
-    dispatcher = Dispatcher(conn, consumer=name)
+    dispatcher = Dispatcher(conn, consumer=name, prune_every_s=prune_every_s)
     async with anyio.create_task_group() as tg:
         await tg.start(dispatcher.run)
         if reaper:
