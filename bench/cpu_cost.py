@@ -76,6 +76,18 @@ def spawn(url: str, *args: str) -> subprocess.Popen[bytes]:
     )
 
 
+def spawn_both(url: str, inflight: int) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]:
+    """``agent-reach up``, then one sidecar of the no-op agent with ``inflight`` credits."""
+    up = spawn(url, "up")
+    sidecar = spawn(
+        url,
+        *("sidecar", "--agent-id", "cost", "--instance-id", "cost-1"),
+        *("--capability", CAPABILITY, "--python", "bench.cpu_cost:noop_agent"),
+        *("--max-inflight", str(inflight)),
+    )
+    return up, sidecar
+
+
 def stop(process: subprocess.Popen[bytes]) -> None:
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
@@ -131,13 +143,7 @@ async def all_succeeded(conn: Connection, count: int) -> None:
 
 async def one_run(args: argparse.Namespace) -> dict[str, float]:
     server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-cost-")))
-    up = spawn(server.url, "up")
-    sidecar = spawn(
-        server.url,
-        *("sidecar", "--agent-id", "cost", "--instance-id", "cost-1"),
-        *("--capability", CAPABILITY, "--python", "bench.cpu_cost:noop_agent"),
-        *("--max-inflight", str(args.inflight)),
-    )
+    up, sidecar = spawn_both(server.url, args.inflight)
     try:
         settings = build_settings([{"redis_url": server.url}])
         async with open_connection(settings, server.url) as conn:
