@@ -264,12 +264,24 @@ def usage_keys(conn: Connection, ms: int, near: str) -> tuple[str, str]:
 
 
 def charge_args(conn: Connection, c: Charge) -> list[Any]:
+    """The charge's part of a move's arguments (``lua/transition.lua``). A figure of 0 adds
+    nothing and is left out; a whole amount goes as an integer, which the script adds with
+    ``HINCRBY`` (``bench.script_replay``: a float's parse and print cost the outcome's move
+    7 % of its time, three of them a message)."""
     s = conn.settings
     keep_s = max(s.usage_keep_days, 32) * 86400
-    figures = [item for pair in c.figures.items() for item in (pair[0], repr(float(pair[1])))]
+    figures = [(name, amount_arg(value)) for name, value in c.figures.items() if value]
     cap = s.metrics_max_series * 4  # each combination is a few fields
     budgeted = "1" if c.tenant in s.budgets else ""  # never folded: budgets read it
-    return [c.combination, cap, keep_s, c.tenant, repr(c.spend), budgeted, len(c.figures), *figures]
+    pairs = [item for pair in figures for item in pair]
+    return [c.combination, cap, keep_s, c.tenant, repr(c.spend), budgeted, len(figures), *pairs]
+
+
+def amount_arg(value: float) -> str:
+    """A figure's amount as the script reads it: digits alone for a whole number (exact as a
+    float: below 2**53), else the float's repr."""
+    number = float(value)
+    return str(int(number)) if number.is_integer() and abs(number) < 2**53 else repr(number)
 
 
 def parked_events(conn: Connection, moves: list[Move], done: list[Moved]) -> list[Any]:

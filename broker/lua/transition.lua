@@ -25,7 +25,8 @@
 --          [16+n] the day hash's cap (fields), [17+n] seconds to keep the usage hashes,
 --          [18+n] the tenant, [19+n] its spending (cost), [20+n] "1" when the tenant has a
 --          budget (its spending is kept under its name past the cap), [21+n] m, then m
---          figure, amount pairs (HINCRBYFLOAT into "<combination>\t<figure>"); a new
+--          figure, amount pairs (added to "<combination>\t<figure>": HINCRBY for an
+--          amount of digits alone, where the field takes it, else HINCRBYFLOAT); a new
 --          combination past the cap is charged as "~other\t~other\t~other"
 -- ARGV[after them..] field, value pairs to write on success; moving to a terminal stage also
 --          counts "finished\t<capability>\t<stage>"

@@ -87,6 +87,37 @@ async def test_a_charge_is_written_once_with_the_move_that_records_it(conn: Conn
     assert day == month == {"team-a": 0.25}
 
 
+async def test_whole_amounts_add_as_integers_and_a_fraction_or_an_overflow_as_floats(
+    conn: Connection,
+) -> None:
+    """Whole amounts go as digits (``HINCRBY``); a field that holds a fraction, or would
+    overflow, still takes them (``HINCRBYFLOAT``); a figure of 0 writes nothing."""
+    store = MessageStore(conn)
+    day = usage_keys(conn, now_ms(), conn.keys.record("w1"))[0]
+    combination = "a\ttext.echo\tteam-w\t"
+    await conn.call_many(
+        [
+            ("HSET", day, combination + "requests", "0.5"),
+            ("HSET", day, combination + "succeeded", str(2**63 - 1)),  # no more fits
+        ]
+    )
+    await store.accept(_acceptance("w1"))  # one message: a cluster keeps usage per slot
+    await store.move("w1", Stage.RECEIVED)
+    await store.move("w1", Stage.PROCESSING)
+    bill = charge(
+        "a", "text.echo", "team-w", attempt=1, answered=True, busy_ms=0.2, usage=None, ms=now_ms()
+    )
+    done = Move("w1", Stage.SUCCEEDED, only_from=Stage.PROCESSING, charge=bill)
+    assert (await store.apply(done)).ok
+    fields = await conn.call("HGETALL", day)
+    written = dict(zip(fields[::2], fields[1::2], strict=True))
+    assert float(written[(combination + "requests").encode()]) == 1.5
+    overflown = written[(combination + "succeeded").encode()]
+    # past the integers' range, added as a float: not the 2**63 - 1 a lost amount leaves
+    assert overflown != str(2**63 - 1).encode() and float(overflown) == 2**63
+    assert (combination + "busy_ms").encode() not in written  # 0.2 ms rounds to 0
+
+
 async def test_usage_hashes_are_kept_for_their_days_from_the_first_charge(
     conn: Connection,
 ) -> None:

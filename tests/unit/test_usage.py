@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from adapters.a2a_wire import outcome_of, task_view
 from adapters.mcp_wire import reported_usage
 from adapters.outcome import Failed, Succeeded
+from broker.store import amount_arg
 from broker.usage import (
     Usage,
     by_combination,
@@ -175,3 +176,20 @@ def test_a_stored_usage_reads_back_what_was_written() -> None:
 def test_a_stored_usage_never_raises_on_what_anyone_wrote(raw: bytes) -> None:
     found = stored_usage(raw)
     assert found is None or isinstance(found, Usage)
+
+
+@given(st.floats(min_value=0, allow_nan=False, allow_infinity=False) | st.integers(0, 10**15))
+def test_an_amount_goes_as_digits_only_when_it_is_a_whole_number_exactly(value: float) -> None:
+    text = amount_arg(value)
+    assert float(text) == float(value)  # the script adds what was charged, either way
+    assert text.isdigit() == (float(value).is_integer() and float(value) < 2**53)
+
+
+def test_amounts_as_the_script_reads_them() -> None:
+    assert [amount_arg(v) for v in (1, 12.0, 0.25, 2.0**53, 1e300)] == [
+        "1",
+        "12",
+        "0.25",
+        "9007199254740992.0",
+        "1e+300",
+    ]
