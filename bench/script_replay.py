@@ -17,9 +17,12 @@ time of the most called script not swapped, in the same replay, so the machine's
 cancels out; a part of a script costs what a source without it saves.
 
 Limits: the entries a replay adds with ``*`` get new ids, so commands that name the live
-run's ids (acknowledgements) find nothing. In a burst every script still takes its usual
-path (the answers are printed: a script's first answer element, counted); at a light load
-the direct lane's check of the ingress group does not, so capture a burst.
+run's ids (acknowledgements) find nothing. A read that blocked shows where it was sent,
+before the entries that woke it: replayed there, it finds none, and the next read takes
+them. In a burst every script still takes its usual path (the answers are printed: a
+script's first answer element, counted); at a light load the direct lane's check of the
+ingress group does not, so capture a burst. All the connections' commands go down one in
+the replay: a burst has no ``MULTI``, whose overlap that would change.
 
 Usage: ``python -m bench.script_replay [--messages 3000] [--reps 3] [--swap NAME=FILE]``, or
 ``python -m bench.script_replay --dump transition > transition.lua``. Figures only; CI never
@@ -30,10 +33,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import hashlib
 import re
 import statistics
 import tempfile
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +71,11 @@ NOT_REPLAYED = {
     b"UNSUBSCRIBE",
 }
 ESCAPES = {"n": b"\n", "r": b"\r", "t": b"\t", "a": b"\a", "b": b"\b", '"': b'"', "\\": b"\\"}
-_LINE = re.compile(r"^\d+\.\d+ \[\d+ ([^\]]+)\] (.*)$", re.S)
+# "<time> [<db> <client>] <args>": the client "lua" for a script's command, an address
+# otherwise (an IPv6 one in brackets: "[::1]:6379"); each argument is quoted
+_LINE = re.compile(r'^\d+\.\d+ \[\d+ (\S+)\] (".*)$', re.S)
 CHUNK = 500  # commands a pipeline of the replay
+END = "script_replay: the capture ends here"
 Command = tuple[bytes, ...]
 
 
@@ -114,11 +122,32 @@ def replayable(lines: list[str]) -> list[Command]:
     return commands
 
 
+@contextlib.contextmanager
+def fresh_server() -> Iterator[RedisServer]:
+    """A redis-server of its own, its data directory removed after it stops."""
+    with tempfile.TemporaryDirectory(prefix="reach-replay-") as data:
+        server = RedisServer.start(Path(data))
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+async def read_past(lines: list[str], marker: Awaitable[object]) -> None:
+    """Until the monitor has read the line of ``marker`` (an ``ECHO`` of :data:`END`), and
+    so every line before it."""
+    seen = len(lines)
+    await marker
+    with anyio.fail_after(30):
+        while not any(END in line for line in lines[seen:]):
+            seen = len(lines)  # no await since the look: nothing came in between
+            await anyio.sleep(0.01)
+
+
 async def capture(messages: int) -> list[str]:
     """Every command a burst of ``messages`` through ``up`` and one sidecar ran."""
-    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-replay-")))
     lines: list[str] = []
-    try:
+    with fresh_server() as server:
         async with anyio.create_task_group() as tg:
             started = anyio.Event()
             tg.start_soon(monitor, server.url, lines, started)
@@ -132,12 +161,11 @@ async def capture(messages: int) -> list[str]:
                     done = await finished(conn)
                     await burst(client, messages)
                     await all_succeeded(conn, done + messages)
+                    await read_past(lines, conn.call("ECHO", END))
             finally:
                 stop(sidecar)
                 stop(up)
             tg.cancel_scope.cancel()
-    finally:
-        server.stop()
     return lines
 
 
@@ -159,9 +187,8 @@ async def replay(commands: list[Command], swaps: dict[bytes, tuple[bytes, str]])
     """``commands`` on a fresh server; ``swaps``: captured sha -> (new sha, new source)."""
     names = {s.sha.encode(): s.name.value for s in load_scripts().values()}
     names.update({new: f"{names[old]} (swapped)" for old, (new, _) in swaps.items()})
-    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-replay-")))
     figures = Replay()
-    try:
+    with fresh_server() as server:
         conn = await RespConnection.open(server.url)
         setup: list[tuple[str, ...]] = [("SCRIPT", "LOAD", src) for _, src in swaps.values()]
         setup += [("CONFIG", "SET", "slowlog-max-len", "10000000")]
@@ -180,8 +207,6 @@ async def replay(commands: list[Command], swaps: dict[bytes, tuple[bytes, str]])
                 figures.calls[name] += 1
                 figures.usec[name] += entry[2]
         await conn.close()
-    finally:
-        server.stop()
     return figures
 
 
