@@ -43,7 +43,7 @@ from .scripts import ScriptName
 from .stages import TERMINAL, Stage, sources_for
 from .streams import RawEntry, raw_entries
 from .timekeeping import now_ms
-from .usage import Charge, utc_day, utc_month
+from .usage import COUNTS, Charge, utc_day, utc_month
 from .waiting_sets import ASSIGNED_KEEP_S, RATE_WINDOW_MS, WaitingSets
 
 __all__ = ["Acceptance", "MessageStore", "Move", "accept_command", "move_command"]
@@ -270,18 +270,22 @@ def charge_args(conn: Connection, c: Charge) -> list[Any]:
     7 % of its time, three of them a message)."""
     s = conn.settings
     keep_s = max(s.usage_keep_days, 32) * 86400
-    figures = [(name, amount_arg(value)) for name, value in c.figures.items() if value]
+    figures = [(name, amount_arg(name, value)) for name, value in c.figures.items() if value]
     cap = s.metrics_max_series * 4  # each combination is a few fields
     budgeted = "1" if c.tenant in s.budgets else ""  # never folded: budgets read it
     pairs = [item for pair in figures for item in pair]
     return [c.combination, cap, keep_s, c.tenant, repr(c.spend), budgeted, len(figures), *pairs]
 
 
-def amount_arg(value: float) -> str:
-    """A figure's amount as the script reads it: digits alone for a whole number (exact as a
-    float: below 2**53), else the float's repr."""
+def amount_arg(figure: str, value: float) -> str:
+    """A figure's amount as the script reads it: digits alone for a count that is a whole
+    number (exact as a float: below 2**53), else the float's repr. A cost always goes as a
+    float: its field holds fractions, which refuse an integer first (each refusal counted
+    as an error in Redis's own statistics) before it is added as a float."""
     number = float(value)
-    return str(int(number)) if number.is_integer() and abs(number) < 2**53 else repr(number)
+    if figure in COUNTS and number.is_integer() and abs(number) < 2**53:
+        return str(int(number))
+    return repr(number)
 
 
 def parked_events(conn: Connection, moves: list[Move], done: list[Moved]) -> list[Any]:

@@ -41,6 +41,9 @@ FIGURES = (
     "output_tokens",
     "cost",
 )
+# the figures that count (whole numbers: a charge sends them as digits, lua/move_record.lua
+# adds them with HINCRBY); the cost is the one that is not
+COUNTS = frozenset(FIGURES) - {"cost"}
 DIMENSIONS = ("agent", "capability", "tenant")
 _MAX_TOKENS = 10**12
 _MAX_COST = 1e12

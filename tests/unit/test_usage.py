@@ -14,6 +14,7 @@ from adapters.mcp_wire import reported_usage
 from adapters.outcome import Failed, Succeeded
 from broker.store import amount_arg
 from broker.usage import (
+    FIGURES,
     Usage,
     by_combination,
     charge,
@@ -178,18 +179,20 @@ def test_a_stored_usage_never_raises_on_what_anyone_wrote(raw: bytes) -> None:
     assert found is None or isinstance(found, Usage)
 
 
-@given(st.floats(min_value=0, allow_nan=False, allow_infinity=False) | st.integers(0, 10**15))
-def test_an_amount_goes_as_digits_only_when_it_is_a_whole_number_exactly(value: float) -> None:
-    text = amount_arg(value)
+@given(
+    st.sampled_from(FIGURES),
+    st.floats(min_value=0, allow_nan=False, allow_infinity=False) | st.integers(0, 10**15),
+)
+def test_an_amount_goes_as_digits_only_when_it_is_a_whole_count_exactly(
+    figure: str, value: float
+) -> None:
+    text = amount_arg(figure, value)
     assert float(text) == float(value)  # the script adds what was charged, either way
-    assert text.isdigit() == (float(value).is_integer() and float(value) < 2**53)
+    whole = float(value).is_integer() and float(value) < 2**53
+    assert text.isdigit() == (whole and figure != "cost")
 
 
 def test_amounts_as_the_script_reads_them() -> None:
-    assert [amount_arg(v) for v in (1, 12.0, 0.25, 2.0**53, 1e300)] == [
-        "1",
-        "12",
-        "0.25",
-        "9007199254740992.0",
-        "1e+300",
-    ]
+    counts = [amount_arg("busy_ms", v) for v in (1, 12.0, 0.25, 2.0**53, 1e300)]
+    assert counts == ["1", "12", "0.25", "9007199254740992.0", "1e+300"]
+    assert [amount_arg("cost", v) for v in (1, 0.25)] == ["1.0", "0.25"]
