@@ -265,9 +265,9 @@ def usage_keys(conn: Connection, ms: int, near: str) -> tuple[str, str]:
 
 def charge_args(conn: Connection, c: Charge) -> list[Any]:
     """The charge's part of a move's arguments (``lua/transition.lua``). A figure of 0 adds
-    nothing and is left out; a whole amount goes as an integer, which the script adds with
-    ``HINCRBY`` (``bench.script_replay``: a float's parse and print cost the outcome's move
-    7 % of its time, three of them a message)."""
+    nothing and is left out; a count that is a whole number goes as digits, which the script
+    adds with ``HINCRBY`` (``bench.script_replay``: ``HINCRBYFLOAT``'s parse and print of a
+    float cost the outcome's move 7 % of its time, three of them a message)."""
     s = conn.settings
     keep_s = max(s.usage_keep_days, 32) * 86400
     figures = [(name, amount_arg(name, value)) for name, value in c.figures.items() if value]

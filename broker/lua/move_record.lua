@@ -45,8 +45,9 @@ local function charge_move(KEYS, ARGV, n)
     write('EXPIRE', month, ARGV[17 + n])
   end
   for i = 22 + n, 20 + n + 2 * tonumber(ARGV[21 + n]), 2 do
-    -- a whole amount (digits alone) is added as an integer, the cheaper command; a field
-    -- that holds a fraction, or would overflow, refuses it and takes it as a float
+    -- a whole count (digits alone: broker/store.py, amount_arg) is added as an integer,
+    -- the cheaper command; a field that holds a fraction, or would overflow, refuses it and
+    -- takes it as a float
     local field, amount = combo .. '\t' .. ARGV[i], ARGV[i + 1]
     if not (string.find(amount, '^%d+$') and pcall(redis.call, 'HINCRBY', day, field, amount)) then
       write('HINCRBYFLOAT', day, field, amount)
