@@ -90,7 +90,7 @@ async def test_a_charge_is_written_once_with_the_move_that_records_it(conn: Conn
 async def test_whole_amounts_add_as_integers_and_a_fraction_or_an_overflow_as_floats(
     conn: Connection,
 ) -> None:
-    """Whole amounts go as digits (``HINCRBY``); a field that holds a fraction, or would
+    """Whole counts go as digits (``HINCRBY``); a field that holds a fraction, or would
     overflow, still takes them (``HINCRBYFLOAT``); a figure of 0 writes nothing."""
     store = MessageStore(conn)
     day = usage_keys(conn, now_ms(), conn.keys.record("w1"))[0]
