@@ -66,6 +66,7 @@ class Pipeliner:
         self._pending: list[_Group] = []
         self._wake = asyncio.Event()
         self._running = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one run() runs in
         self._lanes = lanes
         self._conns: list[RespConnection | None] = [None] * lanes
         self._busy = [False] * lanes
@@ -81,12 +82,13 @@ class Pipeliner:
         if ORDER_BARRIER in commands:
             replies = iter(await self.call_many([c for c in commands if c is not ORDER_BARRIER]))
             return [None if c is ORDER_BARRIER else next(replies) for c in commands]
-        if not self._running:
+        loop = self._loop
+        if not self._running or loop is None:
             raise RuntimeError("Pipeliner.run() is not running")
         if not commands:
             return []
-        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        if not self._pending and not self._busy[0] and _may_wait():
+        future: asyncio.Future[list[Any]] = loop.create_future()
+        if not self._pending and not self._busy[0] and _may_wait(loop):
             return await self._flush_inline(commands, future)
         self._pending.append((commands, future))
         self._wake.set()
@@ -114,6 +116,10 @@ class Pipeliner:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Flush queued commands until cancelled."""
         self._running = True
+        # Kept, not asked for on every call: on Python 3.11 asking costs a getpid() system
+        # call (asyncio's check for a fork), the syscall the dispatcher and the sidecar made
+        # most often in a burst, once or twice a message.
+        self._loop = asyncio.get_running_loop()
         task_status.started()
         try:
             async with anyio.create_task_group() as tg:
@@ -214,7 +220,7 @@ class Pipeliner:
         return results
 
 
-def _may_wait() -> bool:
+def _may_wait(loop: asyncio.AbstractEventLoop) -> bool:
     """Whether the calling task may take a round trip itself: not once a cancellation has
     reached it (clean-up a cancelled task runs unshielded, in ``except`` or ``finally``).
     Such a call is queued for a lane instead, as any call made while others are on their way:
@@ -223,8 +229,9 @@ def _may_wait() -> bool:
     be cancelled before sending. ``Task.cancelling`` (0.3 µs), not anyio's effective deadline
     (1.5 µs and more, a walk up the task's cancel scopes, on every call an idle process
     makes): a scope cancelled but not yet delivered lets one call through, which drops one
-    connection."""
-    task = asyncio.current_task()
+    connection. The task is looked up in ``loop``, the pipeliner's own, not the running loop
+    found again."""
+    task = asyncio.current_task(loop)
     return task is None or not task.cancelling()
 
 
