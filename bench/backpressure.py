@@ -17,16 +17,14 @@ One fresh redis-server on loopback; no threshold, CI never fails on a time.
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 import anyio
 
 from broker.config import build_settings
 from broker.connection import open_connection
-from broker.embedded import RedisServer
 
 from .incident import FAST, SLOW, IncidentPlan, IncidentRun, percentile, run_incident
+from .servers import discard, throwaway_server
 
 
 async def one_mode(url: str, plan: IncidentPlan, prefix: str) -> IncidentRun:
@@ -79,7 +77,7 @@ async def main(args: argparse.Namespace) -> None:
         scenarios = SCENARIOS
     else:
         scenarios = [(args.rate or SCENARIOS[0][0], args.credits or SCENARIOS[0][1])]
-    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-bench-")))
+    server = throwaway_server("reach-bench-")
     try:
         for k, (rate, credits) in enumerate(scenarios):
             rows = []
@@ -102,7 +100,7 @@ async def main(args: argparse.Namespace) -> None:
                 print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
             print()
     finally:
-        server.stop()
+        discard(server)
 
 
 def parse() -> argparse.Namespace:

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import anyio
 import msgspec
@@ -34,12 +32,12 @@ from adapters.sidecar import Sidecar
 from broker.client import Client
 from broker.config import build_settings
 from broker.connection import Connection, open_connection
-from broker.embedded import RedisServer
 from broker.envelope import Envelope
 from broker.records import InstanceCard
 from workers.dispatcher import Dispatcher
 
 from .pipeline import percentile
+from .servers import discard, throwaway_server
 
 CAPABILITY = "bench.echo"
 SCENARIOS = [20, 50]
@@ -207,12 +205,12 @@ async def scenario(url: str, args: argparse.Namespace, instances: int) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-bench-")))
+    server = throwaway_server("reach-bench-")
     try:
         for instances in [args.instances] if args.instances else SCENARIOS:
             await scenario(server.url, args, instances)
     finally:
-        server.stop()
+        discard(server)
 
 
 def cli() -> None:

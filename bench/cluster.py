@@ -13,6 +13,7 @@ No threshold: it prints figures, CI never fails on a time.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -120,6 +121,7 @@ async def main(messages: int, rounds: int) -> None:
     finally:
         single.stop()
         cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)
     print(f"messages per run: {messages} (in-process adapter, no-op handler, one process)")
     for name, (throughput, costs) in results.items():
         show(name, throughput, costs)

@@ -34,7 +34,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,10 +44,10 @@ from adapters.python import Agent
 from broker.client import Client
 from broker.config import build_settings
 from broker.connection import Connection, open_connection
-from broker.embedded import RedisServer
 from broker.envelope import Envelope
 
 from .profile import commandstats
+from .servers import discard, throwaway_server
 
 CAPABILITY = "bench.cost"
 REPO = Path(__file__).resolve().parent.parent
@@ -142,7 +141,7 @@ async def all_succeeded(conn: Connection, count: int) -> None:
 
 
 async def one_run(args: argparse.Namespace) -> dict[str, float]:
-    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-cost-")))
+    server = throwaway_server("reach-cost-")
     up, sidecar = spawn_both(server.url, args.inflight)
     try:
         settings = build_settings([{"redis_url": server.url}])
@@ -164,7 +163,7 @@ async def one_run(args: argparse.Namespace) -> dict[str, float]:
     finally:
         stop(sidecar)
         stop(up)
-        server.stop()
+        discard(server)
     row = {name: (after[name] - before[name]) * 1e6 / args.messages for name in pids}
     row["messages/s"] = args.messages / took_s
     per = {k: (v - stats_before.get(k, 0)) / args.messages for k, v in stats.items()}

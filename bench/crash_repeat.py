@@ -34,7 +34,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,10 +44,10 @@ from redis.asyncio import Redis
 
 from adapters.finisher import UNRECORDED_MAX
 from adapters.python import Agent
+from bench.servers import discard, throwaway_server
 from broker.client import Client
 from broker.config import build_settings, load_settings
 from broker.connection import open_connection
-from broker.embedded import RedisServer
 from broker.envelope import Envelope
 
 CAPABILITY = "bench.crash"
@@ -111,7 +110,7 @@ async def counts(redis: Redis, key: str) -> dict[str, int]:
 
 
 async def one_run(args: argparse.Namespace) -> dict[str, Any]:
-    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-crash-")))
+    server = throwaway_server("reach-crash-")
     up = spawn(server.url, "up")
     worker = sidecar(server.url, args.inflight)
     redis = Redis.from_url(server.url)
@@ -157,7 +156,7 @@ async def one_run(args: argparse.Namespace) -> dict[str, Any]:
         up.terminate()
         up.wait()
         await redis.aclose()
-        server.stop()
+        discard(server)
     return {
         "done at kill": done_at_kill,
         "running": running,

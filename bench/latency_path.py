@@ -38,9 +38,7 @@ import itertools
 import os
 import re
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import anyio
 import msgspec
@@ -49,12 +47,12 @@ from adapters.python import Agent
 from broker.client import Client
 from broker.config import build_settings
 from broker.connection import Connection, open_connection
-from broker.embedded import RedisServer
 from broker.envelope import Envelope
 from broker.keyspace import direct_lane
 from broker.resp import RespConnection
 
 from .cpu_cost import spawn, stop, succeeded
+from .servers import discard, throwaway_server
 
 CAPABILITY = "bench.path"
 HOPS = (
@@ -175,7 +173,7 @@ async def round_trips(url: str, count: int, pause_s: float) -> list[float]:
 
 
 async def one_run(args: argparse.Namespace) -> tuple[Figures, Figures]:
-    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-path-")))
+    server = throwaway_server("reach-path-")
     up = spawn(server.url, "up")
     sidecar = spawn(
         server.url,
@@ -209,7 +207,7 @@ async def one_run(args: argparse.Namespace) -> tuple[Figures, Figures]:
     finally:
         stop(sidecar)
         stop(up)
-        server.stop()
+        discard(server)
     return stage_times(lines, sent), baseline
 
 

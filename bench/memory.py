@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -35,12 +33,13 @@ from broker.acks import trim_acknowledged
 from broker.client import Client
 from broker.config import build_settings
 from broker.connection import Connection, open_connection
-from broker.embedded import RECORD_LISTPACK_VALUE, RedisServer
+from broker.embedded import RECORD_LISTPACK_VALUE
 from broker.envelope import Envelope, complete
 from broker.keyspace import DISPATCH_GROUP, due_sets
 from workers.dispatcher import Dispatcher
 
 from .pipeline import noop_agent, noop_card, wait_replies
+from .servers import discard, throwaway_server
 
 CAPABILITY = "bench.noop"
 SAMPLE = 200
@@ -107,13 +106,13 @@ async def measure(conn: Connection, messages: int, payload: int) -> dict[str, An
 
 async def main(messages: int, payload: int, listpack_value: int) -> None:
     extra = ["--hash-max-ziplist-value", str(listpack_value)]
-    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-memory-")), extra_args=extra)
+    server = throwaway_server("reach-memory-", extra_args=extra)
     try:
         settings = build_settings([{"redis_url": server.url, "prefix": "bench"}])
         async with open_connection(settings, server.url) as conn:
             found = await measure(conn, messages, payload)
     finally:
-        server.stop()
+        discard(server)
     setting = f"hash-max-ziplist-value {listpack_value}"
     print(f"{messages} messages, {payload}-byte payloads, {setting}; bytes per message:")
     for state in ("waiting", "finished"):

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import anyio
 from anyio.abc import TaskGroup
@@ -35,10 +33,10 @@ from starlette.routing import Route
 
 from adapters.asgi import serve_app
 from bench.pipeline import in_process_throughput
+from bench.servers import discard, throwaway_server
 from broker import process_metrics, tracing
 from broker.config import build_settings
 from broker.connection import open_connection
-from broker.embedded import RedisServer
 from workers.metrics_page import render
 
 CONFIGURATIONS = ("off", "on", "on + scraped", "on + traced")
@@ -101,7 +99,7 @@ async def measured_run(url: str, configuration: str, run_no: int, messages: int)
 
 
 async def main(messages: int, rounds: int) -> None:
-    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-bench-")))
+    server = throwaway_server("reach-bench-")
     results: dict[str, list[float]] = {c: [] for c in CONFIGURATIONS}
     try:
         await one_run(server.url, "off", 0, messages // 5)  # warm-up, not counted
@@ -117,7 +115,7 @@ async def main(messages: int, rounds: int) -> None:
             print(f"round {round_no}: " + " | ".join(shown), flush=True)
     finally:
         process_metrics.enable(True)
-        server.stop()
+        discard(server)
     baseline = statistics.median(results["off"])
     print(f"messages per run: {messages} (in-process adapter, no-op handler)")
     for configuration in CONFIGURATIONS:

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import anyio
 import msgspec
@@ -29,10 +27,10 @@ from redis.asyncio import Redis
 
 from adapters.python import Agent
 from adapters.sidecar import Sidecar
+from bench.servers import discard, throwaway_server
 from broker.client import Client
 from broker.config import build_settings
 from broker.connection import Connection, open_connection
-from broker.embedded import RedisServer
 from broker.envelope import Envelope
 from broker.records import InstanceCard
 from workers.dispatcher import Dispatcher
@@ -169,7 +167,7 @@ def percentile(sorted_values: list[float], q: float) -> float:
 async def main(messages: int, rate: float, rate_seconds: float, rounds: int) -> None:
     """Alternate baseline and pipeline runs on one server; report each round and the median
     ratio (a shared 2-core machine is noisy: the ratio within a round is what compares)."""
-    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-bench-")))
+    server = throwaway_server("reach-bench-")
     ratios: list[float] = []
     try:
         settings = build_settings([{"redis_url": server.url, "prefix": "bench"}])
@@ -191,7 +189,7 @@ async def main(messages: int, rate: float, rate_seconds: float, rounds: int) -> 
                 latencies = await fixed_rate_latency(conn, rate, rate_seconds)
                 tg.cancel_scope.cancel()
     finally:
-        server.stop()
+        discard(server)
     print(f"messages per run                   : {messages} (in-process adapter, no-op handler)")
     print(f"median ratio (end to end / raw)    : {statistics.median(ratios):.1%}")
     print(

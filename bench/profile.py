@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,11 +26,11 @@ import anyio
 from adapters.sidecar import Sidecar
 from broker.config import build_settings
 from broker.connection import Connection, open_connection
-from broker.embedded import RedisServer
 from broker.gc_tuning import tune_gc
 from workers.dispatcher import Dispatcher
 
 from .pipeline import noop_agent, noop_card, pipeline_throughput
+from .servers import discard, throwaway_server
 
 
 def commandstats(info: str) -> dict[str, tuple[int, int]]:
@@ -55,7 +54,7 @@ async def run(conn: Connection, messages: int) -> tuple[dict[str, tuple[int, int
 
 async def main(messages: int, top: int) -> None:
     tune_gc()
-    server = RedisServer.start(Path(tempfile.mkdtemp(prefix="reach-profile-")))
+    server = throwaway_server("reach-profile-")
     profiler = cProfile.Profile()
     try:
         settings = build_settings([{"redis_url": server.url, "prefix": "bench"}])
@@ -69,7 +68,7 @@ async def main(messages: int, top: int) -> None:
                 profiler.disable()
                 tg.cancel_scope.cancel()
     finally:
-        server.stop()
+        discard(server)
     print(f"{messages} messages, in-process dispatcher and sidecar (100 in flight), no-op handler")
     print("Redis: per message, by command (server time; EVALSHA = every script call)")
     total_calls = sum(c for c, _ in stats.values())

@@ -37,7 +37,6 @@ import contextlib
 import hashlib
 import re
 import statistics
-import tempfile
 from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ from broker.scripts import ScriptName, load_scripts, script_source
 
 from .cpu_cost import all_succeeded, burst, finished, paced, spawn_both, stop, succeeded
 from .latency_path import monitor
+from .servers import discard, throwaway_server
 
 # commands of the live run's connections that a replay does not send again
 NOT_REPLAYED = {
@@ -125,12 +125,11 @@ def replayable(lines: list[str]) -> list[Command]:
 @contextlib.contextmanager
 def fresh_server() -> Iterator[RedisServer]:
     """A redis-server of its own, its data directory removed after it stops."""
-    with tempfile.TemporaryDirectory(prefix="reach-replay-") as data:
-        server = RedisServer.start(Path(data))
-        try:
-            yield server
-        finally:
-            server.stop()
+    server = throwaway_server("reach-replay-")
+    try:
+        yield server
+    finally:
+        discard(server)
 
 
 async def read_past(lines: list[str], marker: Awaitable[object]) -> None:
