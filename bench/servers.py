@@ -11,9 +11,13 @@ from pathlib import Path
 from broker.embedded import RedisServer
 
 
-def throwaway_server(prefix: str, *, extra_args: Sequence[str] = ()) -> RedisServer:
-    """A fresh redis-server in a new temporary directory named ``prefix…``."""
-    return RedisServer.start(Path(tempfile.mkdtemp(prefix=prefix)), extra_args=extra_args)
+def throwaway_server(
+    prefix: str, *, port: int | None = None, extra_args: Sequence[str] = ()
+) -> RedisServer:
+    """A fresh redis-server in a new temporary directory named ``prefix…`` (on a free port,
+    unless ``port`` is given)."""
+    data = Path(tempfile.mkdtemp(prefix=prefix))
+    return RedisServer.start(data, port=port, extra_args=extra_args)
 
 
 def discard(server: RedisServer) -> None:
