@@ -12,7 +12,9 @@ command line (``agent-reach up``, ``agent-reach sidecar``, ``taskiq worker``, th
 The figures say where a system's CPU goes, and what its total allows: a stage that keeps
 every core busy runs at most ``cores / total`` tasks a second. The task body (one pipelined
 round trip with redis-py, the same for every system) runs in the process that calls it: the
-sidecar, or the anchor's worker.
+sidecar, or the anchor's worker. The producer's figure includes the harness's own wait for
+the last completion (a ``GET`` every 20 ms). Polling ``/proc`` 20 times a second costs this
+bench a few per cent of one core, outside the figures but on the same machine.
 
 Usage: ``python -m bench.harness_cpu [--systems agentreach taskiq] [--small 5000]
 [--large 20000] [--reps 2] [--harness ../shared/bench/anchors]
