@@ -12,31 +12,44 @@ command line (``agent-reach up``, ``agent-reach sidecar``, ``taskiq worker``, th
 The figures say where a system's CPU goes, and what its total allows: a stage that keeps
 every core busy runs at most ``cores / total`` tasks a second. The task body (one pipelined
 round trip with redis-py, the same for every system) runs in the process that calls it: the
-sidecar, or the anchor's worker. The producer's figure includes the harness's own wait for
-the last completion (a ``GET`` every 20 ms). Polling ``/proc`` 20 times a second costs this
-bench a few per cent of one core, outside the figures but on the same machine.
+sidecar, or the anchor's worker. What grows with a stage's length rather than with its tasks
+is counted as the tasks' too: the harness's own wait for the last completion (a ``GET``
+every 10 ms, in the producer's figure), timers, Redis's housekeeping; under a microsecond a
+task. Polling ``/proc`` 20 times a second costs this bench a few per cent of one core,
+outside the figures but on the same machine.
+
+Each stage starts on an empty Redis (``FLUSHALL`` before its baseline is read: the harness's
+own flush at the start of a stage would otherwise charge it for deleting what the stage
+before left). This checkout is installed into the ``agentreach`` venv first, as ``setup.sh``
+does, so the figures are this code's.
 
 Usage: ``python -m bench.harness_cpu [--systems agentreach taskiq] [--small 5000]
 [--large 20000] [--reps 2] [--harness ../shared/bench/anchors]
-[--venv-prefix /tmp/anchors-venv]``: run ``run.sh`` once first (it makes the venvs and
-installs this checkout into the ``agentreach`` one). Uses 127.0.0.1:6390, as the harness
-does. Figures only, no threshold: CI never runs it.
+[--venv-prefix /tmp/anchors-venv]``: run ``run.sh`` once first (it makes the venvs). Uses
+127.0.0.1:6390, or ``ANCHOR_REDIS_PORT``, as the harness does. Figures only, no threshold: CI
+never runs it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import signal
 import statistics
 import subprocess
 import threading
-from collections import Counter
+from collections import defaultdict
 from pathlib import Path
+
+import redis
 
 from .servers import discard, throwaway_server
 
-PORT = 6390  # the harness's
+PORT = int(os.environ.get("ANCHOR_REDIS_PORT", "6390"))  # the harness's
+REPO = Path(__file__).resolve().parent.parent
+STAGE_TIMEOUT_S = 600
 TICKS = os.sysconf("SC_CLK_TCK")
 POLL_S = 0.05
 
@@ -107,10 +120,10 @@ class Sampler:
                 name = self.extra.get(pid) or self.seen.get(pid, ("", 0.0))[0] or label(pid)
                 self.seen[pid] = (name, spent)
 
-    def stop(self) -> Counter[str]:
+    def stop(self) -> dict[str, float]:
         self._stop.set()
         self._thread.join()
-        spent: Counter[str] = Counter()
+        spent: dict[str, float] = defaultdict(float)
         for pid, (name, total) in self.seen.items():
             spent[name] += total - self.start.get(pid, 0.0)
         return spent
@@ -118,17 +131,26 @@ class Sampler:
 
 def one_stage(
     args: argparse.Namespace, system: str, tasks: int, redis_pid: int
-) -> tuple[float, Counter[str]]:
+) -> tuple[float, dict[str, float]]:
     """One throughput stage of ``tasks``: its tasks a second and CPU seconds by process."""
     python = f"{args.venv_prefix}-{system}/bin/python"
     argv = [python, "bench.py", system, "throughput", "--reps", "1", "--n", str(tasks)]
     argv += ["--out", os.devnull, "--tag", "harness_cpu"]
+    redis.Redis(port=PORT).flushall()
     stage = subprocess.Popen(
         argv, cwd=args.harness, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     sampler = Sampler(stage.pid, {redis_pid: "redis-server"})
-    out, _ = stage.communicate(timeout=600)
-    spent = sampler.stop()
+    try:
+        out, _ = stage.communicate(timeout=STAGE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for pid in sampler.seen:  # the stage and what it started (its worker's own session)
+            if pid != redis_pid:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        raise SystemExit(f"{system}: the stage ran past {STAGE_TIMEOUT_S} s") from None
+    finally:
+        spent = sampler.stop()
     found = re.search(r"'tasks_per_s': ([0-9.]+)", out)
     if stage.returncode != 0 or found is None:
         raise SystemExit(f"{system}: the stage failed:\n{out[-2000:]}")
@@ -147,11 +169,21 @@ def main() -> None:
     if args.large <= args.small:
         parser.error("--large must be more than --small")
     args.harness = args.harness.resolve()
+    if "agentreach" in args.systems:  # as setup.sh does: the figures are this checkout's
+        pip = f"{args.venv_prefix}-agentreach/bin/pip"
+        install = [pip, "install", "-q", "--force-reinstall", "--no-deps", str(REPO)]
+        subprocess.run(install, check=True)
+        commit = subprocess.run(
+            ["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        print(f"agentreach: this checkout, {commit or 'not a git checkout'}", flush=True)
     # as run.sh starts it: no persistence, Redis's own listpack limit
     harness_redis = ("--appendonly", "no", "--hash-max-ziplist-value", "64")
     server = throwaway_server("reach-harness-cpu-", port=PORT, extra_args=harness_redis)
     rates: dict[str, list[float]] = {s: [] for s in args.systems}
-    costs: dict[str, list[Counter[str]]] = {s: [] for s in args.systems}
+    costs: dict[str, list[dict[str, float]]] = {s: [] for s in args.systems}
     try:
         for rep in range(1, args.reps + 1):
             for system in args.systems:  # interleaved: the machine's drift hits each alike
@@ -159,9 +191,10 @@ def main() -> None:
                 rate, large = one_stage(args, system, args.large, server.process.pid)
                 rates[system].append(rate)
                 extra = args.large - args.small
-                cost = Counter({k: (large[k] - small[k]) / extra for k in large})
+                cost = {k: (v - small.get(k, 0.0)) / extra for k, v in large.items()}
                 costs[system].append(cost)
-                each = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in cost.most_common() if v > 5e-7)
+                ranked = sorted(cost.items(), key=lambda kv: -kv[1])
+                each = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in ranked if v > 5e-7)
                 print(f"rep {rep} {system}: {rate:,.0f} tasks/s; µs a task: {each}", flush=True)
     finally:
         discard(server)
@@ -169,7 +202,9 @@ def main() -> None:
 
 
 def report(
-    args: argparse.Namespace, rates: dict[str, list[float]], costs: dict[str, list[Counter[str]]]
+    args: argparse.Namespace,
+    rates: dict[str, list[float]],
+    costs: dict[str, list[dict[str, float]]],
 ) -> None:
     cores = os.cpu_count() or 1
     extra = args.large - args.small
@@ -178,8 +213,9 @@ def report(
         f"{extra:,}, median of {args.reps}; {cores} cores"
     )
     for system in args.systems:
-        names = sorted({k for c in costs[system] for k in c}, key=lambda k: -costs[system][0][k])
-        medians = {k: statistics.median(c[k] for c in costs[system]) * 1e6 for k in names}
+        seen = {k for c in costs[system] for k in c}
+        medians = {k: statistics.median(c.get(k, 0.0) for c in costs[system]) * 1e6 for k in seen}
+        names = sorted(seen, key=lambda k: -medians[k])
         total = sum(medians.values())
         rate = statistics.median(rates[system])
         print(f"  {system}: {rate:,.0f} tasks/s at {args.large:,} tasks")

@@ -17,7 +17,11 @@ def throwaway_server(
     """A fresh redis-server in a new temporary directory named ``prefix…`` (on a free port,
     unless ``port`` is given)."""
     data = Path(tempfile.mkdtemp(prefix=prefix))
-    return RedisServer.start(data, port=port, extra_args=extra_args)
+    try:
+        return RedisServer.start(data, port=port, extra_args=extra_args)
+    except BaseException:  # it did not start (the port taken, say): nothing is left behind
+        shutil.rmtree(data, ignore_errors=True)
+        raise
 
 
 def discard(server: RedisServer) -> None:
