@@ -120,6 +120,7 @@ class Pipeliner:
         # call (asyncio's check for a fork), the syscall the dispatcher and the sidecar made
         # most often in a burst, once or twice a message.
         self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()  # bound to the loop that first waits on it: this run's
         task_status.started()
         try:
             async with anyio.create_task_group() as tg:
@@ -130,8 +131,9 @@ class Pipeliner:
             for _, future in self._pending:
                 future.cancel()
             self._pending.clear()
+            closing, self._conns = self._conns, [None] * self._lanes  # a next run opens anew
             with anyio.CancelScope(shield=True):
-                for conn in self._conns:
+                for conn in closing:
                     if conn is not None:
                         await conn.close()
 

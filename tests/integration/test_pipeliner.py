@@ -62,6 +62,38 @@ async def test_an_idle_process_keeps_one_connection(redis_server: RedisServer) -
     assert len(ids) == 1
 
 
+async def test_a_pipeliner_run_again_after_it_stopped_opens_new_connections(
+    redis_server: RedisServer,
+) -> None:
+    """The connections a stopped run closed are not used again: a pipeliner run a second
+    time answers its first call on a connection of its own."""
+    pipeliner = Pipeliner(redis_server.url, [])
+    ids = []
+    for _ in range(2):
+        async with anyio.create_task_group() as tg:
+            await tg.start(pipeliner.run)
+            ids.append(await pipeliner.call("CLIENT", "ID"))
+            tg.cancel_scope.cancel()
+    assert ids[0] != ids[1]
+
+
+def test_a_pipeliner_run_again_in_another_event_loop_serves_calls(
+    redis_server: RedisServer,
+) -> None:
+    """Nothing of a stopped run's event loop is kept: run again under a new loop, the
+    pipeliner answers."""
+    pipeliner = Pipeliner(redis_server.url, [])
+
+    async def one_run() -> object:
+        async with anyio.create_task_group() as tg:
+            await tg.start(pipeliner.run)
+            answer = await pipeliner.call("PING")
+            tg.cancel_scope.cancel()
+        return answer
+
+    assert [anyio.run(one_run) for _ in range(2)] == [b"PONG", b"PONG"]
+
+
 async def test_work_queued_behind_both_lanes_leaves_when_the_first_frees(
     redis_server: RedisServer,
 ) -> None:
