@@ -45,22 +45,13 @@ from pathlib import Path
 
 import redis
 
+from .cpu_cost import cpu_s
 from .servers import discard, throwaway_server
 
 PORT = int(os.environ.get("ANCHOR_REDIS_PORT", "6390"))  # the harness's
 REPO = Path(__file__).resolve().parent.parent
 STAGE_TIMEOUT_S = 600
-TICKS = os.sysconf("SC_CLK_TCK")
 POLL_S = 0.05
-
-
-def cpu_s(pid: int) -> float:
-    """The CPU time ``pid`` has spent, user and system (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def parent_of(pid: int) -> int:
@@ -115,7 +106,10 @@ class Sampler:
             below |= more
             grew = bool(more)
         for pid in below | set(self.extra):
-            spent = cpu_s(pid)
+            try:
+                spent = cpu_s(pid)
+            except OSError:  # gone since it was listed: its last reading stands
+                continue
             if spent:
                 name = self.extra.get(pid) or self.seen.get(pid, ("", 0.0))[0] or label(pid)
                 self.seen[pid] = (name, spent)
