@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -30,12 +31,39 @@ from tests.support.harness import (
     running_sidecar,
 )
 from tests.support.processes import AGENT_REACH, process_env
-from workers.cli import main
+from workers.cli import COMMANDS, main
 from workers.cli.common import FiniteRange, ListenHost
 
 
 def all_commands() -> list[list[str]]:
-    return [[]] + [[name] for name in main.commands]
+    return [[]] + [[name] for name in main.list_commands(click.Context(main))]
+
+
+def test_every_command_is_found_under_its_own_name() -> None:
+    """The command line imports a command's module only when it runs (``COMMANDS``): each
+    name there finds a command that calls itself by it, and an unknown name is refused."""
+    context = click.Context(main)
+    assert len(COMMANDS) == 31
+    for name in COMMANDS:
+        command = main.get_command(context, name)
+        assert isinstance(command, click.Command) and command.name == name, name
+    result = CliRunner().invoke(main, ["stat"])
+    assert result.exit_code == 2 and "No such command 'stat'" in result.output
+
+
+def test_a_command_imports_only_what_it_runs() -> None:
+    """``agent-reach stats`` does not import the processes it does not run."""
+    script = (
+        "import sys\n"
+        "from workers.cli import main\n"
+        "main(['stats', '--help'], standalone_mode=False)\n"
+        "print(sorted(m for m in sys.modules if m in "
+        "('workers.dispatcher', 'workers.cli.processes', 'adapters.sidecar')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, timeout=60, check=True
+    )
+    assert done.stdout.decode().splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize("argv", all_commands(), ids=lambda a: " ".join(a) or "agent-reach")
@@ -365,7 +393,10 @@ def test_a_real_command_line_not_utf8_is_refused_the_same() -> None:
 
 def commands(group: click.Group, path: tuple[str, ...] = ()) -> list[tuple[str, click.Command]]:
     found: list[tuple[str, click.Command]] = []
-    for name, command in group.commands.items():
+    context = click.Context(group)
+    for name in group.list_commands(context):
+        command = group.get_command(context, name)
+        assert command is not None, name
         if isinstance(command, click.Group):
             found += commands(command, (*path, name))
         else:
