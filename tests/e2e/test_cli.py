@@ -41,14 +41,17 @@ def all_commands() -> list[list[str]]:
 
 def test_every_command_is_found_under_its_own_name() -> None:
     """The command line imports a command's module only when it runs (``COMMANDS``): each
-    name there finds a command that calls itself by it, and an unknown name is refused."""
+    name there finds a command that calls itself by it, and a mistyped one is refused with
+    the names it is near."""
     context = click.Context(main)
     assert len(COMMANDS) == 31
     for name in COMMANDS:
         command = main.get_command(context, name)
         assert isinstance(command, click.Command) and command.name == name, name
+    assert sorted(main.commands) == sorted(COMMANDS) == main.list_commands(context)
     result = CliRunner().invoke(main, ["stat"])
-    assert result.exit_code == 2 and "No such command 'stat'" in result.output
+    assert result.exit_code == 2
+    assert "No such command 'stat'. Did you mean 'stats'?" in result.output
 
 
 def test_a_command_imports_only_what_it_runs() -> None:

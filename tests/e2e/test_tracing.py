@@ -207,6 +207,7 @@ print("ok")
 def test_unconfigured_processes_import_no_opentelemetry() -> None:
     script = (
         "import sys, adapters.runner, broker.client, workers.dispatcher, workers.cli\n"
+        "for name in workers.cli.COMMANDS: workers.cli.main.commands[name]\n"
         "from broker import tracing\n"
         "assert not tracing.setup('agent-reach')\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"

@@ -8,6 +8,7 @@ needs, and every invocation paid it."""
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator, MutableMapping
 
 import click
 
@@ -54,6 +55,37 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class Commands(MutableMapping[str, click.Command]):
+    """The group's commands by name (click's ``Group.commands``): a command's module is
+    imported when the command is looked up. Listing them, or matching a mistyped name
+    against them (click's "Did you mean"), imports nothing."""
+
+    def __init__(self) -> None:
+        self._added: dict[str, click.Command] = {}  # by add_command, as in any click group
+
+    def __getitem__(self, name: str) -> click.Command:
+        if name in self._added:
+            return self._added[name]
+        module, attribute = COMMANDS[name]  # KeyError: no such command
+        command: click.Command = getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
+        return command
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._added or name in COMMANDS
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(COMMANDS.keys() | self._added.keys()))
+
+    def __len__(self) -> int:
+        return len(COMMANDS.keys() | self._added.keys())
+
+    def __setitem__(self, name: str, command: click.Command) -> None:
+        self._added[name] = command
+
+    def __delitem__(self, name: str) -> None:
+        del self._added[name]
+
+
 class AgentReach(click.Group):
     """The command group; every argument of every command is text, checked here once."""
 
@@ -69,19 +101,10 @@ class AgentReach(click.Group):
                 ) from exc
         return super().parse_args(ctx, args)
 
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(COMMANDS)
 
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        where = COMMANDS.get(cmd_name)
-        if where is None:
-            return None  # click answers "No such command"
-        module, attribute = where
-        command: click.Command = getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
-        return command
-
-
-@click.group(cls=AgentReach, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=AgentReach, commands=Commands(), context_settings={"help_option_names": ["-h", "--help"]}
+)
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
 @click.version_option(package_name="agent-reach")
 def main(verbose: int) -> None:
