@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -52,6 +53,22 @@ def test_every_command_is_found_under_its_own_name() -> None:
     result = CliRunner().invoke(main, ["stat"])
     assert result.exit_code == 2
     assert "No such command 'stat'. Did you mean 'stats'?" in result.output
+
+
+def test_every_command_the_modules_define_is_listed() -> None:
+    """A command defined in ``workers/cli/`` and left out of ``COMMANDS`` would never run."""
+    package = Path(__file__).resolve().parents[2] / "workers" / "cli"
+    defined = set()
+    for path in package.glob("[!_]*.py"):  # not __init__.py, whose one command is the group
+        module = importlib.import_module(f"workers.cli.{path.stem}")
+        defined |= {
+            (path.stem, attribute)
+            for attribute, value in vars(module).items()
+            if isinstance(value, click.Command)
+            and value.callback is not None
+            and value.callback.__module__ == module.__name__
+        }
+    assert defined == set(COMMANDS.values())
 
 
 def test_a_command_imports_only_what_it_runs() -> None:
