@@ -10,7 +10,9 @@ alone, so this is the fixed cost of a message: round trips, wake-ups, Python obj
 the latency stage's p50 and p99 are made of, and what batching hides at saturation.
 
 Also prints Redis's commands per message (``INFO commandstats``, scripts counted as
-``evalsha`` and the commands they run under their own names).
+``evalsha`` and the commands they run under their own names), and Redis's own time in the
+scripts a message (``server µs in scripts``: ``evalsha``'s ``usec``, the commands they run
+included).
 
 With ``--burst`` the envelopes are submitted all at once instead, 100 concurrent submits at a
 time (as the harness's throughput stage does): the cost of a message at saturation, where
@@ -92,10 +94,9 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
-async def calls(conn: Connection) -> dict[str, int]:
-    """Redis's calls so far, by command (``INFO commandstats``)."""
-    stats = commandstats((await conn.call("INFO", "commandstats")).decode())
-    return {name: count for name, (count, _) in stats.items()}
+async def calls(conn: Connection) -> dict[str, tuple[int, int]]:
+    """Redis's calls so far and its time in them (µs), by command (``INFO commandstats``)."""
+    return commandstats((await conn.call("INFO", "commandstats")).decode())
 
 
 async def paced(client: Client, count: int, rate: float) -> str:
@@ -166,8 +167,10 @@ async def one_run(args: argparse.Namespace) -> dict[str, float]:
         discard(server)
     row = {name: (after[name] - before[name]) * 1e6 / args.messages for name in pids}
     row["messages/s"] = args.messages / took_s
-    per = {k: (v - stats_before.get(k, 0)) / args.messages for k, v in stats.items()}
+    per = {k: (n - stats_before.get(k, (0, 0))[0]) / args.messages for k, (n, _) in stats.items()}
     row.update({f"calls {k}": v for k, v in per.items() if v >= 0.05})
+    in_scripts = stats.get("evalsha", (0, 0))[1] - stats_before.get("evalsha", (0, 0))[1]
+    row["server µs in scripts"] = in_scripts / args.messages
     return row
 
 
@@ -195,13 +198,15 @@ def main() -> None:
     rows = []
     for rep in range(args.reps):
         rows.append(row := anyio.run(one_run, args))
-        cpu = ", ".join(f"{k} {v:.0f}" for k, v in row.items() if not k.startswith("calls"))
+        cpu = ", ".join(
+            f"{k} {v:.0f}" for k, v in row.items() if not k.startswith(("calls", "server"))
+        )
         print(f"  run {rep + 1}: CPU per message: {cpu}", flush=True)
     keys = sorted({k for r in rows for k in r})
     print("median per message:")
     for key in keys:
         value = statistics.median(r.get(key, 0.0) for r in rows)
-        unit = "" if key.startswith("calls") or key == "messages/s" else " µs CPU"
+        unit = "" if key.startswith(("calls", "server")) or key == "messages/s" else " µs CPU"
         print(f"  {key:>28} {value:8.2f}{unit}")
 
 
