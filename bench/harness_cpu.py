@@ -43,6 +43,7 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
+import psutil
 import redis
 
 from .cpu_cost import cpu_s
@@ -54,20 +55,12 @@ STAGE_TIMEOUT_S = 600
 POLL_S = 0.05
 
 
-def parent_of(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 def label(pid: int) -> str:
     """A process's name for the table, from its command line."""
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
+        argv = [a for a in psutil.Process(pid).cmdline() if a]
+    except psutil.Error:
         return "?"
-    argv = [a for a in argv if a]
     if argv and Path(argv[0]).name.startswith("python"):
         argv = argv[1:]
     if not argv:
@@ -98,13 +91,8 @@ class Sampler:
 
     def _sample(self) -> None:
         below = {self.root}
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-        parents = {pid: parent_of(pid) for pid in pids}
-        grew = True
-        while grew:
-            more = {pid for pid, parent in parents.items() if parent in below} - below
-            below |= more
-            grew = bool(more)
+        with contextlib.suppress(psutil.Error):  # the stage has ended: nothing more below it
+            below |= {p.pid for p in psutil.Process(self.root).children(recursive=True)}
         for pid in below | set(self.extra):
             try:
                 spent = cpu_s(pid)
