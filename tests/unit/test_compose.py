@@ -91,10 +91,9 @@ def command_words(command: str | list[str]) -> list[str]:
 def parse_cli(argv: list[str]) -> click.Context:
     """Parse ``agent-reach ARGV`` as the CLI would; only parses, never runs the command."""
     name, *args = argv
-    known = main.list_commands(click.Context(main))
-    command = main.get_command(click.Context(main), name)
+    command = main.commands.get(name)
     if command is None:
-        raise click.UsageError(f"no such command {name!r}; have {known}")
+        raise click.UsageError(f"no such command {name!r}; have {sorted(main.commands)}")
     return command.make_context(name, args, resilient_parsing=False)
 
 
