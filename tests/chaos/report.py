@@ -48,7 +48,7 @@ def render(seen: Observed) -> str:
     unanswered = sum(1 for i in ended if not seen.replies[i])
     restarts = "; ".join(
         f"down {r['down_s']:.1f} s; every sidecar heartbeating and every dispatcher reading "
-        f"again {r['reconnected_s']:.1f} s after it was back"
+        f"again (or nothing left to read) {r['reconnected_s']:.1f} s after it was back"
         for r in seen.redis_restarts
     )
     rows = [
