@@ -19,7 +19,9 @@ import argparse
 import cProfile
 import pstats
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -27,6 +29,7 @@ from adapters.sidecar import Sidecar
 from broker.config import build_settings
 from broker.connection import Connection, open_connection
 from broker.gc_tuning import tune_gc
+from broker.scripts import load_scripts
 from workers.dispatcher import Dispatcher
 
 from .pipeline import noop_agent, noop_card, pipeline_throughput
@@ -42,6 +45,36 @@ def commandstats(info: str) -> dict[str, tuple[int, int]]:
             fields = dict(part.split("=", 1) for part in rest.split(","))
             stats[name.removeprefix("cmdstat_")] = (int(fields["calls"]), int(fields["usec"]))
     return stats
+
+
+def script_times(entries: Sequence[Any]) -> dict[str, tuple[int, int]]:
+    """``SLOWLOG GET`` entries (id, time, µs, arguments, ...) as script name -> (calls, µs):
+    each ``EVALSHA``'s time, the commands it ran included, under its script's name (a SHA1
+    that names no script of ``broker/lua`` under its first eight digits)."""
+    names = {script.sha: str(name) for name, script in load_scripts().items()}
+    times: dict[str, tuple[int, int]] = {}
+    for entry in entries:
+        arguments = entry[3]
+        if len(arguments) < 2 or bytes(arguments[0]).lower() != b"evalsha":
+            continue
+        sha = bytes(arguments[1]).decode(errors="replace").lower()
+        name = names.get(sha, sha[:8])
+        calls, usec = times.get(name, (0, 0))
+        times[name] = (calls + 1, usec + int(entry[2]))
+    return times
+
+
+async def log_every_call(conn: Connection, most: int) -> None:
+    """Have Redis log every call it runs, up to the last ``most`` (``SLOWLOG`` at 0 µs)."""
+    await conn.call("CONFIG", "SET", "slowlog-max-len", str(most))
+    await conn.call("CONFIG", "SET", "slowlog-log-slower-than", "0")
+    await conn.call("SLOWLOG", "RESET")
+
+
+async def logged_script_times(conn: Connection) -> dict[str, tuple[int, int]]:
+    """Stop logging every call; each script's calls and time since :func:`log_every_call`."""
+    await conn.call("CONFIG", "SET", "slowlog-log-slower-than", "10000")
+    return script_times(await conn.call("SLOWLOG", "GET", "-1"))
 
 
 async def run(conn: Connection, messages: int) -> tuple[dict[str, tuple[int, int]], float]:
