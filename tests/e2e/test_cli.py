@@ -71,19 +71,35 @@ def test_every_command_the_modules_define_is_listed() -> None:
     assert defined == set(COMMANDS.values())
 
 
-def test_a_command_imports_only_what_it_runs() -> None:
-    """``agent-reach stats`` does not import the processes it does not run."""
-    script = (
-        "import sys\n"
-        "from workers.cli import main\n"
-        "main(['stats', '--help'], standalone_mode=False)\n"
-        "print(sorted(m for m in sys.modules if m in "
-        "('workers.dispatcher', 'workers.cli.processes', 'adapters.sidecar')))\n"
-    )
+def printed_by(*lines: str) -> list[str]:
+    """The lines a fresh interpreter prints running ``lines``: what it imports is its own."""
+    script = "\n".join(lines)
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, timeout=60, check=True
     )
-    assert done.stdout.decode().splitlines()[-1] == "[]"
+    return done.stdout.decode().splitlines()
+
+
+def test_a_command_imports_only_what_it_runs() -> None:
+    """``agent-reach stats`` does not import the processes it does not run."""
+    printed = printed_by(
+        "import sys",
+        "from workers.cli import main",
+        "main(['stats', '--help'], standalone_mode=False)",
+        "print(sorted(m for m in sys.modules if m in "
+        "('workers.dispatcher', 'workers.cli.processes', 'adapters.sidecar')))",
+    )
+    assert printed[-1] == "[]"
+
+
+def test_the_workers_package_lists_and_gives_the_dispatcher_it_imports_late() -> None:
+    printed = printed_by(
+        "import sys, workers",
+        "print('Dispatcher' in dir(workers), 'workers.dispatcher' in sys.modules)",
+        "from workers import Dispatcher",
+        "print(Dispatcher.__module__)",
+    )
+    assert printed == ["True False", "workers.dispatcher"]
 
 
 @pytest.mark.parametrize("argv", all_commands(), ids=lambda a: " ".join(a) or "agent-reach")
