@@ -43,6 +43,8 @@ def plan(
     cluster_binary: Path | None = None,
 ) -> Plan:
     seed = int(os.environ.get("CHAOS_SEED") or new_seed())
+    # captured, and shown with a failure of any kind (a timeout, an error before the report)
+    print(f"chaos seed {seed}: CHAOS_SEED={seed} replays this schedule")
     produce_s = max(least_s, min(150.0, messages / rate))
     return Plan(messages, appendfsync, seed, produce_s, cluster_binary=cluster_binary)
 
