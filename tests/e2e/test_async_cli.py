@@ -18,11 +18,10 @@ from broker.connection import Connection
 from broker.envelope import Envelope
 from broker.stages import Stage
 from broker.store import MessageStore
-from broker.timekeeping import now_ms
-from broker.usage_reader import tenant_spending, usage_totals
 from tests.support.async_agents import AsyncAgent, async_agent
 from tests.support.harness import collect_replies, eventually, running_dispatcher
 from tests.support.processes import process_env, start, stop
+from tests.support.usage_days import spending_lately, usage_lately
 from workers.cli import main
 
 
@@ -126,7 +125,7 @@ async def charged_usage(conn: Connection, message_id: str) -> tuple[Any, str, di
     the day's figures of agent ``thinker``."""
     stored = await conn.call("HGET", conn.keys.record(message_id), "usage:1")
     timeline = await MessageStore(conn).get_timeline(message_id)
-    (totals,) = [t for t in await usage_totals(conn, "agent", 1, now_ms()) if t.name == "thinker"]
+    (totals,) = [t for t in await usage_lately(conn, "agent") if t.name == "thinker"]
     return json.loads(stored or b"null"), timeline[-1].reason, totals.figures
 
 
@@ -170,4 +169,4 @@ async def test_a_callback_whose_sidecar_never_returns_is_finished_and_charged_by
     assert stored == used and "finished by the reaper" in reason
     assert "usage in=1500 out=250 cost=0.375" in reason
     assert figures["requests"] == 1 and figures["succeeded"] == 1 and figures["cost"] == 0.375
-    assert (await tenant_spending(conn, now_ms()))[1] == {"team-a": 0.375}
+    assert (await spending_lately(conn))[1] == {"team-a": 0.375}

@@ -47,10 +47,9 @@ from broker.embedded import free_port
 from broker.envelope import Envelope
 from broker.stages import Stage
 from broker.store import MessageStore
-from broker.timekeeping import now_ms
-from broker.usage_reader import usage_totals
 from tests.support.a2a_agents import A2AAgent, Executor, a2a_agent
 from tests.support.harness import connected, eventually, running_dispatcher, running_sidecar
+from tests.support.usage_days import usage_lately
 from workers.cli import main
 
 CAPABILITY = "text.echo"
@@ -381,7 +380,7 @@ async def usage_on_record(conn: Connection, message_id: str, attempt: int = 1) -
 
 
 async def todays(conn: Connection, by: str) -> dict[str, dict[str, Any]]:
-    return {row.name: row.as_json() for row in await usage_totals(conn, by, 1, now_ms())}
+    return {row.name: row.as_json() for row in await usage_lately(conn, by)}
 
 
 async def test_usage_in_a_tasks_or_messages_metadata_is_recorded_and_charged(

@@ -24,8 +24,6 @@ from broker.envelope import Envelope
 from broker.records import MessageRecord
 from broker.stages import Stage
 from broker.store import MessageStore
-from broker.timekeeping import now_ms
-from broker.usage_reader import usage_totals
 from tests.support.async_agents import (
     AsyncAgent,
     async_agent,
@@ -36,6 +34,7 @@ from tests.support.async_agents import (
     status_of,
 )
 from tests.support.harness import collect_replies, eventually, running_dispatcher, running_sidecar
+from tests.support.usage_days import usage_lately
 
 INSTANCE = "thinker-1"
 
@@ -376,7 +375,7 @@ async def test_a_callback_settles_a_message_parked_for_an_operator(conn: Connect
         # the late callback is charged like any other: its usage, a succeeded request
         stored = await conn.call("HGET", conn.keys.record(message_id), "usage:1")
         assert stored is not None and json.loads(stored) == used
-        [row] = await usage_totals(conn, "capability", 1, now_ms())
+        [row] = await usage_lately(conn, "capability")
         figures = row.as_json()
         assert (figures["succeeded"], figures["cost"]) == (1, 0.25)
 
@@ -632,13 +631,13 @@ async def test_usage_in_a_callbacks_result_is_recorded_and_charged(conn: Connect
         "cost": 0.5,
     }
     for by, name in (("agent", "thinker"), ("capability", "text.think")):
-        [row] = await usage_totals(conn, by, 1, now_ms())
+        [row] = await usage_lately(conn, by)
         figures = row.as_json()
         assert figures["name"] == name
         assert {k: figures[k] for k in expected} == expected, figures
         # acceptance to callback, for each of the three (awaited at once: summed, they may
         # be more than the time the test took, never more than three times it)
         assert 0 <= figures["busy_ms"] <= 3 * took_ms + 2
-    tenants = {r.name: r.as_json() for r in await usage_totals(conn, "tenant", 1, now_ms())}
+    tenants = {r.name: r.as_json() for r in await usage_lately(conn, "tenant")}
     assert (tenants["team-a"]["requests"], tenants["team-a"]["cost"]) == (2, 0.375)
     assert (tenants["team-b"]["failed"], tenants["team-b"]["cost"]) == (1, 0.125)

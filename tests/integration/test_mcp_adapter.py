@@ -28,8 +28,6 @@ from broker.embedded import free_port
 from broker.envelope import Envelope, complete
 from broker.stages import Stage
 from broker.store import MessageStore
-from broker.timekeeping import now_ms
-from broker.usage_reader import usage_totals
 from tests.support.harness import running_dispatcher, running_sidecar
 from tests.support.mcp_servers import (
     IDEMPOTENT,
@@ -39,6 +37,7 @@ from tests.support.mcp_servers import (
     mcp_http_server,
     mcp_server,
 )
+from tests.support.usage_days import usage_lately
 
 TOOLS = ["add=calc.add", "whoami=calc.whoami", "fail=calc.fail"]
 
@@ -234,7 +233,7 @@ async def test_usage_in_a_tool_results_meta_is_recorded_and_charged(conn: Connec
         assert sum(said in entry.reason for entry in timeline) == 1, timeline
     assert await conn.call("HGET", conn.keys.record(added.id), "usage:1") is None
 
-    rows = await usage_totals(conn, "capability", 1, now_ms())
+    rows = await usage_lately(conn, "capability")
     by_capability: dict[str, dict[str, Any]] = {row.name: row.as_json() for row in rows}
     summarize = by_capability["text.summarize"]
     assert (summarize["requests"], summarize["succeeded"], summarize["reported"]) == (2, 2, 2)
@@ -245,7 +244,7 @@ async def test_usage_in_a_tool_results_meta_is_recorded_and_charged(conn: Connec
     assert (refuse["input_tokens"], refuse["output_tokens"], refuse["cost"]) == (9, 0, 0.125)
     plain = by_capability["calc.add"]
     assert (plain["requests"], plain["succeeded"], plain["reported"], plain["cost"]) == (1, 1, 0, 0)
-    [by_agent] = await usage_totals(conn, "agent", 1, now_ms())
+    [by_agent] = await usage_lately(conn, "agent")
     figures = by_agent.as_json()
     assert 0 <= figures.pop("busy_ms") <= took_ms + 4  # the calls, one after another
     assert figures == {
@@ -259,5 +258,5 @@ async def test_usage_in_a_tool_results_meta_is_recorded_and_charged(conn: Connec
         "output_tokens": 212,
         "cost": 1.875,
     }
-    by_tenant = {row.name: row.as_json() for row in await usage_totals(conn, "tenant", 1, now_ms())}
+    by_tenant = {row.name: row.as_json() for row in await usage_lately(conn, "tenant")}
     assert (by_tenant["team-a"]["cost"], by_tenant["team-b"]["cost"]) == (1.75, 0.125)

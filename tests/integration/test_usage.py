@@ -24,9 +24,10 @@ from broker.stages import Stage
 from broker.store import Acceptance, MessageStore, Move, usage_keys
 from broker.timekeeping import now_ms
 from broker.usage import Usage, charge, utc_day
-from broker.usage_reader import day_hashes, tenant_spending, usage_totals
+from broker.usage_reader import day_hashes, tenant_spending
 from tests.support.agents import http_agent
 from tests.support.harness import running_dispatcher, running_sidecar
+from tests.support.usage_days import DAY_MS, spending_lately, usage_lately
 from workers.cli import main
 from workers.metrics_page import cluster_families
 
@@ -49,7 +50,8 @@ def _acceptance(message_id: str) -> Acceptance:
     )
 
 
-def _bill(tenant: str | None, attempt: int = 1, cost: float = 0.25) -> Any:
+def _bill(tenant: str | None, attempt: int = 1, cost: float = 0.25, ms: int = 0) -> Any:
+    """A charge at ``ms`` (default: now), which picks the day and month it goes to."""
     return charge(
         "a",
         "text.echo",
@@ -58,7 +60,7 @@ def _bill(tenant: str | None, attempt: int = 1, cost: float = 0.25) -> Any:
         answered=True,
         busy_ms=12.4,
         usage=Usage(input_tokens=100, output_tokens=20, cost=cost),
-        ms=now_ms(),
+        ms=ms or now_ms(),
     )
 
 
@@ -70,7 +72,7 @@ async def test_a_charge_is_written_once_with_the_move_that_records_it(conn: Conn
     done = Move("u1", Stage.SUCCEEDED, only_from=Stage.PROCESSING, charge=_bill("team-a"))
     assert (await store.apply(done)).ok
     assert not (await store.apply(done)).ok  # a repeat moves nothing and charges nothing
-    [row] = await usage_totals(conn, "tenant", 1, now_ms())
+    [row] = await usage_lately(conn, "tenant")
     assert row.name == "team-a"
     assert row.as_json() == {
         "name": "team-a",
@@ -84,8 +86,22 @@ async def test_a_charge_is_written_once_with_the_move_that_records_it(conn: Conn
         "output_tokens": 20,
         "cost": 0.25,
     }
-    day, month = await tenant_spending(conn, now_ms())
+    day, month = await spending_lately(conn)
     assert day == month == {"team-a": 0.25}
+
+
+async def test_a_test_reads_usage_charged_before_a_utc_midnight(conn: Connection) -> None:
+    """The suite's reading (tests/support/usage_days.py) finds a charge of the day before,
+    which a reading of today alone misses: a test that runs across midnight still reads its
+    own charges."""
+    store = MessageStore(conn)
+    now = now_ms()
+    await store.accept(_acceptance("y1"))
+    late = Move("y1", Stage.CANCELLED, charge=_bill("team-y", cost=0.5, ms=now - DAY_MS))
+    assert (await store.apply(late)).ok
+    assert (await tenant_spending(conn, now))[0] == {}
+    assert await spending_lately(conn) == ({"team-y": 0.5}, {"team-y": 0.5})
+    assert [row.name for row in await usage_lately(conn, "tenant")] == ["team-y"]
 
 
 async def test_whole_amounts_add_as_integers_and_a_fraction_or_an_overflow_as_floats(
@@ -94,7 +110,8 @@ async def test_whole_amounts_add_as_integers_and_a_fraction_or_an_overflow_as_fl
     """Whole counts go as digits (``HINCRBY``); a field that holds a fraction, or would
     overflow, still takes them (``HINCRBYFLOAT``); a figure of 0 writes nothing."""
     store = MessageStore(conn)
-    day = usage_keys(conn, now_ms(), conn.keys.record("w1"))[0]
+    now = now_ms()  # the charge's time, and so its day
+    day = usage_keys(conn, now, conn.keys.record("w1"))[0]
     combination = "a\ttext.echo\tteam-w\t"
     await conn.call_many(
         [
@@ -106,7 +123,7 @@ async def test_whole_amounts_add_as_integers_and_a_fraction_or_an_overflow_as_fl
     await store.move("w1", Stage.RECEIVED)
     await store.move("w1", Stage.PROCESSING)
     bill = charge(
-        "a", "text.echo", "team-w", attempt=1, answered=True, busy_ms=0.2, usage=None, ms=now_ms()
+        "a", "text.echo", "team-w", attempt=1, answered=True, busy_ms=0.2, usage=None, ms=now
     )
     done = Move("w1", Stage.SUCCEEDED, only_from=Stage.PROCESSING, charge=bill)
     assert (await store.apply(done)).ok
@@ -136,7 +153,7 @@ async def test_usage_hashes_are_kept_for_their_days_from_the_first_charge(
 
     async def charged(message_id: str, cost: float) -> list[int]:
         await store.accept(_acceptance(message_id))
-        move = Move(message_id, Stage.CANCELLED, charge=_bill("t", cost=cost))
+        move = Move(message_id, Stage.CANCELLED, charge=_bill("t", cost=cost, ms=now))
         assert (await store.apply(move)).ok
         return [int(await conn.call("TTL", key)) for key in (day, month)]
 
@@ -159,13 +176,14 @@ async def test_new_combinations_past_the_cap_are_charged_as_other(settings: Sett
             move = Move(f"c{i}", Stage.CANCELLED, charge=_bill(f"t{i}", cost=1.0))
             assert (await store.apply(move)).ok
         # the cap, and one "~other" combination's fields: per hash (on a cluster, per slot)
-        for found in await day_hashes(conn, [utc_day(now_ms())]):
+        now = now_ms()  # the charges' day, or the one after: both are read
+        for found in await day_hashes(conn, [utc_day(now - DAY_MS), utc_day(now)]):
             assert len(found) <= 40 + 8
-        rows = {row.name: row for row in await usage_totals(conn, "tenant", 1, now_ms())}
+        rows = {row.name: row for row in await usage_lately(conn, "tenant")}
         assert sum(row.figures["requests"] for row in rows.values()) == 30
         if not conn.cluster:  # one hash: it filled, and the rest went to "~other"
             assert rows["~other"].figures["requests"] > 0
-        day, _ = await tenant_spending(conn, now_ms())
+        day, _ = await spending_lately(conn)
         assert sum(day.values()) == 30.0
 
 
@@ -204,14 +222,14 @@ async def test_agents_report_usage_in_the_body_and_headers(conn: Connection) -> 
     assert any("usage in=40 out=60 cost=0.25" in entry.reason for entry in timeline)
     assert await conn.call("HGET", conn.keys.record(junk.id), "usage:1") is None
 
-    by_tenant = {r.name: r.as_json() for r in await usage_totals(conn, "tenant", 1, now_ms())}
+    by_tenant = {r.name: r.as_json() for r in await usage_lately(conn, "tenant")}
     assert by_tenant["team-a"]["requests"] == 2
     assert by_tenant["team-a"]["input_tokens"] == 47
     assert by_tenant["team-a"]["output_tokens"] == 63
     assert by_tenant["team-a"]["cost"] == 0.75
     assert by_tenant["team-b"] == {**by_tenant["team-b"], "requests": 1, "cost": 0, "reported": 0}
     assert by_tenant["-"]["failed"] == 1 and by_tenant["-"]["cost"] == 0.125
-    [by_agent] = await usage_totals(conn, "agent", 1, now_ms())
+    [by_agent] = await usage_lately(conn, "agent")
     assert (by_agent.name, by_agent.figures["requests"]) == ("bill", 4)
     assert by_agent.figures["busy_ms"] >= 40  # the one call that worked 40 ms, at least
 
@@ -241,7 +259,7 @@ async def test_a_retried_message_is_charged_per_attempt_and_says_so(conn: Connec
     ):
         result = await client.request("text.echo", {}, tenant="t-retry", max_attempts=3, timeout=10)
     assert result.ok and calls["n"] == 2
-    [row] = await usage_totals(conn, "capability", 1, now_ms())
+    [row] = await usage_lately(conn, "capability")
     figures = row.as_json()
     assert (figures["requests"], figures["failed"], figures["succeeded"]) == (2, 1, 1)
     assert figures["retried"] == 1
@@ -308,5 +326,5 @@ async def test_a_budgeted_tenants_spending_is_kept_past_the_cap(settings: Settin
             assert (await store.apply(Move(f"j{i}", Stage.CANCELLED, charge=_bill(f"junk{i}")))).ok
         await store.accept(_acceptance("paid"))
         assert (await store.apply(Move("paid", Stage.CANCELLED, charge=_bill("team-a", cost=5)))).ok
-        day, month = await tenant_spending(conn, now_ms())
+        day, month = await spending_lately(conn)
     assert day["team-a"] == month["team-a"] == 5.0
