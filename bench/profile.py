@@ -71,9 +71,13 @@ async def log_every_call(conn: Connection, most: int) -> None:
     await conn.call("SLOWLOG", "RESET")
 
 
-async def logged_script_times(conn: Connection) -> dict[str, tuple[int, int]]:
-    """Stop logging every call; each script's calls and time since :func:`log_every_call`."""
+async def logged_script_times(conn: Connection, most: int) -> dict[str, tuple[int, int]]:
+    """Stop logging every call; each script's calls and time since :func:`log_every_call`
+    (``most``: its log's length). A log that filled has lost its oldest calls, so its sums
+    would read low: refused."""
     await conn.call("CONFIG", "SET", "slowlog-log-slower-than", "10000")
+    if int(await conn.call("SLOWLOG", "LEN")) >= most:
+        raise RuntimeError(f"Redis's log of calls filled ({most} entries): run fewer messages")
     return script_times(await conn.call("SLOWLOG", "GET", "-1"))
 
 
