@@ -20,6 +20,7 @@ from broker.connection import Connection
 from broker.governance import TenantBudget
 from broker.stages import Stage
 from broker.timekeeping import now_ms
+from broker.usage_reader import tenant_spending
 from tests.support.agents import http_agent
 from tests.support.harness import (
     connected,
@@ -28,7 +29,6 @@ from tests.support.harness import (
     running_dispatcher,
     running_sidecar,
 )
-from tests.support.usage_days import spending_lately
 from workers.cli import main
 from workers.dispatcher import Dispatcher
 
@@ -51,7 +51,7 @@ async def past_the_refresh(conn: Connection, dispatcher: Dispatcher, tenant: str
     """The spending is charged before the answer is sent; a dispatcher's view of it may be
     ``budget_refresh_s`` old (a brake, not an invoice): wait until its view, refreshed as
     admission refreshes it, has the tenant over its budget."""
-    spent, month = await spending_lately(conn)
+    spent, month = await tenant_spending(conn, now_ms())
     assert spent[tenant] >= 0.5 or month[tenant] >= 0.5
     budgets = dispatcher.assigner.budgets
 
@@ -172,7 +172,7 @@ async def test_a_tenant_over_its_monthly_budget_is_rejected(settings: Settings) 
     ):
         for n in range(2):  # 0.3, then 0.6: over the month's 0.5 only after the second
             assert (await client.request("text.echo", n, tenant="team-mo")).ok
-        _, month = await spending_lately(conn)
+        _, month = await tenant_spending(conn, now_ms())
         assert month["team-mo"] == 0.6
         await past_the_refresh(conn, dispatcher, "team-mo")
         refused = await client.request("text.echo", 2, tenant="team-mo")

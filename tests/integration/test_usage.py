@@ -27,7 +27,7 @@ from broker.usage import Usage, charge, utc_day
 from broker.usage_reader import day_hashes, tenant_spending
 from tests.support.agents import http_agent
 from tests.support.harness import running_dispatcher, running_sidecar
-from tests.support.usage_days import DAY_MS, spending_lately, usage_lately
+from tests.support.usage_days import DAY_MS, day_turned, spending_lately, usage_lately
 from workers.cli import main
 from workers.metrics_page import cluster_families
 
@@ -100,8 +100,8 @@ async def test_a_test_reads_usage_charged_before_a_utc_midnight(conn: Connection
     late = Move("y1", Stage.CANCELLED, charge=_bill("team-y", cost=0.5, ms=now - DAY_MS))
     assert (await store.apply(late)).ok
     assert (await tenant_spending(conn, now))[0] == {}
-    assert await spending_lately(conn) == ({"team-y": 0.5}, {"team-y": 0.5})
-    assert [row.name for row in await usage_lately(conn, "tenant")] == ["team-y"]
+    assert await spending_lately(conn, now) == ({"team-y": 0.5}, {"team-y": 0.5})
+    assert [row.name for row in await usage_lately(conn, "tenant", now)] == ["team-y"]
 
 
 async def test_whole_amounts_add_as_integers_and_a_fraction_or_an_overflow_as_floats(
@@ -209,6 +209,7 @@ async def test_agents_report_usage_in_the_body_and_headers(conn: Connection) -> 
         running_sidecar(conn, "bill-1", ("text.echo",), url=agent.url),
         Client(conn) as client,
     ):
+        charged_ms = now_ms()  # the charges are made from here on
         body = await client.request("text.echo", {"how": "body", "work_ms": 40}, tenant="team-a")
         heads = await client.request("text.echo", {"how": "headers"}, tenant="team-a")
         junk = await client.request("text.echo", {"how": "garbage"}, tenant="team-b")
@@ -237,7 +238,11 @@ async def test_agents_report_usage_in_the_body_and_headers(conn: Connection) -> 
     cost = {
         tuple(s.labels.values()): s.value for s in families["agent_reach_usage_cost_today"].samples
     }
-    assert cost[("bill", "text.echo", "team-a")] == 0.75
+    found = cost.get(("bill", "text.echo", "team-a"), 0.0)
+    if day_turned(charged_ms):  # today's by definition: some of the charges may be yesterday's
+        assert 0.0 <= found <= 0.75
+    else:
+        assert found == 0.75
 
 
 async def test_a_retried_message_is_charged_per_attempt_and_says_so(conn: Connection) -> None:
@@ -269,13 +274,12 @@ async def test_a_retried_message_is_charged_per_attempt_and_says_so(conn: Connec
     charged = await conn.call("HMGET", conn.keys.record(result.id), "usage:1", "usage:2")
     assert all(charged)  # each attempt's usage on the record
 
-    printed = await cli(
-        "usage", "--by", "tenant", "--redis", conn.url, "--prefix", conn.keys.prefix
-    )
+    where = ("--redis", conn.url, "--prefix", conn.keys.prefix)
+    printed = await cli("usage", "--by", "tenant", "--since", "2d", *where)
     assert printed.exit_code == 0, printed.output
     assert "t-retry" in printed.output and "were retries" in printed.output
     for by, name in (("capability", "text.echo"), ("agent", "retry")):
-        shown = await cli("usage", "--by", by, "--redis", conn.url, "--prefix", conn.keys.prefix)
+        shown = await cli("usage", "--by", by, "--since", "2d", *where)
         assert shown.exit_code == 0 and name in shown.output, shown.output
     as_json = await cli(
         "usage", "--json", "--since", "7d", "--redis", conn.url, "--prefix", conn.keys.prefix
