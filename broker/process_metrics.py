@@ -4,6 +4,10 @@ The cluster-wide counters live in Redis (:mod:`broker.metric_fields`); these are
 only the process that saw them has: how long a message waited for its sidecar, how long the
 agent took, how long the whole trip was, how long a routing decision took. Observing costs a
 lock and an add; nothing is sent anywhere until ``/metrics`` is scraped.
+
+Only a process that serves ``/metrics`` observes (:func:`enable`, called by the endpoint as it
+opens): elsewhere no one could read the figures, and observing them cost a sidecar about 6 µs
+of the path to each call at 200 msg/s, and as much again after it (cold caches).
 """
 
 from __future__ import annotations
@@ -44,11 +48,12 @@ ROUTING_DECISION = Histogram(
 )
 
 
-_enabled = True
+_enabled = False
 
 
 def enable(on: bool) -> None:
-    """Measure (the default) or not: a benchmark's baseline turns the histograms off."""
+    """Measure or not (the default): the metrics endpoint turns the histograms on, a
+    benchmark's baseline off."""
     global _enabled
     _enabled = on
 

@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from adapters.asgi import serve_app
+from broker import process_metrics
 from broker.connection import Connection
 from broker.health import observed_state
 from broker.metric_fields import (
@@ -191,6 +192,8 @@ def metrics_app(conn: Connection | None) -> Starlette:
 
 @asynccontextmanager
 async def metrics_endpoint(conn: Connection | None, host: str, port: int) -> AsyncIterator[str]:
-    """Serve ``/metrics`` while the block runs; yields its URL."""
+    """Serve ``/metrics`` while the block runs, with this process's histograms measured
+    from now on (:func:`broker.process_metrics.enable`); yields its URL."""
+    process_metrics.enable(True)
     async with serve_app(metrics_app(conn), host, port, header_timeout_s=10.0) as url:
         yield f"{url}metrics"

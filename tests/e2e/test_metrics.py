@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +145,31 @@ async def test_up_and_sidecar_pages_count_known_traffic(settings: Settings, tmp_
     for histogram in ("agent_reach_queue_wait_seconds", "agent_reach_end_to_end_seconds"):
         assert value(side_samples, f"{histogram}_count", capability="text.echo") == total
     assert not any(name[0].startswith("agent_reach_waiting") for name in side_samples)
+
+
+def test_only_a_process_that_serves_metrics_measures_its_histograms() -> None:
+    """A process without ``/metrics`` observes nothing (no one could read it); the endpoint,
+    as it opens, turns the histograms on. In a fresh interpreter: the suite's own process may
+    have opened one."""
+    script = """
+import anyio
+from broker import process_metrics
+from workers.metrics_page import metrics_endpoint
+
+def waits():
+    return sum(s.value for m in process_metrics.QUEUE_WAIT.collect()
+               for s in m.samples if s.name.endswith("_count"))
+
+async def main():
+    process_metrics.queue_wait("text.echo", 0.1)
+    print(waits())
+    async with metrics_endpoint(None, "127.0.0.1", 0) as url:
+        process_metrics.queue_wait("text.echo", 0.1)
+        print(waits(), url.startswith("http://127.0.0.1:"))
+
+anyio.run(main)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, timeout=60, check=True
+    )
+    assert done.stdout.decode().split() == ["0", "1.0", "True"]
