@@ -114,7 +114,7 @@ async def main(messages: int, rounds: int) -> None:
                 shown.append(f"{configuration} {throughput:6.0f} msg/s")
             print(f"round {round_no}: " + " | ".join(shown), flush=True)
     finally:
-        process_metrics.enable(True)
+        process_metrics.enable(False)  # the default: no /metrics in this process
         discard(server)
     baseline = statistics.median(results["off"])
     print(f"messages per run: {messages} (in-process adapter, no-op handler)")

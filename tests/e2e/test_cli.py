@@ -6,7 +6,6 @@ import importlib
 import json
 import os
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from tests.support.harness import (
     running_dispatcher,
     running_sidecar,
 )
-from tests.support.processes import AGENT_REACH, process_env
+from tests.support.processes import AGENT_REACH, printed_by, process_env
 from workers.cli import COMMANDS, main
 from workers.cli.common import FiniteRange, ListenHost
 
@@ -69,15 +68,6 @@ def test_every_command_the_modules_define_is_listed() -> None:
             and value.callback.__module__ == module.__name__
         }
     assert defined == set(COMMANDS.values())
-
-
-def printed_by(*lines: str) -> list[str]:
-    """The lines a fresh interpreter prints running ``lines``: what it imports is its own."""
-    script = "\n".join(lines)
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, timeout=60, check=True
-    )
-    return done.stdout.decode().splitlines()
 
 
 def test_a_command_imports_only_what_it_runs() -> None:

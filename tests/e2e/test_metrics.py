@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ from broker.config import Settings
 from broker.connection import open_connection
 from tests.support.agents import http_agent
 from tests.support.harness import eventually
-from tests.support.processes import process_env, start, stop
+from tests.support.processes import printed_by, process_env, start, stop
 
 SUCCEEDING, FAILING, REJECTED = 12, 5, 3
 
@@ -151,25 +149,19 @@ def test_only_a_process_that_serves_metrics_measures_its_histograms() -> None:
     """A process without ``/metrics`` observes nothing (no one could read it); the endpoint,
     as it opens, turns the histograms on. In a fresh interpreter: the suite's own process may
     have opened one."""
-    script = """
-import anyio
-from broker import process_metrics
-from workers.metrics_page import metrics_endpoint
-
-def waits():
-    return sum(s.value for m in process_metrics.QUEUE_WAIT.collect()
-               for s in m.samples if s.name.endswith("_count"))
-
-async def main():
-    process_metrics.queue_wait("text.echo", 0.1)
-    print(waits())
-    async with metrics_endpoint(None, "127.0.0.1", 0) as url:
-        process_metrics.queue_wait("text.echo", 0.1)
-        print(waits(), url.startswith("http://127.0.0.1:"))
-
-anyio.run(main)
-"""
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, timeout=60, check=True
+    printed = printed_by(
+        "import anyio",
+        "from broker import process_metrics",
+        "from workers.metrics_page import metrics_endpoint",
+        "def waits():",
+        "    return sum(s.value for m in process_metrics.QUEUE_WAIT.collect()",
+        "               for s in m.samples if s.name.endswith('_count'))",
+        "async def main():",
+        "    process_metrics.queue_wait('text.echo', 0.1)",
+        "    print(waits())",
+        "    async with metrics_endpoint(None, '127.0.0.1', 0) as url:",
+        "        process_metrics.queue_wait('text.echo', 0.1)",
+        "        print(waits(), url.startswith('http://127.0.0.1:'))",
+        "anyio.run(main)",
     )
-    assert done.stdout.decode().split() == ["0", "1.0", "True"]
+    assert printed == ["0", "1.0 True"]

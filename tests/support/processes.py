@@ -47,3 +47,12 @@ def stop(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int | Non
             process.kill()
             return process.wait()
     return process.returncode
+
+
+def printed_by(*lines: str) -> list[str]:
+    """The lines a fresh interpreter prints running ``lines``: what it imports, and any state
+    a module keeps, are its own, not the suite process's."""
+    done = subprocess.run(
+        [sys.executable, "-c", "\n".join(lines)], capture_output=True, timeout=60, check=True
+    )
+    return done.stdout.decode().splitlines()
