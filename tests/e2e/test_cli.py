@@ -82,6 +82,45 @@ def test_a_command_imports_only_what_it_runs() -> None:
     assert printed[-1] == "[]"
 
 
+def test_up_imports_the_roles_it_runs_only_when_it_runs_them() -> None:
+    """``up --help`` imports no role, no console, gateway or metrics page, and no sidecar:
+    each is imported where ``up`` runs it (``up`` without ``--console`` never imports the
+    console's pages)."""
+    printed = printed_by(
+        "import sys",
+        "from workers.cli import main",
+        "main(['up', '--help'], standalone_mode=False)",
+        "print(sorted(m for m in sys.modules if m in "
+        "('workers.dispatcher', 'workers.reaper', 'workers.notifier', 'workers.console.app', "
+        "'workers.a2a_gateway', 'workers.metrics_page', 'adapters.sidecar', 'adapters.http')))",
+        "print('workers.cli.processes' in sys.modules)",
+    )
+    assert printed[-2:] == ["[]", "True"]
+
+
+def test_the_adapters_package_gives_each_name_from_its_module_when_asked() -> None:
+    printed = printed_by(
+        "import sys, adapters",
+        "print(set(adapters.__all__) <= set(dir(adapters)))",
+        "import adapters.http",
+        "print('adapters.sidecar' in sys.modules, 'adapters.python' in sys.modules)",
+        "from adapters import Agent, Sidecar, Succeeded",
+        "print(Agent.__module__, Sidecar.__module__, Succeeded.__module__)",
+        "print(all(getattr(adapters, name) is not None for name in adapters.__all__))",
+        "try:",
+        "    adapters.Nothing",
+        "except AttributeError as exc:",
+        "    print(exc)",
+    )
+    assert printed == [
+        "True",
+        "False False",
+        "adapters.python adapters.sidecar adapters.outcome",
+        "True",
+        "module 'adapters' has no attribute 'Nothing'",
+    ]
+
+
 def test_the_workers_package_lists_and_gives_the_dispatcher_it_imports_late() -> None:
     printed = printed_by(
         "import sys, workers",

@@ -12,7 +12,6 @@ import click
 from broker.config import Settings
 from broker.connection import Connection
 
-from ..console.app import console_endpoint
 from ..console.security import TOKEN_ENV, bind_refusal, token_problem
 from .common import host_option, redis_options
 from .endpoints import listen_options, serve_endpoint
@@ -41,6 +40,8 @@ def console_at(host: str, port: int, token: str | None, hint: str) -> ConsoleAt:
 async def open_console(stack: AsyncExitStack, conn: Connection, at: ConsoleAt | None) -> None:
     """Serve the console for the life of ``stack`` when it is asked for."""
     if at is not None:
+        from ..console.app import console_endpoint
+
         url = await stack.enter_async_context(console_endpoint(conn, at.host, at.port, at.token))
         click.echo(f"agent-reach: console at {url}", err=True)
 

@@ -14,7 +14,6 @@ import click
 from broker.config import Settings
 from broker.connection import Connection
 
-from ..a2a_gateway import gateway_endpoint
 from ..console.security import is_loopback
 from .common import host_option, redis_options
 from .endpoints import listen_options, serve_endpoint
@@ -47,6 +46,8 @@ def gateway_at(host: str, port: int, api_key: str | None, public_url: str | None
 async def open_gateway(stack: AsyncExitStack, conn: Connection, at: GatewayAt | None) -> None:
     """Serve the gateway for the life of ``stack`` when it is asked for."""
     if at is not None:
+        from ..a2a_gateway import gateway_endpoint
+
         endpoint = gateway_endpoint(conn, at.host, at.port, at.api_key, at.public_url)
         url = await stack.enter_async_context(endpoint)
         click.echo(

@@ -6,28 +6,25 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import click
 import msgspec
 
-from adapters.sidecar import Sidecar
-from adapters.transport import Transport
 from broker import tracing
 from broker.config import Settings
 from broker.connection import Connection
 from broker.keyspace import due_sets, ingress_streams, outboxes
 from broker.records import InstanceCard
 
-from ..dispatcher import Dispatcher
-from ..metrics_page import metrics_endpoint
-from ..notifier import Notifier
-from ..reaper import Reaper
 from ..runtime import connected, stop_on_signals
 from .common import FiniteRange, host_option, redis_options, run
 from .console import ConsoleAt, console_at, open_console, up_console_options
 from .gateway import GatewayAt, open_gateway, up_a2a_options
+
+if TYPE_CHECKING:
+    from adapters.transport import Transport
 
 METRICS_OPTIONS = (
     click.option(
@@ -51,6 +48,8 @@ async def open_metrics(
 ) -> None:
     """Serve ``/metrics`` for the life of ``stack`` when a port is asked for."""
     if port is not None:
+        from ..metrics_page import metrics_endpoint
+
         url = await stack.enter_async_context(metrics_endpoint(conn, host, port))
         click.echo(f"{who}: metrics at {url}", err=True)
 
@@ -79,14 +78,22 @@ def serve_roles(
     async def serve_in(conn: Connection) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope.cancel, tg.cancel_scope)
+            # each role's modules only where it runs: a sidecar's process, or a reaper's,
+            # does not import the dispatcher's (nor any, ``--help``)
             if dispatch:
+                from ..dispatcher import Dispatcher
+
                 await tg.start(Dispatcher(conn, consumer=consumer).run)
                 streams = ingress_streams(conn.keys, conn.settings.ingress_partitions)
                 click.echo(f"agent-reach: dispatching from {', '.join(streams)}", err=True)
             if reap:
+                from ..reaper import Reaper
+
                 await tg.start(Reaper(conn).run)
                 click.echo(f"agent-reach: reaping {', '.join(due_sets(conn.keys))}", err=True)
             if notify:
+                from ..notifier import Notifier
+
                 await tg.start(Notifier(conn, consumer=consumer).run)
                 click.echo(
                     f"agent-reach: notifying from {', '.join(outboxes(conn.keys))}", err=True
@@ -161,6 +168,8 @@ async def serve_sidecar(
         async with AsyncExitStack() as stack:
             await open_metrics(stack, None, *metrics, f"sidecar {card.instance_id}")
             async with connected(settings) as conn, anyio.create_task_group() as tg:
+                from adapters.sidecar import Sidecar
+
                 runner = Sidecar(
                     conn,
                     card,
