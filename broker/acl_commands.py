@@ -11,8 +11,9 @@ from __future__ import annotations
 # Every process PINGs at start-up; SELECT serves a URL naming a database other than 0;
 # CLUSTER SLOTS tells a cluster node (and its slot map), ASKING follows a slot in migration,
 # INFO (on a cluster) the server's version: whether it has sharded pub/sub; WAIT holds a
-# round trip's writes until replicas have them (replica_acks).
-CONNECT = ("ping", "select", "cluster|slots", "asking", "info", "wait")
+# round trip's writes until replicas have them (replica_acks); TIME aligns the process's
+# clock to Redis's (broker.timekeeping).
+CONNECT = ("ping", "select", "cluster|slots", "asking", "info", "wait", "time")
 # commands Redis 6.2 does not have: left out of its rules (nothing sends them to it)
 SINCE_7 = frozenset({"spublish", "ssubscribe"})
 # Scripts are called by sha; whoever meets NOSCRIPT (a restarted Redis) loads them again.

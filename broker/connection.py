@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from anyio.abc import TaskStatus
 
+from . import timekeeping
 from .cluster_map import SlotMap
 from .cluster_pipeliner import ClusterPipeliner
 from .cluster_setup import detect, preload, without_db
@@ -173,10 +175,66 @@ async def open_connection(
     try:
         await tg.start(pipeliner.run)
         keys = Keyspace(settings.prefix, settings.ingress_partitions)
-        yield Connection(pipeliner, scripts, keys, settings, url)
+        connection = Connection(pipeliner, scripts, keys, settings, url)
+        await tg.start(keep_clock_aligned, connection)
+        yield connection
     finally:
         tg.cancel_scope.cancel()
         await tg.__aexit__(None, None, None)
+
+
+async def align_clock(conn: Connection) -> bool:
+    """Ask Redis the time and align this process's clock to it (:mod:`broker.timekeeping`).
+    ``False``: this connection's user may not ask (rules made before ``TIME`` was granted to
+    every role), and the process keeps its own clock."""
+    sent_ms = timekeeping.local_ms()
+    try:
+        reply = await conn.call("TIME")
+    except RedisReplyError as exc:
+        if exc.permission_refused:
+            return False
+        raise
+    server_ms = timekeeping.server_time_ms(reply)
+    if server_ms is None:
+        return True
+    before = timekeeping.offset_ms()
+    after = timekeeping.aligned_offset(server_ms, sent_ms, timekeeping.local_ms(), before)
+    if after != before:
+        timekeeping.align(after)
+        if after:
+            log.warning(
+                "this host's clock runs %d ms %s Redis's (%s): times are written and judged on "
+                "Redis's clock",
+                abs(after),
+                "behind" if after > 0 else "ahead of",
+                url_without_password(conn.url),
+            )
+        else:
+            log.info("this host's clock agrees with Redis's again: its own is used")
+    return True
+
+
+async def keep_clock_aligned(conn: Connection, *, task_status: TaskStatus[None]) -> None:
+    """Align the clock before the connection is used, then every
+    :data:`~broker.timekeeping.REALIGN_S`. Redis away or busy: the next time. A user who may
+    not ask: said once; the process keeps its own clock."""
+    started = False
+    while True:
+        try:
+            if not await align_clock(conn):
+                log.warning(
+                    "this process's Redis user may not run TIME (rules made before it): its "
+                    "own clock is used; give it its role's rules again (agent-reach acl)"
+                )
+                break
+        except (RedisUnavailable, RedisReplyError) as exc:
+            log.info("clock not aligned this time: %s", exc)
+        if not started:
+            task_status.started()
+            started = True
+        await anyio.sleep(timekeeping.REALIGN_S)
+    if not started:
+        task_status.started()
 
 
 def durability(settings: Settings) -> dict[str, Any]:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-import time
 from typing import Annotated, Any, Literal
 
 import msgspec
 
+from . import timekeeping
 from .errors import InvalidEnvelope, quoted
 from .headers import (
     headers_problem,
@@ -217,7 +217,7 @@ def complete(envelope: Envelope, *, now_s: float | None = None) -> Envelope:
         id=message_id,
         created_at=envelope.created_at
         if envelope.created_at is not None
-        else (now_s if now_s is not None else time.time()),
+        else (now_s if now_s is not None else timekeeping.now_s()),
     )
 
 

@@ -17,11 +17,11 @@ is at least once and every copy carries the message id.
 from __future__ import annotations
 
 import hashlib
-import time
 from typing import Any
 
 import msgspec
 
+from . import timekeeping
 from .cluster_map import ORDER_BARRIER
 from .envelope import Envelope
 from .keyspace import Keyspace, due_for, outbox_for
@@ -155,7 +155,7 @@ def delivery_commands(
     message_id = envelope.message_id
     commands: list[Command] = []
     if envelope.parent is not None and stage in TERMINAL:
-        now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
+        now = now_ms if now_ms is not None else timekeeping.now_ms()
         # first the reaper's next look at the parent, then the outcome: whatever this one
         # ends, the reaper sees it soon, even if its ender stops before telling the producer
         commands.append(

@@ -85,6 +85,7 @@ def test_redis_7_producer_writes_the_ingress_and_reads_only_its_own_replies() ->
         "+asking",
         "+info",
         "+wait",
+        "+time",
         "+xadd",
         "%W~reach:in",
         "(+xread +xdel +del ~reach:reply:alice-*)",
@@ -303,7 +304,7 @@ def test_the_sidecar_role_runs_the_sidecar_and_its_scripts() -> None:
 def test_the_operator_runs_what_the_operator_read_does_and_more() -> None:
     keys = Keyspace("reach")
     assert granted(operator_read(keys, "7")) < granted(operator(keys, "7"))
-    connect = {"ping", "select", "cluster|slots", "asking", "info", "wait"}
+    connect = {"ping", "select", "cluster|slots", "asking", "info", "wait", "time"}
     assert granted(producer(keys, "7", "p")) == connect | {"xadd", "xread", "xdel", "del"}
 
 
