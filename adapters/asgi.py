@@ -33,17 +33,7 @@ async def serve_app(
     to clients we do not run: a client that never finishes its headers holds a connection
     for good otherwise). Without it, uvicorn's own protocol serves, as it chooses it. With
     ``max_connections``, past that many connections at once uvicorn answers 503."""
-    # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
-    # and accepted sockets inherit it. Without it, a response written in two parts waits on
-    # the client's delayed ACK: 40 ms a call.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        why = exc.strerror or str(exc)
-        raise CannotListen(f"cannot listen on {host}:{port}: {why}") from exc
+    sock = listening_socket(host, port)
     bound = sock.getsockname()[1]
     config = uvicorn.Config(
         app,
@@ -70,9 +60,41 @@ async def serve_app(
             with anyio.fail_after(10):
                 while not server.started:  # noqa: ASYNC110 - uvicorn offers no started event
                     await anyio.sleep(0.01)
-            yield f"http://{host}:{bound}/"
+            yield f"http://{url_host(host)}:{bound}/"
         finally:
             server.should_exit = True
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port``, of the family ``host`` names: an IPv6 address
+    (``::1``; ``::``, every interface, takes IPv4 clients too) or a name that resolves to one
+    first, else IPv4. What cannot be bound is :class:`CannotListen`, saying why."""
+    where = f"{url_host(host)}:{port}"
+    try:
+        family, _, _, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise CannotListen(f"cannot listen on {where}: {exc}") from exc
+    # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
+    # and accepted sockets inherit it. Without it, a response written in two parts waits on
+    # the client's delayed ACK: 40 ms a call.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or str(exc)
+        raise CannotListen(f"cannot listen on {where}: {why}") from exc
+    return sock
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL names it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 # bytes a client may send ahead while its request is being answered (HTTP/1.1 pipelining)

@@ -504,7 +504,8 @@ def test_every_address_to_listen_on_is_named() -> None:
         ["up", "--console-host", ""],
     ):
         result = CliRunner().invoke(main, argv)
-        assert result.exit_code == 2 and "0.0.0.0 to listen on every interface" in result.output
+        assert result.exit_code == 2
+        assert "0.0.0.0 or :: to listen on every interface" in result.output
     result = CliRunner().invoke(main, ["a2a-gateway", "--host", "a\nb"])
     assert result.exit_code == 2 and "is no host name or IP address" in result.output
 

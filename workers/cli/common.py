@@ -123,7 +123,7 @@ class ListenHost(click.types.StringParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         text = super().convert(value, param, ctx)
         if not text.strip():
-            self.fail("give an address (0.0.0.0 to listen on every interface)", param, ctx)
+            self.fail("give an address (0.0.0.0 or :: to listen on every interface)", param, ctx)
         if not text.isprintable() or " " in text or len(text) > 255:
             self.fail(f"{text[:60]!r} is no host name or IP address", param, ctx)
         return text
