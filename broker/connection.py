@@ -183,22 +183,42 @@ async def open_connection(
         await tg.__aexit__(None, None, None)
 
 
-async def align_clock(conn: Connection) -> bool:
+# Redis's clock is asked this many times in a row, the tightest round trip kept; a process
+# that found none within timekeeping.TOLERANCE_MS asks again after these pauses, then every
+# timekeeping.REALIGN_S. The first alignment holds up a connection's opening no longer than
+# ALIGN_WAIT_S (Redis silent: the connection's own timeouts are longer).
+ALIGN_SAMPLES = 3
+ALIGN_RETRY_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+ALIGN_WAIT_S = 2.0
+_told: set[str] = set()  # what keep_clock_aligned said once in this process
+
+
+async def align_clock(conn: Connection) -> bool | None:
     """Ask Redis the time and align this process's clock to it (:mod:`broker.timekeeping`).
-    ``False``: this connection's user may not ask (rules made before ``TIME`` was granted to
-    every role), and the process keeps its own clock."""
-    sent_ms = timekeeping.local_ms()
+    The connection is used once first (a ``PING``), so that opening it (TCP, TLS, AUTH) is
+    not measured; of :data:`ALIGN_SAMPLES` answers, the tightest round trip's is used.
+    ``True``: measured (the offset kept or changed); ``None``: no round trip was tight enough
+    to tell; ``False``: this connection's user may not ask (rules made before ``TIME`` was
+    granted to every role), and the process keeps its own clock."""
     try:
-        reply = await conn.call("TIME")
+        await conn.call("PING")
+        samples: list[tuple[int, int, int]] = []
+        for _ in range(ALIGN_SAMPLES):
+            sent_ms = timekeeping.local_ms()
+            reply = await conn.call("TIME")
+            answered_ms = timekeeping.local_ms()
+            server_ms = timekeeping.server_time_ms(reply)
+            if server_ms is not None:
+                samples.append((answered_ms - sent_ms, server_ms, sent_ms))
     except RedisReplyError as exc:
         if exc.permission_refused:
             return False
         raise
-    server_ms = timekeeping.server_time_ms(reply)
-    if server_ms is None:
-        return True
+    if not samples or min(samples)[0] > timekeeping.TOLERANCE_MS:
+        return None
+    trip_ms, server_ms, sent_ms = min(samples)
     before = timekeeping.offset_ms()
-    after = timekeeping.aligned_offset(server_ms, sent_ms, timekeeping.local_ms(), before)
+    after = timekeeping.aligned_offset(server_ms, sent_ms, sent_ms + trip_ms, before)
     if after != before:
         timekeeping.align(after)
         if after:
@@ -215,26 +235,50 @@ async def align_clock(conn: Connection) -> bool:
 
 
 async def keep_clock_aligned(conn: Connection, *, task_status: TaskStatus[None]) -> None:
-    """Align the clock before the connection is used, then every
-    :data:`~broker.timekeeping.REALIGN_S`. Redis away or busy: the next time. A user who may
-    not ask: said once; the process keeps its own clock."""
+    """Align the clock before the connection is used (for at most :data:`ALIGN_WAIT_S`),
+    then every :data:`~broker.timekeeping.REALIGN_S`; sooner (:data:`ALIGN_RETRY_S`) while
+    no measurement was tight enough. Whatever goes wrong here is logged, never raised: the
+    connection serves on, on the clock it has. A user who may not ask: said once, and the
+    process keeps its own clock."""
+    retries = iter(ALIGN_RETRY_S)
     started = False
     while True:
+        aligned: bool | None = None
         try:
-            if not await align_clock(conn):
-                log.warning(
-                    "this process's Redis user may not run TIME (rules made before it): its "
-                    "own clock is used; give it its role's rules again (agent-reach acl)"
-                )
-                break
+            with anyio.move_on_after(ALIGN_WAIT_S if not started else None):
+                aligned = await align_clock(conn)
         except (RedisUnavailable, RedisReplyError) as exc:
             log.info("clock not aligned this time: %s", exc)
+        except Exception:
+            log.exception("clock not aligned this time")
+        if aligned is False:
+            _say_once(
+                "refused",
+                "this process's Redis user may not run TIME (rules made before it): its own "
+                "clock is used; give it its role's rules again (agent-reach acl)",
+            )
+            break
+        pause_s = timekeeping.REALIGN_S
+        if aligned:
+            retries = iter(ALIGN_RETRY_S)
+        elif (pause_s := next(retries, pause_s)) == timekeeping.REALIGN_S:
+            _say_once(
+                "loose",
+                f"Redis's clock could not be read within a {timekeeping.TOLERANCE_MS} ms round "
+                "trip: this host's own clock is used until it can",
+            )
         if not started:
             task_status.started()
             started = True
-        await anyio.sleep(timekeeping.REALIGN_S)
+        await anyio.sleep(pause_s)
     if not started:
         task_status.started()
+
+
+def _say_once(what: str, message: str) -> None:
+    if what not in _told:
+        _told.add(what)
+        log.warning(message)
 
 
 def durability(settings: Settings) -> dict[str, Any]:
