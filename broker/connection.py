@@ -193,27 +193,30 @@ ALIGN_WAIT_S = 2.0
 _told: set[str] = set()  # what keep_clock_aligned said once in this process
 
 
-async def align_clock(conn: Connection) -> bool | None:
-    """Ask Redis the time and align this process's clock to it (:mod:`broker.timekeeping`).
-    The connection is used once first (a ``PING``), so that opening it (TCP, TLS, AUTH) is
-    not measured; of :data:`ALIGN_SAMPLES` answers, the tightest round trip's is used.
-    ``True``: measured (the offset kept or changed); ``None``: no round trip was tight enough
-    to tell; ``False``: this connection's user may not ask (rules made before ``TIME`` was
-    granted to every role), and the process keeps its own clock."""
+async def align_clock(url: str) -> bool | None:
+    """Ask the Redis at ``url`` the time and align this process's clock to it
+    (:mod:`broker.timekeeping`), on a connection of its own: no batch of the pipeliner's is
+    waited behind, and a ``PING`` first, so that opening it (TCP, TLS, AUTH) is not measured;
+    of :data:`ALIGN_SAMPLES` answers, the tightest round trip's is used. ``True``: measured
+    (the offset kept or changed); ``None``: no round trip was tight enough to tell;
+    ``False``: this user may not ask (rules made before ``TIME`` was granted to every
+    role), and the process keeps its own clock."""
+    resp = await RespConnection.open(url)
     try:
-        await conn.call("PING")
         samples: list[tuple[int, int, int]] = []
-        for _ in range(ALIGN_SAMPLES):
+        for command in [("PING",)] + [("TIME",)] * ALIGN_SAMPLES:
             sent_ms = timekeeping.local_ms()
-            reply = await conn.call("TIME")
+            (reply,) = await resp.execute([command])
             answered_ms = timekeeping.local_ms()
+            if isinstance(reply, RedisReplyError):
+                if reply.permission_refused:
+                    return False
+                raise reply
             server_ms = timekeeping.server_time_ms(reply)
             if server_ms is not None:
                 samples.append((answered_ms - sent_ms, server_ms, sent_ms))
-    except RedisReplyError as exc:
-        if exc.permission_refused:
-            return False
-        raise
+    finally:
+        await resp.close()
     if not samples or min(samples)[0] > timekeeping.TOLERANCE_MS:
         return None
     trip_ms, server_ms, sent_ms = min(samples)
@@ -227,7 +230,7 @@ async def align_clock(conn: Connection) -> bool | None:
                 "Redis's clock",
                 abs(after),
                 "behind" if after > 0 else "ahead of",
-                url_without_password(conn.url),
+                url_without_password(url),
             )
         else:
             log.info("this host's clock agrees with Redis's again: its own is used")
@@ -246,7 +249,7 @@ async def keep_clock_aligned(conn: Connection, *, task_status: TaskStatus[None])
         aligned: bool | None = None
         try:
             with anyio.move_on_after(ALIGN_WAIT_S if not started else None):
-                aligned = await align_clock(conn)
+                aligned = await align_clock(conn.url)
         except (RedisUnavailable, RedisReplyError) as exc:
             log.info("clock not aligned this time: %s", exc)
         except Exception:

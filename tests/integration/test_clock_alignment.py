@@ -15,7 +15,7 @@ from broker.connection import Connection, align_clock, open_connection
 @pytest.mark.anyio
 async def test_one_host_keeps_its_own_clock(conn: Connection) -> None:
     """Redis on this host: the offset measured is within the tolerance, so none is applied."""
-    assert await align_clock(conn) is True
+    assert await align_clock(conn.url) is True
     assert timekeeping.offset_ms() == 0
 
 
@@ -38,7 +38,7 @@ async def test_a_user_who_may_not_ask_the_time_keeps_its_clock_and_is_told_once(
         with caplog.at_level(logging.WARNING, logger="agent_reach.connection"):
             for _ in range(2):
                 async with open_connection(settings, url) as theirs:
-                    assert await align_clock(theirs) is False
+                    assert await align_clock(url) is False
                     assert await theirs.call("PING") == b"PONG"
         refused = [r for r in caplog.records if "may not run TIME" in r.getMessage()]
         assert len(refused) == 1
