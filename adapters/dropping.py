@@ -6,21 +6,24 @@ Two kinds come here. An entry that is no assignment (someone else wrote to the s
 assignment whose record Redis cannot move (an *unusable record*: a key of another type, or
 fields no version wrote, which anyone allowed to write records can make) holds one; it is
 dropped when it is taken, or when its outcome cannot be written, so that one such record
-never holds up the others — the intake's batch, or the finisher's round — for ever.
+never holds up the others — the intake's batch, or the finisher's round — for ever. The
+producer of an outcome dropped so is told its message ended DEAD, and why.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from broker.connection import Connection
 from broker.deadletters import Letter
-from broker.delivery import dead_letter_commands, write_letters
+from broker.delivery import Delivery, dead_letter_commands, producer_commands, write_letters
 from broker.entries import fields_as_bytes
+from broker.envelope import Envelope
 from broker.errors import RedisReplyError
 from broker.keyspace import SIDECAR_GROUP
 from broker.results import Command
+from broker.stages import Stage
 from broker.streams import field_bytes
 from broker.timekeeping import now_ms
 
@@ -43,16 +46,46 @@ def unusable(taken: Sequence[Taken], answers: Sequence[object]) -> list[tuple[Ta
 
 
 async def drop_unusable(
-    conn: Connection, instance_id: str, taken: Sequence[Taken], answers: Sequence[object]
+    conn: Connection,
+    instance_id: str,
+    taken: Sequence[Taken],
+    answers: Sequence[object],
+    envelopes: Mapping[str, Envelope] | None = None,
 ) -> set[str]:
-    """Drop the entries :func:`unusable` finds among ``taken``; returns their entry ids."""
+    """Drop the entries :func:`unusable` finds among ``taken``; returns their entry ids.
+
+    The producer of one whose envelope is in ``envelopes`` (by entry id: an outcome the
+    finisher could not record) is told first that it ended DEAD, and why, as the dead letter
+    says: the call ran, but its outcome is on no record, and a producer left waiting would
+    hear nothing until its own timeout. (At the take there is no envelope, nor a call: that
+    message is the reaper's, from its deadline.)"""
     failed = unusable(taken, answers)
+    if not failed:
+        return set()
+    told = [(t, (envelopes or {}).get(t.entry_id), why) for t, why in failed]
+    await tell_dead(conn, [(t, e, f"unusable_record: {why}") for t, e, why in told if e])
     entries = [
         (t.entry_id, {"id": t.message_id.encode(), "attempt": b"%d" % t.attempt}, why)
         for t, why in failed
     ]
     await drop_entries(conn, instance_id, entries, "unusable_record", [t for t, _ in failed])
     return {t.entry_id for t, _ in failed}
+
+
+async def tell_dead(conn: Connection, ended: Sequence[tuple[Taken, Envelope, str]]) -> None:
+    """Tell each producer its message ended DEAD with the error given (a reply Redis refuses
+    is dead-lettered, as any reply)."""
+    owners: list[str] = []
+    commands: list[Command] = []
+    for taken, envelope, error in ended:
+        for command in producer_commands(
+            conn, envelope, Stage.DEAD, None, error, attempt=taken.attempt
+        ):
+            owners.append(taken.message_id)
+            commands.append(command)
+    if commands:
+        replies = await conn.call_many(commands)
+        await Delivery(conn).after_delivery(owners, commands, replies)
 
 
 async def drop_entries(

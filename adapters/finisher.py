@@ -47,7 +47,7 @@ from broker.timekeeping import now_ms
 from broker.usage import Charge, charged
 
 from .dropping import drop_unusable
-from .holdings import Finished, Holdings, Taken, release_of
+from .holdings import Finished, Holdings, Taken, envelopes, release_of
 from .one_trip import OneTrip, time_ended
 
 log = logging.getLogger("agent_reach.sidecar")
@@ -140,7 +140,7 @@ class Finisher:
             taken, stage, source, reason=reason, fields=fields, counts=counts, charge=bill
         )
         replies = self.replies(taken, envelope, stage, result, error) if stage in TERMINAL else []
-        self.queue(Finished(taken, replies, move, envelope.capability))
+        self.queue(Finished(taken, replies, move, envelope.capability, envelope))
 
     async def requeue(
         self,
@@ -407,7 +407,11 @@ class Finisher:
         settles = [item for item in batch if item.settle is not None]
         answers = await self.store.try_moves([item.settle for item in settles if item.settle])
         dropped = await drop_unusable(
-            self.conn, self.instance_id, [item.taken for item in settles], answers
+            self.conn,
+            self.instance_id,
+            [item.taken for item in settles],
+            answers,
+            envelopes(settles),
         )
         done = [(item, a) for item, a in zip(settles, answers, strict=True) if isinstance(a, Moved)]
         time_ended(done)

@@ -25,7 +25,7 @@ from broker.store import MessageStore, parked_events
 from broker.timekeeping import now_ms
 
 from . import dropping
-from .holdings import Finished, release_of
+from .holdings import Finished, envelopes, release_of
 
 log = logging.getLogger("agent_reach.sidecar")
 
@@ -63,7 +63,11 @@ class OneTrip:
         settles = [item for item in batch if item.settle is not None]
         # a record Redis could not move (the script holds its entry): dead-lettered, released
         dropped = await dropping.drop_unusable(
-            self.conn, self.instance_id, [item.taken for item in settles], replies[:-1]
+            self.conn,
+            self.instance_id,
+            [item.taken for item in settles],
+            replies[:-1],
+            envelopes(settles),
         )
         made = [
             (item, moved(reply))

@@ -98,14 +98,16 @@ async def test_an_outcome_whose_record_was_spoiled_meanwhile_is_dead_lettered(
 
         await eventually(settled, timeout_s=10)  # before anything else ends on this sidecar
         after = await client.submit(Envelope(capability="text.echo", reply_to=reply_to))
-        told = await collect_replies(conn, reply_to, len(sound) + 1, timeout_s=20)
+        told = await collect_replies(conn, reply_to, len(sound) + 2, timeout_s=20)
         await eventually(settled, timeout_s=10)
-    assert set(told) == {*sound, after}
-    assert all(told[m].stage is Stage.SUCCEEDED for m in told)
+    assert set(told) == {spoiled, *sound, after}
+    assert all(told[m].stage is Stage.SUCCEEDED for m in [*sound, after])
     assert await store.stages([*sound, after]) == [Stage.SUCCEEDED] * (len(sound) + 1)
     (letter,) = [x for x in await dead_letters(conn) if spoiled.encode() in x["raw"]]
     reason = letter["reason"].decode()
     assert reason.startswith("unusable_record: ") and "WRONGTYPE" in reason
+    # its producer is told it ended, and why, as the dead letter says: not left waiting
+    assert told[spoiled].stage is Stage.DEAD and told[spoiled].error == reason
     assert sorted(agent.calls) == sorted([*sent, after])
 
 
