@@ -1,8 +1,9 @@
 """Hosts whose clocks are off: each process aligns its clock to Redis's (broker/timekeeping.py).
 
 The skewed process is a real ``agent-reach`` process whose wall clock is really off: libfaketime
-is preloaded into it (``FAKETIME=-30s``), its monotonic clock left alone; this test process,
-Redis and the other processes keep the host's clock.
+is preloaded into it (``FAKETIME`` says by how much: ``-30s``, ``+60s``, ``-10m``), its
+monotonic clock left alone; this test process, Redis and the other processes keep the host's
+clock.
 """
 
 from __future__ import annotations
