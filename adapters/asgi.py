@@ -15,6 +15,7 @@ from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from broker.errors import CannotListen
+from broker.redis_url import url_host
 
 
 @asynccontextmanager
@@ -90,11 +91,6 @@ def listening_socket(host: str, port: int) -> socket.socket:
         why = exc.strerror or str(exc)
         raise CannotListen(f"cannot listen on {where}: {why}") from exc
     return sock
-
-
-def url_host(host: str) -> str:
-    """``host`` as a URL names it: an IPv6 address in brackets."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 # bytes a client may send ahead while its request is being answered (HTTP/1.1 pipelining)

@@ -13,7 +13,7 @@ producer of an outcome dropped so is told its message ended DEAD, and why.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from broker.connection import Connection
 from broker.deadletters import Letter
@@ -50,19 +50,20 @@ async def drop_unusable(
     instance_id: str,
     taken: Sequence[Taken],
     answers: Sequence[object],
-    envelopes: Mapping[str, Envelope] | None = None,
+    finished: Sequence[Finished] = (),
 ) -> set[str]:
     """Drop the entries :func:`unusable` finds among ``taken``; returns their entry ids.
 
-    The producer of one whose envelope is in ``envelopes`` (by entry id: an outcome the
-    finisher could not record) is told first that it ended DEAD, and why, as the dead letter
+    The producer of one among ``finished`` that holds its envelope (an outcome the finisher
+    could not record) is told first that it ended DEAD, and why, as the dead letter
     says: the call ran, but its outcome is on no record, and a producer left waiting would
     hear nothing until its own timeout. (At the take there is no envelope, nor a call: that
     message is the reaper's, from its deadline.)"""
     failed = unusable(taken, answers)
     if not failed:
         return set()
-    told = [(t, (envelopes or {}).get(t.entry_id), why) for t, why in failed]
+    envelopes = {i.taken.entry_id: i.envelope for i in finished if i.envelope is not None}
+    told = [(t, envelopes.get(t.entry_id), why) for t, why in failed]
     await tell_dead(conn, [(t, e, f"unusable_record: {why}") for t, e, why in told if e])
     entries = [
         (t.entry_id, {"id": t.message_id.encode(), "attempt": b"%d" % t.attempt}, why)

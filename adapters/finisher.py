@@ -47,7 +47,7 @@ from broker.timekeeping import now_ms
 from broker.usage import Charge, charged
 
 from .dropping import drop_unusable
-from .holdings import Finished, Holdings, Taken, envelopes, release_of
+from .holdings import Finished, Holdings, Taken, release_of
 from .one_trip import OneTrip, time_ended
 
 log = logging.getLogger("agent_reach.sidecar")
@@ -411,7 +411,7 @@ class Finisher:
             self.instance_id,
             [item.taken for item in settles],
             answers,
-            envelopes(settles),
+            settles,
         )
         done = [(item, a) for item, a in zip(settles, answers, strict=True) if isinstance(a, Moved)]
         time_ended(done)

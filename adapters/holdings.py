@@ -28,7 +28,6 @@ import math
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from broker.connection import Connection
@@ -54,11 +53,6 @@ class Finished:
     settle: Move | None = None
     capability: str = ""  # for the end-to-end time, once the outcome is on the record
     envelope: Envelope | None = None  # whose producer to tell, if the record cannot be moved
-
-
-def envelopes(items: Sequence[Finished]) -> dict[str, Envelope]:
-    """The envelopes of ``items``, by entry id (those that hold one)."""
-    return {i.taken.entry_id: i.envelope for i in items if i.envelope is not None}
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ from broker.store import MessageStore, parked_events
 from broker.timekeeping import now_ms
 
 from . import dropping
-from .holdings import Finished, envelopes, release_of
+from .holdings import Finished, release_of
 
 log = logging.getLogger("agent_reach.sidecar")
 
@@ -67,7 +67,7 @@ class OneTrip:
             self.instance_id,
             [item.taken for item in settles],
             replies[:-1],
-            envelopes(settles),
+            settles,
         )
         made = [
             (item, moved(reply))

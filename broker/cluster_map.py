@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from .errors import RedisReplyError
+from .redis_url import url_host
 from .slots import SLOTS, key_slot
 
 Command = tuple[Any, ...]
@@ -134,7 +135,7 @@ def node_url(seed_url: str, host: str, port: int) -> str:
     """The seed URL pointed at another node: credentials, TLS parameters and path kept."""
     parts = urlsplit(seed_url)
     auth = parts.netloc.rpartition("@")[0]
-    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    where = f"{url_host(host)}:{port}"
     return urlunsplit(parts._replace(netloc=f"{auth}@{where}" if auth else where))
 
 

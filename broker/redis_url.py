@@ -157,3 +157,8 @@ def _db(path: str) -> int:
     if len(name) > 9 or int(name) > MAX_DB:  # a server's databases are counted in an int
         raise _url_error(f"the database (the URL's path) must be at most {MAX_DB}")
     return int(name)
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL names it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -20,7 +20,7 @@ import pytest
 
 from broker.client import Client
 from broker.config import Settings
-from broker.connection import open_connection
+from broker.connection import Connection, open_connection
 from broker.health import observed_state
 from broker.records import InstanceState
 from broker.registry import Registry
@@ -41,6 +41,29 @@ def clock_off_by(env: dict[str, str], offset: str) -> dict[str, str]:
         if name in ("LD_PRELOAD", "LD_LIBRARY_PATH")
     }
     return {**env, **preload, **paths, "FAKETIME": offset}
+
+
+def echo_sidecar(
+    name: str, agent_url: str, env: dict[str, str], log: Path
+) -> subprocess.Popen[bytes]:
+    """A sidecar process, instance ``<name>-1``, serving ``text.echo`` from ``agent_url``."""
+    return start(
+        [
+            *("sidecar", "--agent-id", name, "--instance-id", f"{name}-1"),
+            *("--capability", "text.echo", "--http", agent_url),
+        ],
+        env,
+        log,
+    )
+
+
+async def state_of(conn: Connection, settings: Settings, instance_id: str) -> InstanceState | None:
+    """The state a router reads for ``instance_id`` now (``None``: no card)."""
+    views = [v for v in await Registry(conn).snapshot() if v.instance_id == instance_id]
+    if not views:
+        return None
+    down_after_ms = int(settings.down_after_s * 1000)
+    return observed_state(views[0], now_ms=now_ms(), down_after_ms=down_after_ms)
 
 
 @contextmanager
@@ -78,13 +101,8 @@ async def test_a_sidecar_whose_clock_runs_behind_is_up_and_gets_work(
     ):
         env = process_env(settings)
         up = start(["up"], env, tmp_path / "up.log")
-        side = start(
-            [
-                *("sidecar", "--agent-id", "skewed", "--instance-id", "skewed-1"),
-                *("--capability", "text.echo", "--http", agent.url),
-            ],
-            clock_off_by(env, "-30s"),
-            tmp_path / "sidecar.log",
+        side = echo_sidecar(
+            "skewed", agent.url, clock_off_by(env, "-30s"), tmp_path / "sidecar.log"
         )
         with processes(side, up):
             registry = Registry(conn)
@@ -98,10 +116,8 @@ async def test_a_sidecar_whose_clock_runs_behind_is_up_and_gets_work(
             assert result.stage is Stage.SUCCEEDED
 
             (view,) = [v for v in await registry.snapshot() if v.instance_id == "skewed-1"]
-            now = now_ms()
-            down_after_ms = int(settings.down_after_s * 1000)
-            assert observed_state(view, now_ms=now, down_after_ms=down_after_ms) is InstanceState.UP
-            assert abs(now - view.heartbeat_ms) < 5_000
+            assert await state_of(conn, settings, "skewed-1") is InstanceState.UP
+            assert abs(now_ms() - view.heartbeat_ms) < 5_000
             trace = await Client(conn).trace(result.id)
             assert trace.timeline[-1].stage is Stage.SUCCEEDED
             # the sidecar's stages on the dispatcher's clock, not 30 s before its acceptance
@@ -124,14 +140,7 @@ async def test_a_dispatcher_whose_clock_runs_behind_sets_deadlines_on_redis_cloc
     ):
         env = process_env(settings, AGENT_REACH_DIRECT_LANE="false")
         up = start(["up"], clock_off_by(env, "-10m"), tmp_path / "up.log")
-        side = start(
-            [
-                *("sidecar", "--agent-id", "plain", "--instance-id", "plain-1"),
-                *("--capability", "text.echo", "--http", agent.url),
-            ],
-            env,
-            tmp_path / "sidecar.log",
-        )
+        side = echo_sidecar("plain", agent.url, env, tmp_path / "sidecar.log")
         with processes(side, up):
             async with Client(conn) as client:
                 sent_ms = now_ms()
@@ -154,34 +163,23 @@ async def test_a_sidecar_whose_clock_runs_ahead_reads_down_once_it_dies(
         open_connection(settings, settings.redis_url) as conn,
         http_agent("ahead") as agent,
     ):
-        side = start(
-            [
-                *("sidecar", "--agent-id", "ahead", "--instance-id", "ahead-1"),
-                *("--capability", "text.echo", "--http", agent.url),
-            ],
+        side = echo_sidecar(
+            "ahead",
+            agent.url,
             clock_off_by(process_env(settings), "+60s"),
             tmp_path / "sidecar.log",
         )
-        registry = Registry(conn)
-        down_after_ms = int(settings.down_after_s * 1000)
-
-        async def state() -> InstanceState | None:
-            views = [v for v in await registry.snapshot() if v.instance_id == "ahead-1"]
-            if not views:
-                return None
-            return observed_state(views[0], now_ms=now_ms(), down_after_ms=down_after_ms)
-
         with processes(side):
 
             async def up() -> bool:
-                return await state() is InstanceState.UP
+                return await state_of(conn, settings, "ahead-1") is InstanceState.UP
 
             await eventually(up, timeout_s=30)
             side.kill()
             side.wait()
 
             async def down() -> bool:
-                return await state() is InstanceState.DOWN
+                return await state_of(conn, settings, "ahead-1") is InstanceState.DOWN
 
             await eventually(down, timeout_s=settings.down_after_s + 10)
     assert "ahead of Redis's" in (tmp_path / "sidecar.log").read_text()
