@@ -380,7 +380,6 @@ class Runner:
         signal = signal or _SIGNALS[type(outcome)]
         action = decide(signal, self.facts(taken, envelope, status_asked=asked))
         reason = getattr(outcome, "reason", "")
-        retry = (*counts, metric_fields.retry(envelope.capability, signal.name.lower()))
         match action:
             case Action.ASK_STATUS:
                 return await self._ask_status(taken, envelope, reason, counts, bill)
@@ -401,13 +400,15 @@ class Runner:
                 self.finisher.settle(
                     taken, envelope, Stage.FAILED, reason, error=reason, counts=counts, bill=bill
                 )
-            case Action.REQUEUE:  # it did not take the work: no failure, no back-off
+            case Action.REQUEUE | Action.RETRY:  # a requeue did not take the work: no back-off
+                retry = (*counts, metric_fields.retry(envelope.capability, signal.name.lower()))
                 await self.finisher.requeue(
-                    taken, envelope, reason, back_off=False, counts=retry, bill=bill
-                )
-            case Action.RETRY:
-                await self.finisher.requeue(
-                    taken, envelope, reason, back_off=True, counts=retry, bill=bill
+                    taken,
+                    envelope,
+                    reason,
+                    back_off=action is Action.RETRY,
+                    counts=retry,
+                    bill=bill,
                 )
             case Action.PARK:
                 self.finisher.settle(

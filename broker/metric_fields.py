@@ -8,6 +8,7 @@ labels; :func:`read_counters` turns the hash back into samples. A field that doe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -86,6 +87,7 @@ def retry(capability: str, reason: str) -> str:
     return field("retries", capability, reason)
 
 
+@functools.lru_cache(maxsize=1024)  # one a call: a sidecar's few agents, capabilities, outcomes
 def agent_call(agent: str, capability: str, outcome: str) -> str:
     return field("agent_calls", agent, capability, outcome)
 

@@ -32,8 +32,8 @@ import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -44,6 +44,23 @@ log = logging.getLogger("agent_reach.tracing")
 SYSTEM = "agent_reach"
 _INSTRUMENTATION = "agent_reach"
 _state: dict[str, Any] = {}  # "trace", "propagate", "tracer" once on; empty: off
+T = TypeVar("T")
+
+
+class _Given(Generic[T]):
+    """A span's stand-in while tracing is off: enters as ``value``, does nothing else. A
+    generator's context manager cost a busy sidecar about 3 % of its CPU for nothing."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: T) -> None:
+        self.value = value
+
+    def __enter__(self) -> T:
+        return self.value
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def configured(environ: dict[str, str] | None = None) -> bool:
@@ -145,12 +162,15 @@ def _base(operation: str, destination: str, message_id: str | None) -> dict[str,
     return attributes
 
 
-@contextmanager
-def sending(envelope: Envelope, ingress: str) -> Iterator[Envelope]:
-    """The ``send`` span of one envelope; yields the envelope carrying its context."""
+def sending(envelope: Envelope, ingress: str) -> AbstractContextManager[Envelope]:
+    """The ``send`` span of one envelope; enters as the envelope carrying its context."""
     if not _state:
-        yield envelope
-        return
+        return _Given(envelope)
+    return _sending(envelope, ingress)
+
+
+@contextmanager
+def _sending(envelope: Envelope, ingress: str) -> Iterator[Envelope]:
     trace = _state["trace"]
     with _state["tracer"].start_as_current_span(
         f"send {ingress}",
@@ -204,13 +224,15 @@ class Processing:
     def __init__(self, span: Any) -> None:
         self.span = span
 
-    @contextmanager
-    def calling(self, envelope: Envelope, agent: str) -> Iterator[Envelope]:
-        """The agent call (CLIENT); yields the envelope carrying the call's context, which the
-        agent receives as ``traceparent``."""
+    def calling(self, envelope: Envelope, agent: str) -> AbstractContextManager[Envelope]:
+        """The agent call (CLIENT); enters as the envelope carrying the call's context, which
+        the agent receives as ``traceparent``."""
         if self.span is None:
-            yield envelope
-            return
+            return _Given(envelope)
+        return self._calling(envelope, agent)
+
+    @contextmanager
+    def _calling(self, envelope: Envelope, agent: str) -> Iterator[Envelope]:
         trace = _state["trace"]
         context = trace.set_span_in_context(self.span)
         with _state["tracer"].start_as_current_span(
@@ -231,11 +253,20 @@ class Processing:
             self.span.set_status(trace.Status(trace.StatusCode.ERROR, error or stage))
 
 
-@contextmanager
-def processing(envelope: Envelope, instance: str, attempt: int) -> Iterator[Processing]:
+_UNTRACED = Processing(None)
+
+
+def processing(
+    envelope: Envelope, instance: str, attempt: int
+) -> AbstractContextManager[Processing]:
+    """A sidecar's span of one attempt (:class:`Processing`)."""
     if not _state:
-        yield Processing(None)
-        return
+        return _Given(_UNTRACED)
+    return _processing(envelope, instance, attempt)
+
+
+@contextmanager
+def _processing(envelope: Envelope, instance: str, attempt: int) -> Iterator[Processing]:
     trace = _state["trace"]
     attributes = {
         **_base("process", envelope.capability, envelope.id),

@@ -27,6 +27,7 @@ from broker.config import Settings
 from broker.connection import Connection, ensure_group, open_connection
 from broker.envelope import Envelope
 from broker.keyspace import SIDECAR_GROUP, due_for, due_sets
+from broker.metric_fields import read_counters
 from broker.records import InstanceCard
 from broker.registry import Registry
 from broker.stages import Stage
@@ -463,6 +464,8 @@ async def test_an_unreachable_agent_is_retried_elsewhere_after_a_back_off(fast: 
     second = [e for e in timeline if e.stage is Stage.ROUTED][-1]
     assert second.instance == "b-1"  # the retry avoided the instance that failed it
     assert second.ts_ms - waited.ts_ms >= 300 * 0.8  # and waited out its back-off
+    retries = read_counters(await conn.read_counters())["retries"]
+    assert retries == {("text.echo", "not_reached"): 1}  # the sidecar counts the retry it sent
 
 
 # -- several reapers -----------------------------------------------------------------------
