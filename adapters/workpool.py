@@ -4,10 +4,16 @@ Spawning a task per message cost more than handling a fast message itself. Here 
 spawned only when a job would otherwise wait for one (queued jobs outnumber idle workers and
 the pool is below its limit); otherwise an idle worker takes it. A fast agent is served by a
 handful of workers; a slow one grows the pool up to its credits.
+
+An idle worker sleeps on a future of the event loop's own, not an ``anyio.Event``: the event
+(an asyncio event and a future under it, each made through anyio's backend lookup) was about
+4 % of a saturated sidecar's CPU (py-spy, ``bench.cpu_cost --burst``), for one hand-off a job.
+The sidecar runs on asyncio only (``workers/cli/common.py``), as the pipeliner does.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable
 
@@ -25,7 +31,7 @@ class WorkPool:
         self._workers = 0
         # one event per idle worker: a job wakes one, not every idle worker (a pool grown to
         # thousands by slow calls would otherwise stir them all for every fast job)
-        self._sleepers: deque[anyio.Event] = deque()
+        self._sleepers: deque[asyncio.Future[None]] = deque()
         self._woken = 0  # woken and not yet back at the queue: idle all the same
         self._unfinished = 0
         self._closed = False
@@ -48,8 +54,12 @@ class WorkPool:
             self._wake_one()
 
     def _wake_one(self) -> None:
-        self._woken += 1
-        self._sleepers.popleft().set()
+        while self._sleepers:
+            wake = self._sleepers.popleft()
+            if not wake.done():  # one cancelled while idle is on its way out: not a worker
+                wake.set_result(None)
+                self._woken += 1
+                return
 
     def close(self) -> None:
         """No more jobs: workers leave once the queue is empty."""
@@ -69,14 +79,14 @@ class WorkPool:
                 while not self._queue:
                     if self._closed:
                         return
-                    wake = anyio.Event()
+                    wake = asyncio.get_running_loop().create_future()
                     self._sleepers.append(wake)
                     try:
-                        await wake.wait()
+                        await wake
                     finally:
-                        if wake.is_set():
+                        if not wake.cancelled():
                             self._woken -= 1
-                        else:  # cancelled while idle
+                        elif wake in self._sleepers:  # cancelled while idle, not passed over
                             self._sleepers.remove(wake)
                 job = self._queue.popleft()
                 try:

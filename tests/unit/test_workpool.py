@@ -82,3 +82,22 @@ async def test_a_closed_pool_refuses_work() -> None:
         pool.close()
         with pytest.raises(RuntimeError, match="closed"):
             pool.submit(anyio.lowlevel.checkpoint)
+
+
+async def test_a_job_submitted_as_the_idle_workers_are_cancelled_raises_nothing() -> None:
+    """A cancellation reaches an idle worker's wait at once, and the worker leaves a turn
+    later: a job handed over in between passes it by, and the worker leaves cleanly."""
+    ran = []
+
+    async def job() -> None:
+        ran.append(1)
+
+    with anyio.CancelScope() as outer:
+        async with anyio.create_task_group() as tg:
+            pool = WorkPool(tg, limit=2)
+            pool.submit(job)
+            await pool.join()  # its worker is idle now
+            tg.cancel_scope.cancel()
+            pool.submit(job)  # the idle worker's wait is cancelled: not woken, no error
+            outer.cancel()
+    assert ran == [1] and pool.unfinished == 1
