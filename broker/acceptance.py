@@ -53,9 +53,10 @@ def acceptance_of(
     *,
     instance: str = "",
     envelope_json: bytes | None = None,
+    assign_due_ms: int = 0,
 ) -> Acceptance:
     """The acceptance of an envelope as the ingress gave it (``envelope_json``: its bytes
-    already encoded)."""
+    already encoded; ``assign_due_ms``: see :attr:`Acceptance.assign_due_ms`)."""
     return Acceptance(
         message_id=envelope.message_id,
         envelope_json=encode_envelope(envelope) if envelope_json is None else envelope_json,
@@ -68,6 +69,7 @@ def acceptance_of(
         instance=instance,
         reason=reason,
         fields=fields,
+        assign_due_ms=assign_due_ms,
         reply_to_in_envelope=True,
     )
 

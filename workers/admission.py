@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -160,15 +160,7 @@ class Admission:
         one server, with no configured rate limit to check first, a record ROUTED is assigned
         in the same script, its deadline entry written with it (``lua/accept_assign.lua``)."""
         reaper_look = now + int(self.settings.delivery_timeout_s * 1000)
-        fuse = not self.conn.cluster and not self.assigner.gate.active
-        results = await self.store.accept_many(
-            [
-                replace(p.acceptance, assign_due_ms=min(p.acceptance.deadline_ms, reaper_look))
-                if fuse and p.acceptance.next_stage is Stage.ROUTED
-                else p.acceptance
-                for p in plans
-            ]
-        )
+        results = await self.store.accept_many([p.acceptance for p in plans])
         existing: list[tuple[str, Envelope]] = []
         for plan, result in zip(plans, results, strict=True):
             a = plan.acceptance
@@ -254,8 +246,19 @@ class Admission:
             reason,
             fields,
             instance=instance or "",
+            assign_due_ms=self._assigned_at_once(now, deadline_ms) if instance else 0,
         )
         return Plan(acceptance, envelope)
+
+    def _assigned_at_once(self, now: int, deadline_ms: int) -> int:
+        """Where a record ROUTED is assigned in the script that creates it (one server, no
+        configured rate limit to check first: :meth:`_admit`), when its deadline entry is due:
+        the reaper's first look (a late delivery) or the end, whichever comes first. 0: it is
+        assigned after. (Given at planning: a copy of each acceptance made with it cost a
+        busy dispatcher 5 % of its CPU.)"""
+        if self.conn.cluster or self.assigner.gate.active:
+            return 0
+        return min(deadline_ms, now + int(self.settings.delivery_timeout_s * 1000))
 
     def _plan_broadcast(self, envelope: Envelope, now: int, deadline_ms: int) -> Plan:
         """FANNED_OUT to one child per healthy instance, the fan-out kept on the record; with

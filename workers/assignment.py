@@ -8,6 +8,7 @@ and gives the attempt number back: no stream entry exists for it.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -69,7 +70,18 @@ def route_request(
 def decision_fields(decision: Decision) -> dict[str, Any]:
     """What the record keeps of a decision: ``route_from`` (the funnel, step by step) and
     ``route_reason`` (why the winner won, or why nothing could)."""
-    return {"route_from": route_from_json(decision.route_from()), "route_reason": decision.reason}
+    if any(step.excluded or step.more for step in decision.steps):
+        route_from = route_from_json(decision.route_from())
+    else:
+        route_from = _plain_route_from(tuple((step.name, step.kept) for step in decision.steps))
+    return {"route_from": route_from, "route_reason": decision.reason}
+
+
+@functools.lru_cache(maxsize=1024)
+def _plain_route_from(steps: tuple[tuple[str, int], ...]) -> bytes:
+    """``route_from`` of a funnel that excluded no one, by its steps' names and counts: most
+    decisions of a busy dispatcher have one of a few (encoding each was 5 % of its CPU)."""
+    return route_from_json([{"step": name, "kept": kept} for name, kept in steps])
 
 
 def routed_instance(decision: Decision) -> str | None:
