@@ -29,7 +29,7 @@ class WorkPool:
         self._limit = limit
         self._queue: deque[Job] = deque()
         self._workers = 0
-        # one event per idle worker: a job wakes one, not every idle worker (a pool grown to
+        # one future per idle worker: a job wakes one, not every idle worker (a pool grown to
         # thousands by slow calls would otherwise stir them all for every fast job)
         self._sleepers: deque[asyncio.Future[None]] = deque()
         self._woken = 0  # woken and not yet back at the queue: idle all the same

@@ -9,6 +9,7 @@ from starlette.responses import JSONResponse, Response
 from broker.client import Client
 from broker.connection import Connection
 from broker.envelope import Envelope
+from broker.metric_fields import read_counters
 from broker.stages import Stage
 from broker.store import MessageStore
 from tests.support.agents import http_agent
@@ -65,6 +66,8 @@ async def test_429_with_retry_after_is_not_a_failure_and_the_message_completes_l
     assert float(card[0]) == 0.0  # the agent's error rate was not charged
     assert int(card[1]) > 0
     assert int(card[2]) < 4  # "too busy" cut the credit limit (halved, not yet regrown)
+    retries = read_counters(await conn.read_counters())["retries"]
+    assert retries == {("text.echo", "backpressure"): 1}  # the requeue counted as a retry
 
 
 async def test_bare_503_is_ambiguous_so_a_non_idempotent_message_is_parked(

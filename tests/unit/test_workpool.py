@@ -84,6 +84,12 @@ async def test_a_closed_pool_refuses_work() -> None:
             pool.submit(anyio.lowlevel.checkpoint)
 
 
+def left_behind(pool: WorkPool) -> tuple[int, int, int]:
+    """What a pool still counts once its workers are gone: idle workers waiting, workers woken
+    and not back, workers — all 0 after a clean exit."""
+    return len(pool._sleepers), pool._woken, pool._workers
+
+
 async def test_a_job_submitted_as_the_idle_workers_are_cancelled_raises_nothing() -> None:
     """A cancellation reaches an idle worker's wait at once, and the worker leaves a turn
     later: a job handed over in between passes it by, and the worker leaves cleanly."""
@@ -92,12 +98,33 @@ async def test_a_job_submitted_as_the_idle_workers_are_cancelled_raises_nothing(
     async def job() -> None:
         ran.append(1)
 
-    with anyio.CancelScope() as outer:
-        async with anyio.create_task_group() as tg:
-            pool = WorkPool(tg, limit=2)
-            pool.submit(job)
-            await pool.join()  # its worker is idle now
-            tg.cancel_scope.cancel()
-            pool.submit(job)  # the idle worker's wait is cancelled: not woken, no error
-            outer.cancel()
+    async with anyio.create_task_group() as tg:
+        pool = WorkPool(tg, limit=2)
+        pool.submit(job)
+        await pool.join()  # its worker is idle now
+        tg.cancel_scope.cancel()
+        pool.submit(job)  # the idle worker's wait is cancelled: not woken, no error
     assert ran == [1] and pool.unfinished == 1
+    assert left_behind(pool) == (0, 0, 0)
+
+
+async def test_idle_workers_cancelled_leave_nothing_behind() -> None:
+    async with anyio.create_task_group() as tg:
+        pool = WorkPool(tg, limit=4)
+        for _ in range(3):
+            pool.submit(anyio.lowlevel.checkpoint)
+        await pool.join()
+        assert left_behind(pool)[0] > 0  # idle workers waiting
+        tg.cancel_scope.cancel()
+    assert left_behind(pool) == (0, 0, 0)
+
+
+async def test_a_worker_woken_then_cancelled_is_counted_out() -> None:
+    """Set, then cancelled before it ran: the worker was woken, and is no longer."""
+    async with anyio.create_task_group() as tg:
+        pool = WorkPool(tg, limit=1)
+        pool.submit(anyio.lowlevel.checkpoint)
+        await pool.join()
+        pool.submit(anyio.lowlevel.checkpoint)  # wakes the idle worker ...
+        tg.cancel_scope.cancel()  # ... which is cancelled before it takes the job
+    assert left_behind(pool)[1:] == (0, 0)
