@@ -159,7 +159,6 @@ class Admission:
         """Create the planned records (one round trip) and sort out what each needs next. On
         one server, with no configured rate limit to check first, a record ROUTED is assigned
         in the same script, its deadline entry written with it (``lua/accept_assign.lua``)."""
-        reaper_look = now + int(self.settings.delivery_timeout_s * 1000)
         results = await self.store.accept_many([p.acceptance for p in plans])
         existing: list[tuple[str, Envelope]] = []
         for plan, result in zip(plans, results, strict=True):
@@ -176,7 +175,7 @@ class Admission:
                 continue
             if result.assigned is None:  # the reaper's first look: a late delivery, or the end
                 admitted.due.append(
-                    due_command(self.store.keys, a.message_id, min(a.deadline_ms, reaper_look))
+                    due_command(self.store.keys, a.message_id, self._first_look(now, a.deadline_ms))
                 )
             if a.next_stage is Stage.FANNED_OUT:
                 admitted.fan_outs.append((plan.envelope, plan.children, a.deadline_ms))
@@ -252,12 +251,16 @@ class Admission:
 
     def _assigned_at_once(self, now: int, deadline_ms: int) -> int:
         """Where a record ROUTED is assigned in the script that creates it (one server, no
-        configured rate limit to check first: :meth:`_admit`), when its deadline entry is due:
-        the reaper's first look (a late delivery) or the end, whichever comes first. 0: it is
-        assigned after. (Given at planning: a copy of each acceptance made with it cost a
-        busy dispatcher 5 % of its CPU.)"""
+        configured rate limit to check first: :meth:`_admit`), when its deadline entry is due
+        (:meth:`_first_look`). 0: it is assigned after. (Given at planning: a copy of each
+        acceptance made with it cost a busy dispatcher 5 % of its CPU.)"""
         if self.conn.cluster or self.assigner.gate.active:
             return 0
+        return self._first_look(now, deadline_ms)
+
+    def _first_look(self, now: int, deadline_ms: int) -> int:
+        """When the reaper first looks at a message accepted ``now``: a late delivery
+        (``delivery_timeout_s``) or its end, whichever comes first."""
         return min(deadline_ms, now + int(self.settings.delivery_timeout_s * 1000))
 
     def _plan_broadcast(self, envelope: Envelope, now: int, deadline_ms: int) -> Plan:
