@@ -23,7 +23,11 @@ own flush at the start of a stage would otherwise charge it for deleting what th
 before left). This checkout is installed into the ``agentreach`` venv first, as ``setup.sh``
 does, so the figures are this code's.
 
-Usage: ``python -m bench.harness_cpu [--systems agentreach taskiq] [--small 5000]
+System ``designprobe`` is the design's least work a task (:mod:`bench.design_probe`), run
+by the same harness from the ``agentreach`` venv: the yardstick of what Agent-Reach's own
+layers cost above it.
+
+Usage: ``python -m bench.harness_cpu [--systems agentreach taskiq designprobe] [--small 5000]
 [--large 20000] [--reps 2] [--harness ../shared/bench/anchors]
 [--venv-prefix /tmp/anchors-venv]``: run ``run.sh`` once first (it makes the venvs). Uses
 127.0.0.1:6390, or ``ANCHOR_REDIS_PORT``, as the harness does. Figures only, no threshold: CI
@@ -52,6 +56,8 @@ from .servers import discard, throwaway_server
 PORT = int(os.environ.get("ANCHOR_REDIS_PORT", "6390"))  # the harness's
 REPO = Path(__file__).resolve().parent.parent
 STAGE_TIMEOUT_S = 600
+# the design's least work a message (bench/design_probe.py), run as a system of the harness
+PROBE = "designprobe"
 POLL_S = 0.05
 
 
@@ -62,6 +68,8 @@ def label(pid: int) -> str:
     except psutil.Error:
         return "?"
     if argv and Path(argv[0]).name.startswith("python"):
+        argv = argv[1:]
+    if argv[:1] == ["-m"]:  # a module run as a program: bench.design_probe's processes
         argv = argv[1:]
     if not argv:
         return "?"
@@ -115,12 +123,20 @@ def one_stage(
     args: argparse.Namespace, system: str, tasks: int, redis_pid: int
 ) -> tuple[float, dict[str, float]]:
     """One throughput stage of ``tasks``: its tasks a second and CPU seconds by process."""
-    python = f"{args.venv_prefix}-{system}/bin/python"
+    venv, env = system, dict(os.environ)
+    if system == PROBE:  # this checkout's, not the harness's: from Agent-Reach's venv
+        venv, env["PYTHONPATH"] = "agentreach", str(REPO / "bench" / "anchor_apps")
+    python = f"{args.venv_prefix}-{venv}/bin/python"
     argv = [python, "bench.py", system, "throughput", "--reps", "1", "--n", str(tasks)]
     argv += ["--out", os.devnull, "--tag", "harness_cpu"]
     redis.Redis(port=PORT).flushall()
     stage = subprocess.Popen(
-        argv, cwd=args.harness, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        argv,
+        cwd=args.harness,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     sampler = Sampler(stage.pid, {redis_pid: "redis-server"})
     try:
@@ -151,7 +167,8 @@ def main() -> None:
     if args.large <= args.small:
         parser.error("--large must be more than --small")
     args.harness = args.harness.resolve()
-    if "agentreach" in args.systems:  # as setup.sh does: the figures are this checkout's
+    # as setup.sh does: the figures are this checkout's
+    if {"agentreach", PROBE} & set(args.systems):
         pip = f"{args.venv_prefix}-agentreach/bin/pip"
         install = [pip, "install", "-q", "--force-reinstall", "--no-deps", str(REPO)]
         subprocess.run(install, check=True)
