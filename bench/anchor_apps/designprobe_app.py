@@ -2,11 +2,14 @@
 
 Run from the ``agentreach`` venv with this folder on ``PYTHONPATH`` (``bench.harness_cpu``
 does both for ``--systems ... designprobe``): the same producer loop, Redis and task body as
-every system. Worker = the probe's dispatcher and sidecar processes.
+every system. Worker = the probe's dispatcher and sidecar processes. By hand, from the
+harness's folder: ``PYTHONPATH=<this folder> /tmp/anchors-venv-agentreach/bin/python bench.py
+designprobe throughput`` (or ``latency``).
 """
 
 import contextlib
 import os
+import shlex
 import sys
 
 from common import HERE, REDIS_URL
@@ -24,12 +27,14 @@ _producer = None
 
 
 def worker_cmd(variant):
+    python, repo = shlex.quote(sys.executable), shlex.quote(REPO)
     roles = " & ".join(
-        f"{sys.executable} -m bench.design_probe {role} {REDIS_URL}"
+        f"{python} -m bench.design_probe {role} {shlex.quote(REDIS_URL)}"
         for role in ("dispatcher", "sidecar")
     )
+    path = shlex.quote(f"{REPO}:{HERE}")
     # from the repository's folder: the harness's own bench.py would be ``bench`` elsewhere
-    return ["bash", "-c", f"cd {REPO}; export PYTHONPATH={REPO}:{HERE}; {roles} & wait"]
+    return ["bash", "-c", f"cd {repo}; export PYTHONPATH={path}; {roles} & wait"]
 
 
 async def producer_setup():
