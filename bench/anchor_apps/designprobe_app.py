@@ -33,8 +33,10 @@ def worker_cmd(variant):
         for role in ("dispatcher", "sidecar")
     )
     path = shlex.quote(f"{REPO}:{HERE}")
-    # from the repository's folder: the harness's own bench.py would be ``bench`` elsewhere
-    return ["bash", "-c", f"cd {repo}; export PYTHONPATH={path}; {roles} & wait"]
+    # from the repository's folder: the harness's own bench.py would be ``bench`` elsewhere;
+    # one process gone takes the other with it (the harness then sees the worker exit)
+    script = f"cd {repo} && export PYTHONPATH={path} && {{ {roles} & wait -n; kill 0; }}"
+    return ["bash", "-c", script]
 
 
 async def producer_setup():
