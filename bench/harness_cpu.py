@@ -23,7 +23,7 @@ own flush at the start of a stage would otherwise charge it for deleting what th
 before left). This checkout is installed into the ``agentreach`` venv first, as ``setup.sh``
 does, so the figures are this code's.
 
-System ``designprobe`` is the design's least work a task (:mod:`bench.design_probe`), run
+System ``designprobe`` is the design's core work a task (:mod:`bench.design_probe`), run
 by the same harness from the ``agentreach`` venv: the yardstick of what Agent-Reach's own
 layers cost above it.
 
@@ -56,7 +56,7 @@ from .servers import discard, throwaway_server
 PORT = int(os.environ.get("ANCHOR_REDIS_PORT", "6390"))  # the harness's
 REPO = Path(__file__).resolve().parent.parent
 STAGE_TIMEOUT_S = 600
-# the design's least work a message (bench/design_probe.py), run as a system of the harness
+# the design's core work a message (bench/design_probe.py), run as a system of the harness
 PROBE = "designprobe"
 POLL_S = 0.05
 

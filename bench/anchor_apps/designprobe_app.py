@@ -1,4 +1,4 @@
-"""The design's own limit (``bench/design_probe.py``) as a system of the anchors harness.
+"""The design's core work (``bench/design_probe.py``) as a system of the anchors harness.
 
 Run from the ``agentreach`` venv with this folder on ``PYTHONPATH`` (``bench.harness_cpu``
 does both for ``--systems ... designprobe``): the same producer loop, Redis and task body as
