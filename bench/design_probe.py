@@ -162,6 +162,17 @@ def entries_of(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
     return [(e[0], dict(zip(e[1][::2], e[1][1::2], strict=True))) for e in entries]
 
 
+async def read_new(
+    conn: RespConnection, stream: str, consumer: str, count: int
+) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The next entries the probe's group gives ``consumer`` on ``stream``, once there are."""
+    read = ("XREADGROUP", "GROUP", GROUP, consumer, "COUNT", count, "BLOCK", 1000)
+    while True:
+        (reply,) = checked(await conn.execute([(*read, "STREAMS", stream, ">")]))
+        if entries := entries_of(reply):
+            return entries
+
+
 async def opened(stack: AsyncExitStack, url: str, count: int) -> list[RespConnection]:
     """``count`` connections, closed when ``stack`` closes."""
     conns = []
@@ -198,12 +209,8 @@ async def dispatch(
             checked(await claims.execute([command]))
 
     async def read_ingress() -> None:
-        read = ("XREADGROUP", "GROUP", GROUP, "d", "COUNT", INGRESS_BATCH, "BLOCK", 1000)
         while True:
-            (reply,) = checked(await reads.execute([(*read, "STREAMS", INGRESS, ">")]))
-            entries = entries_of(reply)
-            if not entries:
-                continue
+            entries = await read_new(reads, INGRESS, "d", INGRESS_BATCH)
             now = now_ms()
             commands: list[tuple[Any, ...]] = []
             for _, fields in entries:
@@ -286,12 +293,8 @@ async def serve(
             checked(await finishes.execute(commands))
 
     async def read_queue() -> None:
-        read = ("XREADGROUP", "GROUP", GROUP, "s", "COUNT", QUEUE_BATCH, "BLOCK", 1000)
         while True:
-            (reply,) = checked(await reads.execute([(*read, "STREAMS", QUEUE, ">")]))
-            entries = entries_of(reply)
-            if not entries:
-                continue
+            entries = await read_new(reads, QUEUE, "s", QUEUE_BATCH)
             now = now_ms()
             commands: list[tuple[Any, ...]] = [
                 (
